@@ -1,0 +1,32 @@
+# Quick start: `make quickstart` (set up + main job on the shipped reference pair), `make test` (set up + tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup quickstart test test-fast interop clean
+
+$(BIN)/dflash-quant: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch 2.13 is the one served fastest on these machines; a CUDA build also works.
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.13,<2.15"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(BIN)/dflash-quant
+
+quickstart: setup
+	$(BIN)/dflash-quant gptq --bits 4 --output out/reference-int4 --overwrite
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not interop"
+
+# GPTQModel cross-check in its own environment (heavy; needs torch>=2.14.1).
+interop:
+	bash scripts/interop_env.sh
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,54 @@
+"""The `dflash-quant` command: a thin Typer layer over the pipeline functions."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from dflash_quant import __version__
+
+app = typer.Typer(
+    name="dflash-quant",
+    help="Quantize DFlash speculative-decoding drafters and prove acceptance parity.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module exposes register(app); listed in pipeline order.
+COMMAND_MODULES = [
+    "dflash_quant.cli.inspect_cmd",
+    "dflash_quant.cli.verify_cmd",
+    "dflash_quant.cli.gptq_cmd",
+    "dflash_quant.cli.memory_cmd",
+    "dflash_quant.cli.card_cmd",
+    "dflash_quant.cli.push_cmd",
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dflash-quant {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Quantize DFlash drafters for 24 GB GPUs without losing their speed-up."""
+
+
+for _name in COMMAND_MODULES:
+    try:
+        _module = importlib.import_module(_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != _name:  # a real import error inside an existing module
+            raise
+        continue
+    _module.register(app)
+
+
+def main() -> None:
+    app()
