@@ -1,0 +1,227 @@
+"""The speculative decode loop (batch 1) with DFlash block drafting, and the target-only baseline.
+
+Semantics follow the reference loop (field-notes section 2): the step's `acceptance_length` counts the
+accepted drafts plus the target's bonus token (clipped at max_new_tokens and stop tokens), tau is its mean.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from dflash_quant.model import DFlashDrafter, DraftCache
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # new tokens only
+    acceptance_lengths: list[int]  # per step: committed tokens (accepted drafts + bonus), clipped
+    accepted: list[int]  # per step: accepted drafts before clipping
+    drafted: list[int]  # per step: number of drafted positions (block - 1, fewer near the end)
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    seconds: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.softmax(logits.float() / temperature, dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def _cache_kw(model: torch.nn.Module) -> str:
+    # transformers renamed `past_key_values` to `cache` (5.2x); accept both.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _make_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected rows
+    return cache
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    # hidden_states[0] is the embedding output, so decoder layer l's output is at l + 1.
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def rejection_step(
+    drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """Speculative sampling for one block: (accepted drafts, next token). Exact in distribution.
+
+    drafts [g]; target_probs [g+1, V] (row i scores the token after draft i-1); draft_probs [g, V].
+    """
+    g = drafts.shape[0]
+    p = target_probs[:g].gather(-1, drafts[:, None])[:, 0]
+    q = draft_probs.gather(-1, drafts[:, None])[:, 0]
+    u = torch.rand(g, generator=generator, device=p.device)  # generator must live on p's device
+    ok = (u * q < p).int().cumprod(0)
+    accepted = int(ok.sum())
+    if accepted == g:
+        return accepted, int(_sample(target_probs[g], generator))
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[accepted]
+    return accepted, int(_sample(residual, generator))
+
+
+@torch.inference_mode()
+def speculative_generate(
+    drafter: DFlashDrafter,
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: list[int] | None = None,
+    block_size: int | None = None,
+    generator: torch.Generator | None = None,
+    on_step=None,
+) -> SpecResult:
+    """Generate up to max_new_tokens with the drafter proposing blocks and the target verifying them.
+
+    on_step(dict) is called after each verify with the step's tensors (calibration uses it).
+    """
+    device = input_ids.device
+    block = drafter.block_size if block_size is None else block_size
+    if not 2 <= block <= drafter.block_size:
+        raise ValueError(f"block size {block} must be in [2, {drafter.block_size}] for this drafter")
+    n = input_ids.shape[1]
+    max_len = n + max_new_tokens
+    stops = set(stop_token_ids or [])
+    embed = target.get_input_embeddings()
+    head = target.get_output_embeddings()
+    scale = float(getattr(drafter.config, "input_embedding_scale", 1.0) or 1.0)
+
+    ids = torch.full((max_len + 1,), drafter.mask_token_id, dtype=torch.long, device=device)
+    ids[:n] = input_ids[0]
+    t_cache = _make_cache(target.config)
+    kw = _cache_kw(target)
+    d_cache = DraftCache()
+    result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])
+
+    t0 = _sync(device)
+    out = target(input_ids, **{kw: t_cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    result.target_forwards += 1
+    last_logits = out.logits[0, -1]
+    ids[n] = _sample(_probs(last_logits, temperature), generator) if temperature > 0 else last_logits.argmax()
+    ctx = _taps(out.hidden_states, drafter.target_layer_ids)
+    start = n
+    stopped = int(ids[n]) in stops
+
+    while start + 1 < max_len and not stopped:
+        size = min(block, max_len - start)
+        blk = ids[start : start + size].clone()
+        draft_probs = None
+        if size > 1:
+            positions = torch.arange(start - ctx.shape[1], start + size, device=device)[None]
+            noise = embed(blk[None]) * scale
+            hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache)[:, 1:]
+            logits = drafter.compute_logits(hidden, head)[0]
+            result.drafter_forwards += 1
+            if temperature > 0:
+                draft_probs = _probs(logits, temperature)
+                blk[1:] = _sample(draft_probs, generator)
+            else:
+                blk[1:] = logits.argmax(-1)
+        out = target(
+            blk[None],
+            position_ids=torch.arange(start, start + size, device=device)[None],
+            **{kw: t_cache},
+            use_cache=True,
+            output_hidden_states=size > 1,
+        )
+        result.target_forwards += 1
+        logits = out.logits[0]
+        if temperature > 0:
+            t_probs = _probs(logits, temperature)
+            if size > 1:
+                acc, bonus = rejection_step(blk[1:], t_probs, draft_probs, generator)
+            else:
+                acc, bonus = 0, int(_sample(t_probs[-1], generator))
+        else:
+            greedy = logits.argmax(-1)
+            acc = int((blk[1:] == greedy[:-1]).int().cumprod(0).sum())
+            bonus = int(greedy[acc])
+        ids[start : start + acc + 1] = blk[: acc + 1]
+        ids[start + acc + 1] = bonus
+        produced = min(acc + 1, max_len - start - 1)
+        new = ids[start + 1 : start + produced + 1].tolist()
+        for i, tok in enumerate(new):
+            if tok in stops:
+                produced, stopped = i + 1, True
+                break
+        if on_step is not None:
+            on_step({"start": start, "block": blk, "accepted": acc, "produced": produced, "ctx": ctx})
+        result.accepted.append(acc)
+        result.drafted.append(size - 1)
+        result.acceptance_lengths.append(produced)
+        start += produced
+        _crop(t_cache, start)
+        if size > 1:
+            ctx = _taps(out.hidden_states, drafter.target_layer_ids)[:, :produced]
+
+    end = min(start + 1, max_len)
+    result.tokens = ids[n:end].tolist()
+    result.seconds = _sync(device) - t0
+    return result
+
+
+@torch.inference_mode()
+def target_generate(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+) -> GreedyResult:
+    """Plain greedy decoding, one token per forward: the lossless reference and the speed baseline."""
+    device = input_ids.device
+    stops = set(stop_token_ids or [])
+    cache = _make_cache(target.config)
+    kw = _cache_kw(target)
+    t0 = _sync(device)
+    out = target(input_ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
+    forwards = 1
+    tokens = [int(out.logits[0, -1].argmax())]
+    pos = input_ids.shape[1]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+        step = torch.tensor([[tokens[-1]]], device=device)
+        out = target(step, position_ids=torch.tensor([[pos]], device=device), **{kw: cache}, use_cache=True)
+        forwards += 1
+        pos += 1
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return GreedyResult(tokens=tokens, seconds=_sync(device) - t0, target_forwards=forwards)

@@ -1,0 +1,235 @@
+"""Load drafters (bf16 or our quantized artifacts) and targets from a local dir or a Hub repo id.
+
+Safetensors only, no remote code. The pairing is validated before any compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.model import DFlashDrafter
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "tokenizer*", "*.jinja"]
+
+
+@dataclass
+class Source:
+    """Where a model came from, for provenance."""
+
+    id: str
+    path: Path
+    revision: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "revision": self.revision, "path": str(self.path)}
+
+
+@dataclass
+class LoadedDrafter:
+    model: DFlashDrafter
+    config: DFlashDraftConfig
+    source: Source
+    quantization: dict[str, Any] | None = None  # the artifact's quantization_config, if any
+    raw_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadedTarget:
+    model: torch.nn.Module
+    tokenizer: Any | None
+    source: Source
+
+
+def resolve(src: str | Path, revision: str | None = None) -> Source:
+    """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
+    text = str(src)
+    if text in ("reference", "reference/drafter", "reference/target"):
+        from dflash_quant.reference import pair_dir
+
+        sub = "target" if text.endswith("target") else "drafter"
+        return Source(id=f"reference/{sub}", path=pair_dir() / sub)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return Source(id=text, path=path, revision=revision)
+    if path.exists():
+        raise DFlashQuantError(f"{path} is a file; pass the model directory that contains config.json")
+    if not HUB_ID.match(text):
+        raise DFlashQuantError(f"{text} is neither an existing directory nor a Hub repo id (ORG/NAME); check the path")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        local = snapshot_download(text, revision=revision, allow_patterns=WEIGHT_PATTERNS)
+    except RepositoryNotFoundError as exc:
+        raise DFlashQuantError(f"Hub repo {text} not found or not accessible; check the id or set HF_TOKEN") from exc
+    except LocalEntryNotFoundError as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = "it is not in the local cache (HF_HUB_OFFLINE is set)" if offline else "download failed"
+        raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
+    except HfHubHTTPError as exc:
+        raise DFlashQuantError(f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token") from exc
+    return Source(id=text, path=Path(local), revision=revision)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise DFlashQuantError(
+            f"{path} holds only pickle checkpoints (.bin/.pt), which are never loaded; convert them to safetensors"
+        )
+    raise DFlashQuantError(f"no *.safetensors weights in {path}; point at a model directory")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a model directory (shards merged), with a clear error on corrupt files."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        if not file.is_file():
+            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
+        try:
+            with safe_open(file, framework="pt") as fh:
+                for key in fh.keys():
+                    tensors[key] = fh.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise DFlashQuantError(f"{file} is not a readable safetensors file ({exc}); re-download or re-export it") from exc
+    return tensors
+
+
+def weights_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in _weight_files(path):
+        with open(file, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from dflash_quant.export.gptq_v1 import unpack_gptq_v1
+
+    out: dict[str, torch.Tensor] = {}
+    bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
+    for key, value in tensors.items():
+        base = key.rsplit(".", 1)[0]
+        if base in bases:
+            continue
+        out[key] = value
+    for base in sorted(bases):
+        parts = {s: tensors[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{base}.{s}" in tensors}
+        if len(parts) < 4:
+            raise DFlashQuantError(f"quantized layer {base} lacks {sorted({'qweight','qzeros','scales','g_idx'} - set(parts))}; re-export")
+        out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=int(qcfg["bits"]), group_size=int(qcfg["group_size"]))
+        if f"{base}.bias" in tensors:
+            out[f"{base}.bias"] = tensors[f"{base}.bias"]
+    return out
+
+
+def load_drafter(
+    src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
+) -> LoadedDrafter:
+    """Build a DFlashDrafter from a bf16 drafter dir / Hub id, or from a quantized artifact (dequantized)."""
+    source = resolve(src, revision)
+    raw = read_config_json(source.path)
+    config = parse_draft_config(raw, source=str(source.path / "config.json"))
+    tensors = read_safetensors(source.path)
+    qcfg = raw.get("quantization_config")
+    if qcfg:
+        if qcfg.get("quant_method") != "gptq":
+            raise DFlashQuantError(
+                f"{source.id} uses quant_method={qcfg.get('quant_method')!r}; only GPTQ artifacts can be loaded here"
+            )
+        tensors = _dequantize_gptq(tensors, qcfg)
+    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    for key, value in tensors.items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise DFlashQuantError(f"{source.id}: tensor {key} contains NaN or inf; the checkpoint is damaged")
+
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
+        raise DFlashQuantError(f"{source.id}: weights do not match the DFlash layout ({'; '.join(parts)})")
+    model = model.to_empty(device=device)
+    try:
+        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise DFlashQuantError(f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights") from exc
+    model.rotary_emb = type(model.rotary_emb)(config, device=device)  # meta init left inv_freq empty
+    model.to(device=device, dtype=dtype).eval()
+    return LoadedDrafter(model=model, config=config, source=source, quantization=qcfg, raw_config=raw)
+
+
+def load_target(
+    src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
+) -> LoadedTarget:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(src, revision)
+    raw = read_config_json(source.path)
+    if "mask_token_id" in raw or "dflash_config" in raw:
+        raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
+    _weight_files(source.path)  # refuse pickle-only targets before transformers looks
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise DFlashQuantError(f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM") from exc
+    model.to(device).eval()
+    tokenizer = None
+    if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+    return LoadedTarget(model=model, tokenizer=tokenizer, source=source)
+
+
+def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
+    """Raise DFlashQuantError (one line) if the drafter cannot run on this target."""
+    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    t_hidden, t_layers = int(tcfg.hidden_size), int(tcfg.num_hidden_layers)
+    t_vocab = int(target.get_input_embeddings().weight.shape[0])
+    fc_in, want = config.num_taps * config.hidden_size, config.num_taps * t_hidden
+    if config.hidden_size != t_hidden:
+        raise DFlashQuantError(
+            f"drafter fc takes {fc_in} features but {config.num_taps} taps x target hidden {t_hidden} = {want} "
+            f"(drafter hidden {config.hidden_size}); pair the drafter with the target it was trained for"
+        )
+    bad = [i for i in config.target_layer_ids if not 0 <= i < t_layers]
+    if bad:
+        raise DFlashQuantError(
+            f"drafter taps target layers {bad} but the target has {t_layers} layers; pair it with its own target"
+        )
+    if not 0 <= config.mask_token_id < t_vocab:
+        raise DFlashQuantError(
+            f"mask_token_id {config.mask_token_id} is outside the target vocabulary ({t_vocab}); wrong target"
+        )
+    if config.block_size < 2:
+        raise DFlashQuantError(f"block_size {config.block_size} < 2; a drafter must propose at least one token")

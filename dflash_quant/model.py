@@ -1,0 +1,206 @@
+"""The DFlash (v1) block drafter: a few pre-norm Qwen3 layers whose keys/values also see target features.
+
+Layout and math follow the official drafter (field-notes section 1): state-dict keys without a `model.`
+prefix, `fc` + `hidden_norm` over the concatenated target taps, per-head q/k RMSNorm, GQA, RoPE over
+context-then-block positions, non-causal attention inside the block unless the layer is causal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from dflash_quant.config import DFlashDraftConfig
+
+
+@dataclass
+class DraftCache:
+    """Context K/V per layer (after k_norm and RoPE) and their positions.
+
+    Only context rows are kept: block rows are recomputed every step, so nothing needs cropping.
+    Sliding-window layers keep just the rows a future query can still see.
+    """
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    length: int = 0  # context rows appended so far (absolute)
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if layer not in self.keys:
+            return None
+        return self.keys[layer], self.values[layer], self.positions[layer]
+
+    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None) -> None:
+        if window is not None and k.shape[-2] > window - 1:
+            k, v, pos = k[..., -(window - 1):, :], v[..., -(window - 1):, :], pos[-(window - 1):]
+        self.keys[layer], self.values[layer], self.positions[layer] = k, v, pos
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def visibility_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool, window: int | None
+) -> torch.Tensor | None:
+    """Boolean [q, k] mask (True = visible) from absolute positions; None means all visible."""
+    if not is_causal and window is None:
+        return None
+    q, k = q_pos[:, None], k_pos[None, :]
+    visible = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q_pos.device)
+    if is_causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= (q - k) < window
+        if not is_causal:
+            visible &= (k - q) < window
+    return visible
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        bias = config.attention_bias
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.is_causal, self.sliding_window = config.attention_kind(layer_idx)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [b, n, t, d]
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftCache | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        q_len, c_len = h.shape[1], ctx.shape[1]
+        q = self.q_norm(self._heads(self.q_proj(h), self.n_heads))
+        kv_in = torch.cat([ctx, h], dim=1)
+        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
+        v = self._heads(self.v_proj(kv_in), self.n_kv)
+        q = _rope(q, cos[:, None, -q_len:], sin[:, None, -q_len:])
+        k = _rope(k, cos[:, None], sin[:, None])
+        k_pos = positions
+        if cache is not None:
+            past = cache.get(self.layer_idx)
+            if past is not None:
+                k = torch.cat([past[0], k], dim=2)
+                v = torch.cat([past[1], v], dim=2)
+                k_pos = torch.cat([past[2], positions])
+            n_ctx = k.shape[2] - q_len
+            cache.put(self.layer_idx, k[:, :, :n_ctx], v[:, :, :n_ctx], k_pos[:n_ctx], self.sliding_window)
+        if attention_mask is None:
+            attention_mask = visibility_mask(positions[c_len:], k_pos, self.is_causal, self.sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(h.shape[0], q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h, ctx, cos, sin, positions, cache, attention_mask):
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, positions, cache, attention_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(PreTrainedModel):
+    """DFlash v1 drafter. Uses the target's embedding (for block inputs) and head (for logits)."""
+
+    config_class = DFlashDraftConfig
+    base_model_prefix = ""
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: DFlashDraftConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, Qwen3RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Post-norm hidden states of the block rows.
+
+        noise_embedding [b, q, H]: target embeddings of [anchor, MASK, ...]; target_hidden [b, c, taps*H]:
+        raw target taps of the new context rows; position_ids [b, c+q]: context positions then block
+        positions. attention_mask (bool [b|1, 1, q, keys], True = visible) overrides the built-in mask,
+        e.g. to train many blocks in one pass.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        h = noise_embedding
+        cos, sin = self.rotary_emb(h, position_ids)
+        positions = position_ids[0]
+        for layer in self.layers:
+            h = layer(h, ctx, cos.to(h.dtype), sin.to(h.dtype), positions, cache, attention_mask)
+        if cache is not None:
+            cache.length += ctx.shape[1]
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        logits = head(hidden) * float(getattr(self.config, "output_multiplier", 1.0) or 1.0)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / float(softcap)) * float(softcap)
+        return logits
+
+    def linear_names(self) -> list[str]:
+        """Every quantizable Linear, in execution order (fc first)."""
+        return ["fc"] + [n for n, m in self.layers.named_modules(prefix="layers") if isinstance(m, nn.Linear)]
