@@ -1,0 +1,84 @@
+"""`dflash-quant inspect`: parsed config, parameter counts and bytes by module of a drafter or artifact."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import typer
+from rich.table import Table
+
+from dflash_quant.cli.common import handle_errors, out_console, print_json
+from dflash_quant.config import parse_draft_config, read_config_json
+from dflash_quant.loading import read_safetensors, resolve
+
+
+def module_of(key: str) -> str:
+    """Group a tensor key by module: fc, hidden_norm, norm, layers.N.self_attn, layers.N.mlp, layers.N (norms)."""
+    parts = key.split(".")
+    if parts[0] == "layers":
+        return ".".join(parts[:3]) if parts[2] in ("self_attn", "mlp") else ".".join(parts[:2])
+    return parts[0]
+
+
+def describe(src: str) -> dict:
+    source = resolve(src)
+    raw = read_config_json(source.path)
+    cfg = parse_draft_config(raw, source=str(source.path / "config.json"))
+    tensors = read_safetensors(source.path)
+    params: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    dtypes: dict[str, int] = defaultdict(int)
+    for key, t in tensors.items():
+        key = key[len("model."):] if key.startswith("model.") else key
+        mod = module_of(key)
+        params[mod] += t.numel()
+        nbytes[mod] += t.numel() * t.element_size()
+        dtypes[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
+    return {
+        "source": source.id,
+        "config": {
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+            "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+            "attention": [dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i))) for i in range(cfg.num_hidden_layers)],
+            "rope_parameters": cfg.rope_parameters,
+        },
+        "quantization_config": raw.get("quantization_config"),
+        "stored_elements": sum(params.values()),
+        "bytes": sum(nbytes.values()),
+        "by_module": {m: {"elements": params[m], "bytes": nbytes[m]} for m in sorted(params)},
+        "by_dtype": dict(dtypes),
+    }
+
+
+@handle_errors
+def inspect(
+    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or 'reference'."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+) -> None:
+    """Print a drafter's parsed config and its parameters and bytes by module."""
+    info = describe(drafter)
+    if json_out:
+        print_json(info)
+        return
+    cfg = Table(title=f"{info['source']}: config")
+    cfg.add_column("key")
+    cfg.add_column("value", overflow="fold")
+    for k, v in info["config"].items():
+        cfg.add_row(k, str(v))
+    if info["quantization_config"]:
+        cfg.add_row("quantization", str(info["quantization_config"]))
+    out_console.print(cfg)
+    mods = Table(title="stored tensors by module")
+    for col in ("module", "elements", "bytes"):
+        mods.add_column(col, justify="left" if col == "module" else "right")
+    for m, v in info["by_module"].items():
+        mods.add_row(m, f"{v['elements']:,}", f"{v['bytes']:,}")
+    mods.add_row("total", f"{info['stored_elements']:,}", f"{info['bytes']:,}")
+    out_console.print(mods)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)

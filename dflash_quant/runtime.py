@@ -1,0 +1,92 @@
+"""Device/dtype choice, pair loading and prompt encoding shared by `verify` and `gptq`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.loading import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise UsageError(f"unknown device {name!r}; use auto, cpu or cuda[:N]") from exc
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """CPU runs in fp32 (exact checks), CUDA in bf16 (how drafters are served)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UsageError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+def default_target(drafter_src: str) -> str:
+    """The target a drafter was made for: the reference pair's, or the one recorded in an artifact."""
+    if drafter_src.startswith("reference"):
+        return "reference/target"
+    prov = Path(drafter_src) / "provenance.json"
+    if prov.is_file():
+        target = json.loads(prov.read_text()).get("target", {})
+        if target.get("path") and Path(target["path"]).is_dir():
+            return target["path"]
+        if target.get("id"):
+            return target["id"]
+    raise UsageError(f"no --target given and {drafter_src} does not record one; pass --target TARGET")
+
+
+def load_pair(
+    drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype
+) -> tuple[LoadedDrafter, LoadedTarget]:
+    target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype)
+    drafter = load_drafter(drafter_src, device=device, dtype=dtype)
+    check_pair(drafter.config, target.model)
+    return drafter, target
+
+
+def is_reference_target(target: LoadedTarget) -> bool:
+    from dflash_quant.reference import pair_dir
+
+    try:
+        return target.source.path.resolve() == (pair_dir() / "target").resolve()
+    except DFlashQuantError:
+        return False
+
+
+def default_prompt_spec(target: LoadedTarget, split: str) -> str:
+    """Reference pair: its own held-out/calibration code prompts; any other pair: the built-in mix."""
+    return f"reference:{split}" if is_reference_target(target) else f"builtin:{split}"
+
+
+def encode_prompts(target: LoadedTarget, spec: str, limit: int | None, chat_template: bool) -> list[list[int]]:
+    from dflash_quant.prompts import encode_prompt, load_prompts
+
+    if target.tokenizer is None:
+        raise DFlashQuantError(f"target {target.source.id} has no tokenizer files; add them to the target directory")
+    prompts = load_prompts(spec)
+    if limit is not None:
+        if limit < 1:
+            raise UsageError("--num-prompts must be at least 1")
+        prompts = prompts[:limit]
+    return [encode_prompt(target.tokenizer, p, chat_template=chat_template) for p in prompts]
+
+
+def stop_tokens(target: LoadedTarget) -> list[int]:
+    eos = getattr(target.model.generation_config, "eos_token_id", None) if hasattr(target.model, "generation_config") else None
+    if eos is None and target.tokenizer is not None:
+        eos = target.tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

@@ -1,0 +1,133 @@
+"""The built-in speculative decode check: tau, per-position acceptance, losslessness and speed over prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dflash_quant.decode import GreedyResult, SpecResult, speculative_generate, target_generate
+from dflash_quant.model import DFlashDrafter
+
+
+@dataclass
+class CheckSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    block_size: int | None = None
+    seed: int = 0
+    stop_token_ids: list[int] | None = None
+
+
+def baseline_runs(
+    target: torch.nn.Module, prompts: Sequence[list[int]], settings: CheckSettings, progress: Callable[[], None] | None = None
+) -> list[GreedyResult]:
+    """Target-only greedy decoding of every prompt (the lossless reference and the speed baseline)."""
+    device = next(target.parameters()).device
+    runs = []
+    for ids in prompts:
+        runs.append(target_generate(target, torch.tensor([ids], device=device), settings.max_new_tokens, settings.stop_token_ids))
+        if progress:
+            progress()
+    return runs
+
+
+def spec_runs(
+    drafter: DFlashDrafter,
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    settings: CheckSettings,
+    progress: Callable[[], None] | None = None,
+) -> list[SpecResult]:
+    device = next(target.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    runs = []
+    for ids in prompts:
+        runs.append(
+            speculative_generate(
+                drafter,
+                target,
+                torch.tensor([ids], device=device),
+                settings.max_new_tokens,
+                temperature=settings.temperature,
+                stop_token_ids=settings.stop_token_ids,
+                block_size=settings.block_size,
+                generator=generator,
+            )
+        )
+        if progress:
+            progress()
+    return runs
+
+
+def warm_up(drafter: DFlashDrafter, target: torch.nn.Module, ids: list[int], settings: CheckSettings) -> None:
+    """One short run of each path so one-time costs (kernels, allocator) stay out of the timings."""
+    short = CheckSettings(max_new_tokens=min(8, settings.max_new_tokens), block_size=settings.block_size)
+    spec_runs(drafter, target, [ids], short)
+    baseline_runs(target, [ids], short)
+
+
+def summarize(
+    name: str, runs: list[SpecResult], baseline: list[GreedyResult] | None, settings: CheckSettings, block: int
+) -> dict[str, Any]:
+    """One drafter's CHECK record (docs/artifact.md)."""
+    lengths = [a for r in runs for a in r.acceptance_lengths]
+    drafted = [0] * (block - 1)
+    accepted = [0] * (block - 1)
+    histogram = [0] * block
+    for r in runs:
+        for acc, n_draft in zip(r.accepted, r.drafted):
+            if n_draft == 0:
+                continue
+            histogram[acc] += 1
+            for k in range(n_draft):
+                drafted[k] += 1
+                accepted[k] += int(acc > k)
+    greedy = settings.temperature == 0
+    per_prompt = []
+    for i, r in enumerate(runs):
+        entry: dict[str, Any] = {"prompt_index": i, "tau": round(r.tau, 4), "steps": len(r.acceptance_lengths), "new_tokens": len(r.tokens)}
+        if greedy and baseline is not None:
+            entry["lossless"] = r.tokens == baseline[i].tokens
+        per_prompt.append(entry)
+    new_tokens = sum(len(r.tokens) for r in runs)
+    spec_s = sum(r.seconds for r in runs)
+    out: dict[str, Any] = {
+        "drafter": name,
+        "tau": round(sum(lengths) / max(len(lengths), 1), 4),
+        "tau_mean_of_requests": round(sum(r.tau for r in runs) / max(len(runs), 1), 4),
+        "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "acceptance_histogram": histogram,
+        "lossless": all(p["lossless"] for p in per_prompt) if greedy and baseline is not None else None,
+        "steps": len(lengths),
+        "target_forwards": sum(r.target_forwards for r in runs),
+        "drafter_forwards": sum(r.drafter_forwards for r in runs),
+        "new_tokens": new_tokens,
+        "spec_seconds": round(spec_s, 4),
+        "spec_tokens_per_s": round(new_tokens / spec_s, 2) if spec_s > 0 else None,
+        "per_prompt": per_prompt,
+    }
+    if baseline is not None:
+        base_s = sum(b.seconds for b in baseline)
+        base_tokens = sum(len(b.tokens) for b in baseline)
+        out["baseline_seconds"] = round(base_s, 4)
+        out["baseline_tokens_per_s"] = round(base_tokens / base_s, 2) if base_s > 0 else None
+        if out["spec_tokens_per_s"] and out["baseline_tokens_per_s"]:
+            out["speedup"] = round(out["spec_tokens_per_s"] / out["baseline_tokens_per_s"], 3)
+    return out
+
+
+def parity(baseline: dict[str, Any], quantized: dict[str, Any], tolerance: float, greedy: bool) -> dict[str, Any]:
+    """tau ratio and pass/fail reasons for a quantized drafter against its bf16 source."""
+    ratio = quantized["tau"] / baseline["tau"] if baseline["tau"] else 0.0
+    reasons = []
+    if ratio < 1 - tolerance:
+        reasons.append(f"tau ratio {ratio:.4f} < {1 - tolerance:.4f} (tolerance {tolerance})")
+    if greedy and quantized.get("lossless") is False:
+        reasons.append("greedy output of the quantized drafter differs from the target's own greedy output")
+    per_pos = [
+        round(q / b, 4) if b and q is not None else None
+        for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"])
+    ]
+    return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons}
