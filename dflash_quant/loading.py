@@ -183,7 +183,8 @@ def load_drafter(
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[-1].strip()
         raise DFlashQuantError(f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights") from exc
-    model.rotary_emb = type(model.rotary_emb)(config, device=device)  # meta init left inv_freq empty
+    with torch.device(device):  # meta init left inv_freq empty
+        model.rotary_emb = type(model.rotary_emb)(config)
     model.to(device=device, dtype=dtype).eval()
     return LoadedDrafter(model=model, config=config, source=source, quantization=qcfg, raw_config=raw)
 
@@ -192,7 +193,10 @@ def load_target(
     src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
 ) -> LoadedTarget:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress goes to stderr; keep the output clean
+    hf_logging.set_verbosity_error()
     source = resolve(src, revision)
     raw = read_config_json(source.path)
     if "mask_token_id" in raw or "dflash_config" in raw:

@@ -1,0 +1,18 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(drafter_dir, target_dir) of a tiny random pair in the official layout."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    return tiny.save_drafter(root / "drafter"), tiny.save_target(root / "target")

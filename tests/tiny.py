@@ -1,0 +1,67 @@
+"""Tiny real transformers targets, tokenizers and DFlash drafters, built on the fly (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from dflash_quant.config import parse_draft_config
+from dflash_quant.model import DFlashDrafter
+
+WORDS = [f"w{i}" for i in range(120)]
+VOCAB = ["<unk>", "<eos>", "<|MASK|>"] + WORDS  # 123 tokens
+
+
+def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    if chat:
+        fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
+    return fast
+
+
+def target_config(**over) -> Qwen3Config:
+    kw = dict(
+        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, tie_word_embeddings=False, eos_token_id=1, max_position_embeddings=512,
+    )
+    kw.update(over)
+    return Qwen3Config(**kw)
+
+
+def save_target(path: Path, seed: int = 0, **over) -> Path:
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(target_config(**over)).eval()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def drafter_raw_config(**over) -> dict:
+    raw = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=len(VOCAB),
+        rms_norm_eps=1e-6, rope_theta=10000.0, block_size=4, num_target_layers=4,
+        dflash_config={"mask_token_id": 2, "target_layer_ids": [0, 2]},
+    )
+    raw.update(over)
+    return raw
+
+
+def save_drafter(path: Path, seed: int = 1, prefix: str = "", std: float = 0.02, **over) -> Path:
+    """Save a drafter in the official layout (optionally with a `model.` key prefix)."""
+    torch.manual_seed(seed)
+    cfg = parse_draft_config(drafter_raw_config(**over))
+    cfg.initializer_range = std
+    model = DFlashDrafter(cfg).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(drafter_raw_config(**over), indent=2))
+    return path
