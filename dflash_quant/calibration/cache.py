@@ -1,0 +1,84 @@
+"""Save and reuse captured calibration statistics (safetensors + a JSON key), so re-quantizing skips the target."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash_quant.calibration.capture import CalibrationStats, DraftCall
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.quantize.gptq import HessianAccumulator
+
+STATS = "hessians.safetensors"
+REPLAY = "replay.safetensors"
+META = "calibration.json"
+
+
+def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, acc in stats.hessians.items():
+        for part, t in acc.state_dict().items():
+            tensors[f"{name}.{part}"] = t.cpu()
+    _atomic_save(tensors, directory / STATS)
+    if stats.replay is not None:
+        rep = {}
+        for p, calls in enumerate(stats.replay):
+            for c, call in enumerate(calls):
+                rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"] = call.noise, call.ctx, call.positions
+        _atomic_save({k: v.contiguous() for k, v in rep.items()}, directory / REPLAY)
+    meta = {"key": key, "kv_hessian": stats.kv_hessian, "prompts": stats.prompts, "steps": stats.steps, "mean_tau": stats.mean_tau}
+    tmp = directory / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(directory / META)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.device) -> CalibrationStats | None:
+    """Cached stats if the directory holds ones captured with the same key, else None."""
+    directory = Path(directory)
+    meta_path = directory / META
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashQuantError(f"{meta_path} is damaged ({exc.msg}); delete the --calib-cache directory") from exc
+    if meta.get("key") != key or (need_replay and not (directory / REPLAY).is_file()):
+        return None
+    try:
+        flat = load_file(str(directory / STATS))
+    except (SafetensorError, OSError) as exc:
+        raise DFlashQuantError(f"{directory / STATS} is damaged ({exc}); delete the --calib-cache directory") from exc
+    hessians = {}
+    for name in sorted({k.rsplit(".", 1)[0] for k in flat}):
+        acc = HessianAccumulator.from_state_dict(
+            {"xtx": flat[f"{name}.xtx"], "rows": flat[f"{name}.rows"]}, name=name, device=device
+        )
+        if not torch.isfinite(acc.xtx).all():
+            raise DFlashQuantError(f"cached Hessian {name} contains NaN/inf; delete the --calib-cache directory and recollect")
+        hessians[name] = acc
+    replay = None
+    if need_replay:
+        rep = load_file(str(directory / REPLAY))
+        n_prompts = 1 + max(int(k.split(".")[0]) for k in rep) if rep else 0
+        replay = []
+        for p in range(n_prompts):
+            n_calls = len([k for k in rep if k.startswith(f"{p}.") and k.endswith(".noise")])
+            replay.append([DraftCall(rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"]) for c in range(n_calls)])
+    return CalibrationStats(
+        hessians=hessians, kv_hessian=meta["kv_hessian"], prompts=meta["prompts"], steps=meta["steps"],
+        mean_tau=meta.get("mean_tau"), replay=replay,
+    )

@@ -1,0 +1,180 @@
+"""Capture every drafter Linear's inputs while the drafter really speculates with its target.
+
+Linears that read the same tensor share one Hessian (input group):
+  fc                       <- concatenated target taps (context rows)
+  layers.i.self_attn.qkv   <- block rows (q, and k/v unless kv_hessian = block+context)
+  layers.i.self_attn.kv    <- block rows + context-feature rows (only with kv_hessian = block+context)
+  layers.i.self_attn.o_proj, layers.i.mlp.gate_up, layers.i.mlp.down_proj
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from dflash_quant.decode import speculative_generate
+from dflash_quant.errors import UsageError
+from dflash_quant.model import DFlashDrafter, DraftCache
+from dflash_quant.quantize.gptq import HessianAccumulator
+
+KV_MODES = ("block", "block+context")
+
+
+def input_group(name: str, kv_hessian: str) -> str:
+    """The Hessian a Linear's weight is quantized against."""
+    if name == "fc":
+        return "fc"
+    prefix, leaf = name.rsplit(".", 1)
+    if leaf == "q_proj":
+        return f"{prefix}.qkv"
+    if leaf in ("k_proj", "v_proj"):
+        return f"{prefix}.kv" if kv_hessian == "block+context" else f"{prefix}.qkv"
+    if leaf in ("gate_proj", "up_proj"):
+        return f"{prefix}.gate_up"
+    return name  # o_proj, down_proj
+
+
+@dataclass
+class DraftCall:
+    """One drafter forward's inputs, kept to replay the drafter alone (sequential GPTQ)."""
+
+    noise: torch.Tensor
+    ctx: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class CalibrationStats:
+    hessians: dict[str, HessianAccumulator]
+    kv_hessian: str
+    prompts: int = 0
+    steps: int = 0
+    mean_tau: float | None = None
+    replay: list[list[DraftCall]] | None = None
+
+    def rows(self) -> dict[str, int]:
+        return {k: v.rows for k, v in self.hessians.items()}
+
+    def for_linear(self, name: str) -> HessianAccumulator:
+        return self.hessians[input_group(name, self.kv_hessian)]
+
+
+@dataclass
+class _Hooks:
+    model: DFlashDrafter
+    groups: set[str] | None  # None: every group
+    kv_hessian: str
+    device: torch.device
+    hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
+    handles: list = field(default_factory=list)
+
+    def _acc(self, key: str, width: int) -> HessianAccumulator:
+        if key not in self.hessians:
+            self.hessians[key] = HessianAccumulator(width, name=key, device=self.device)
+        return self.hessians[key]
+
+    def _wanted(self, key: str) -> bool:
+        return self.groups is None or key in self.groups
+
+    def attach(self) -> "_Hooks":
+        m = self.model
+
+        def add(key: str):
+            def hook(module, args):
+                if self._wanted(key):
+                    self._acc(key, args[0].shape[-1]).add(args[0])
+
+            return hook
+
+        self.handles.append(m.fc.register_forward_pre_hook(add("fc")))
+        for i, layer in enumerate(m.layers):
+            p = f"layers.{i}"
+
+            def attn_hook(module, args, p=p):
+                h, ctx = args[0], args[1]
+                if self._wanted(f"{p}.self_attn.qkv"):
+                    self._acc(f"{p}.self_attn.qkv", h.shape[-1]).add(h)
+                if self.kv_hessian == "block+context" and self._wanted(f"{p}.self_attn.kv"):
+                    acc = self._acc(f"{p}.self_attn.kv", h.shape[-1])
+                    acc.add(h)
+                    acc.add(ctx)
+
+            self.handles.append(layer.self_attn.register_forward_pre_hook(attn_hook))
+            self.handles.append(layer.self_attn.o_proj.register_forward_pre_hook(add(f"{p}.self_attn.o_proj")))
+            self.handles.append(layer.mlp.gate_proj.register_forward_pre_hook(add(f"{p}.mlp.gate_up")))
+            self.handles.append(layer.mlp.down_proj.register_forward_pre_hook(add(f"{p}.mlp.down_proj")))
+        return self
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def capture(
+    drafter: DFlashDrafter,
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    kv_hessian: str = "block",
+    stop_token_ids: list[int] | None = None,
+    keep_replay: bool = False,
+    progress: Callable[[], None] | None = None,
+) -> CalibrationStats:
+    """Greedy speculative decoding over the prompts with hooks on the drafter's Linears."""
+    if kv_hessian not in KV_MODES:
+        raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")
+    device = next(drafter.parameters()).device
+    hooks = _Hooks(drafter, None, kv_hessian, device).attach()
+    replay: list[list[DraftCall]] = []
+    record: list[DraftCall] = []
+
+    def keep(module, args):
+        record.append(DraftCall(args[0].detach().cpu(), args[1].detach().cpu(), args[2].detach().cpu()))
+
+    rec_handle = drafter.register_forward_pre_hook(keep) if keep_replay else None
+    steps, lengths = 0, []
+    try:
+        for ids in prompts:
+            record = []
+            run = speculative_generate(
+                drafter, target, torch.tensor([ids], device=device), max_new_tokens, stop_token_ids=stop_token_ids
+            )
+            steps += len(run.acceptance_lengths)
+            lengths.extend(run.acceptance_lengths)
+            if keep_replay:
+                replay.append(record)
+            if progress:
+                progress()
+    finally:
+        hooks.detach()
+        if rec_handle is not None:
+            rec_handle.remove()
+    return CalibrationStats(
+        hessians=hooks.hessians,
+        kv_hessian=kv_hessian,
+        prompts=len(prompts),
+        steps=steps,
+        mean_tau=sum(lengths) / len(lengths) if lengths else None,
+        replay=replay if keep_replay else None,
+    )
+
+
+@torch.inference_mode()
+def replay_capture(
+    drafter: DFlashDrafter, replay: Iterable[list[DraftCall]], groups: set[str], kv_hessian: str
+) -> dict[str, HessianAccumulator]:
+    """Re-run the drafter alone on recorded inputs (with its current weights) and collect the given groups."""
+    device = next(drafter.parameters()).device
+    dtype = next(drafter.parameters()).dtype
+    hooks = _Hooks(drafter, set(groups), kv_hessian, device).attach()
+    try:
+        for calls in replay:
+            cache = DraftCache()
+            for call in calls:
+                drafter(call.noise.to(device, dtype), call.ctx.to(device, dtype), call.positions.to(device), cache=cache)
+    finally:
+        hooks.detach()
+    return hooks.hessians

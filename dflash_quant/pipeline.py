@@ -1,0 +1,210 @@
+"""`gptq` end to end: load -> calibrate -> quantize -> export -> verify -> report -> card, into one atomic dir."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash_quant import __version__
+from dflash_quant.calibration import cache as calib_cache
+from dflash_quant.calibration.capture import CalibrationStats, capture
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.export.atomic import atomic_dir, check_output_dir
+from dflash_quant.export.manifest import write_manifest
+from dflash_quant.export.writer import export_gptq
+from dflash_quant.loading import load_drafter, weights_sha256
+from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
+from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
+from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
+
+Progress = Callable[[str, int | None], Callable[[], None]]  # (stage label, total) -> advance()
+
+
+@dataclass
+class GptqJob:
+    output: Path
+    drafter: str = "reference"
+    target: str | None = None
+    quant: QuantSettings = field(default_factory=QuantSettings)
+    overwrite: bool = False
+    calib_prompts: str | None = None
+    calib_num_prompts: int | None = None
+    calib_max_new_tokens: int = 64
+    kv_hessian: str = "block"
+    calib_cache: Path | None = None
+    verify: bool = True
+    eval_prompts: str | None = None
+    eval_num_prompts: int | None = None
+    eval_max_new_tokens: int = 64
+    tolerance: float = 0.03
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: bool = True
+    seed: int = 0
+    write_card: bool = True
+    command: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GptqResult:
+    output: Path
+    passed: bool | None
+    parity: dict[str, Any] | None
+    quant_report: dict[str, Any]
+    timings: dict[str, float]
+    reasons: list[str] = field(default_factory=list)
+
+
+def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
+    return lambda: None
+
+
+def _calibrate(job, drafter, target, device, progress: Progress) -> tuple[CalibrationStats, dict[str, Any]]:
+    spec = job.calib_prompts or default_prompt_spec(target, "calib")
+    prompts = encode_prompts(target, spec, job.calib_num_prompts, job.chat_template)
+    key = {
+        "drafter_sha256": weights_sha256(drafter.source.path), "target": target.source.id, "prompts": spec,
+        "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian,
+        "chat_template": job.chat_template, "dtype": str(next(drafter.model.parameters()).dtype),
+    }
+    info = {"prompts": spec, "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian, "cached": False}
+    if job.calib_cache is not None:
+        stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, device)
+        if stats is not None:
+            info["cached"] = True
+            return stats, info
+    advance = progress("calibrating (drafter speculating with its target)", len(prompts))
+    stats = capture(
+        drafter.model, target.model, prompts, job.calib_max_new_tokens, job.kv_hessian,
+        stop_token_ids=stop_tokens(target), keep_replay=job.quant.sequential, progress=advance,
+    )
+    if job.calib_cache is not None:
+        calib_cache.save(job.calib_cache, stats, key)
+    return stats, info
+
+
+def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
+    spec = job.eval_prompts or default_prompt_spec(target, "heldout")
+    if spec == calib_spec:
+        raise UsageError(f"parity prompts {spec!r} are the calibration prompts; pass held-out prompts with --eval-prompts")
+    return spec, encode_prompts(target, spec, job.eval_num_prompts, job.chat_template)
+
+
+def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
+    """Quantize job.drafter and write the artifact to job.output (atomically)."""
+    job.quant.check()
+    check_output_dir(job.output, job.overwrite)
+    device = resolve_device(job.device)
+    dtype = resolve_dtype(job.dtype, device)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    drafter, target = load_pair(job.drafter, job.target, device, dtype)
+    timings["load_s"] = time.perf_counter() - t0
+
+    stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
+    calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
+    eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
+    if job.quant.method == "gptq":
+        t = time.perf_counter()
+        stats, calib_info = _calibrate(job, drafter, target, device, progress)
+        calib_info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
+        if job.verify:
+            calib_ids = set(map(tuple, encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template)))
+            if any(tuple(p) in calib_ids for p in eval_ids):
+                raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
+        timings["calibrate_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(drafter.model.linear_names()))
+    outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
+    timings["quantize_s"] = time.perf_counter() - t
+
+    q_bytes = sum(4 * (qw.in_features * qw.spec.bits // 32) * qw.out_features for qw in outcome.weights.values())
+    quant_report = {
+        "layers": outcome.layers,
+        "kept_bf16": outcome.kept,
+        "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
+        "quantized_bytes": None,  # filled from the written file below
+        "packed_weight_bytes": q_bytes,
+        "seconds": round(outcome.seconds, 3),
+    }
+    provenance = {
+        "tool": "dflash-quant", "tool_version": __version__,
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": job.command,
+        "source_drafter": {"id": drafter.source.id, "revision": drafter.source.revision, "sha256": weights_sha256(drafter.source.path)},
+        "target": {"id": target.source.id, "revision": target.source.revision, "path": str(target.source.path)},
+        "calibration": {**calib_info, "seed": job.seed, "chat_template": job.chat_template},
+        "quantization": {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept},
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+    }
+
+    result = GptqResult(output=job.output, passed=None, parity=None, quant_report=quant_report, timings=timings)
+    with atomic_dir(job.output, job.overwrite) as tmp:
+        export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+        quant_report["quantized_bytes"] = _quantized_bytes(tmp / "model.safetensors", outcome.weights)
+        (tmp / "quant_report.json").write_text(json.dumps(quant_report, indent=2) + "\n")
+        if job.verify:
+            t = time.perf_counter()
+            result.parity = _parity(job, drafter.source.id, tmp, target, eval_spec, eval_ids, device, dtype, progress)
+            timings["verify_s"] = time.perf_counter() - t
+            result.passed = result.parity["passed"]
+            result.reasons = result.parity["reasons"]
+            (tmp / "parity.json").write_text(json.dumps(result.parity, indent=2) + "\n")
+        _memory(tmp, drafter.source.path, device)
+        if job.write_card:
+            from dflash_quant.model_cards.card import write_card
+
+            write_card(tmp, command=job.command)
+        write_manifest(tmp)
+    timings["total_s"] = time.perf_counter() - t0
+    return result
+
+
+def _quantized_bytes(path: Path, weights: dict) -> int:
+    """Bytes the quantized Linears take in the written file (qweight + qzeros + scales + g_idx)."""
+    from dflash_quant.memory.weights import read_header
+
+    header = read_header(path)
+    total = 0
+    for name in weights:
+        for part in ("qweight", "qzeros", "scales", "g_idx"):
+            start, end = header[f"{name}.{part}"]["data_offsets"]
+            total += end - start
+    return total
+
+
+def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtype, progress) -> dict[str, Any]:
+    """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
+    base = load_drafter(job.drafter, device=device, dtype=dtype)
+    quant = load_drafter(artifact, device=device, dtype=dtype)
+    block = base.config.block_size
+    settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
+    warm_up(base.model, target.model, eval_ids[0], settings)
+    adv = progress("parity: target-only baseline", len(eval_ids))
+    reference = baseline_runs(target.model, eval_ids, settings, adv)
+    adv = progress("parity: bf16 drafter", len(eval_ids))
+    s_base = summarize(source_id, spec_runs(base.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    adv = progress("parity: quantized drafter", len(eval_ids))
+    s_quant = summarize(str(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    verdict = parity(s_base, s_quant, job.tolerance, greedy=True)
+    return {
+        "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
+        "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],
+        "temperature": 0.0, "prompt_set": spec, "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
+        "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "baseline": s_base, "quantized": s_quant,
+    }
+
+
+def _memory(artifact: Path, baseline: Path, device: torch.device) -> None:
+    from dflash_quant.memory.report import build_memory_report, write_memory_json
+
+    report = build_memory_report(artifact, baseline=baseline, device=device.type)
+    write_memory_json(report, artifact)

@@ -1,0 +1,171 @@
+"""Quantize a whole drafter: choose the Linears (profile, --skip), run GPTQ or RTN, report per layer."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dflash_quant.calibration.capture import CalibrationStats, input_group, replay_capture
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.model import DFlashDrafter
+from dflash_quant.quantize.gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize, relative_output_error
+from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
+from dflash_quant.quantize.rtn import rtn_quantize
+
+# Engines that cannot run int4 q/k/v in a drafter yet keep them in bf16 (field-notes section 5).
+PROFILES: dict[str, list[str]] = {
+    "full": [],
+    "vllm": [r"(^|\.)self_attn\.(q|k|v)_proj$"],
+    "sglang": [r"(^|\.)self_attn\.(q|k|v)_proj$"],
+}
+METHODS = ("gptq", "rtn")
+
+
+@dataclass
+class QuantSettings:
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    desc_act: bool = False
+    static_groups: bool = False
+    damp: float = 0.01
+    lazy_block: int = 128
+    sequential: bool = False
+    profile: str = "full"
+    skip: tuple[str, ...] = ()
+    min_rows: int = 64
+
+    def spec(self) -> QuantSpec:
+        return QuantSpec(bits=self.bits, group_size=self.group_size, sym=self.sym)
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"--method must be gptq or rtn, got {self.method!r}")
+        if self.profile not in PROFILES:
+            raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
+        if not 0 < self.damp < 1:
+            raise UsageError(f"--damp must be in (0, 1) (fraction of the mean Hessian diagonal), got {self.damp}")
+        self.spec()  # validates bits / group size
+        for pattern in self.skip:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UsageError(f"--skip {pattern!r} is not a valid regular expression ({exc})") from exc
+
+
+@dataclass
+class QuantOutcome:
+    weights: dict[str, QuantizedWeight]
+    kept: list[str]
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def select_linears(model: DFlashDrafter, settings: QuantSettings) -> tuple[list[str], list[str]]:
+    """(to quantize, kept in bf16), in execution order; norms are never Linears, so never quantized."""
+    patterns = [re.compile(p) for p in PROFILES[settings.profile] + list(settings.skip)]
+    chosen, kept = [], []
+    for name in model.linear_names():
+        (kept if any(p.search(name) for p in patterns) else chosen).append(name)
+    if not chosen:
+        raise UsageError("the profile and --skip patterns leave no Linear to quantize; loosen --skip")
+    for name in chosen:
+        settings.spec().group_width(model.get_submodule(name).in_features, name)  # group size must divide the width
+    return chosen, kept
+
+
+def stages(names: list[str], kv_hessian: str) -> list[list[str]]:
+    """Sequential order: fc, then per layer q/k/v, o, gate/up, down (Linears sharing an input go together)."""
+    out: list[list[str]] = []
+    for name in names:
+        group = input_group(name, kv_hessian)
+        if out and input_group(out[-1][-1], kv_hessian) == group:
+            out[-1].append(name)
+        elif out and group.endswith(".kv") and out[-1][-1].endswith("q_proj"):
+            out[-1].append(name)  # q and k/v sit in one stage even with separate Hessians
+        else:
+            out.append([name])
+    return out
+
+
+def _quantize_one(
+    name: str, module: nn.Linear, acc: HessianAccumulator | None, settings: QuantSettings
+) -> tuple[QuantizedWeight, dict[str, Any]]:
+    spec = settings.spec()
+    weight = module.weight.detach().float()
+    entry: dict[str, Any] = {"name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size}
+    hessian = None
+    if acc is not None:
+        if acc.rows < settings.min_rows:
+            raise DFlashQuantError(
+                f"only {acc.rows} calibration rows reached {name} (need at least {settings.min_rows}); "
+                "raise --num-prompts or --max-new-tokens"
+            )
+        hessian = acc.hessian()
+        entry["hessian_rows"] = acc.rows
+    if settings.method == "gptq":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", GPTQFallbackWarning)
+            qw = gptq_quantize(
+                weight, hessian, spec, desc_act=settings.desc_act, static_groups=settings.static_groups,
+                damp_percent=settings.damp, block_size=settings.lazy_block, name=name,
+            )
+        for w in caught:
+            warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
+    else:
+        qw = rtn_quantize(weight, spec, name=name)
+    entry["damp"] = qw.damp_used
+    entry["fallback"] = qw.fallback
+    if hessian is not None:  # ||X dW^T|| / ||X W^T|| over the calibration rows
+        entry["rel_output_error"] = round(math.sqrt(max(relative_output_error(weight, qw.dequantize(), hessian), 0.0)), 6)
+    else:
+        entry["rel_output_error"] = None
+    return qw, entry
+
+
+def quantize_drafter(
+    model: DFlashDrafter,
+    stats: CalibrationStats | None,
+    settings: QuantSettings,
+    progress: Callable[[str], None] | None = None,
+) -> QuantOutcome:
+    """Quantize the chosen Linears in place (weights replaced by their dequantized values) and return codes."""
+    settings.check()
+    if settings.method == "gptq" and stats is None:
+        raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
+    if settings.sequential and (stats is None or stats.replay is None):
+        raise UsageError("sequential GPTQ needs recorded drafter inputs (calibration with replay)")
+    chosen, kept = select_linears(model, settings)
+    outcome = QuantOutcome(weights={}, kept=kept)
+    t0 = time.perf_counter()
+    kv_mode = stats.kv_hessian if stats is not None else "block"
+    for stage in stages(chosen, kv_mode):
+        accs: dict[str, HessianAccumulator] = {}
+        if stats is not None:
+            groups = {input_group(n, kv_mode) for n in stage}
+            missing = sorted(g for g in groups if g not in stats.hessians)
+            if missing and not settings.sequential:
+                raise DFlashQuantError(f"no calibration rows reached {missing[0]}; check the calibration prompts")
+            accs = replay_capture(model, stats.replay, groups, kv_mode) if settings.sequential else {g: stats.hessians[g] for g in groups}
+        for name in stage:
+            module = model.get_submodule(name)
+            acc = accs.get(input_group(name, kv_mode)) if stats is not None else None
+            qw, entry = _quantize_one(name, module, acc, settings)
+            with torch.no_grad():
+                module.weight.copy_(qw.dequantize().to(module.weight.dtype))
+            outcome.weights[name] = qw
+            outcome.layers.append(entry)
+            if progress:
+                progress(name)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    outcome.seconds = time.perf_counter() - t0
+    return outcome
