@@ -1,0 +1,117 @@
+"""`memory.json` for an artifact (schema in docs/artifact.md): weights by module/dtype, disk bytes, the bf16
+baseline comparison, resident memory measured on a device, the drafter's context KV per token, and
+optionally a 24 GB budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.memory.kv import kv_per_token, parse_shape, read_config
+from dflash_quant.memory.weights import disk_bytes, weights_from_files
+
+MEMORY_JSON = "memory.json"
+
+
+def measure_resident(artifact: Path, device: str) -> dict[str, Any]:
+    """Load the drafter with the project's loader and measure what it holds.
+
+    CUDA: the allocator peak during loading (torch.cuda.max_memory_allocated minus what was allocated before)
+    and what stays allocated. CPU: bytes of the loaded parameters and buffers. The loader dequantizes GPTQ
+    tensors to bf16, so for a quantized artifact this is the bf16 form; `packed_bytes` is what an int4 kernel
+    would keep resident instead (the packed tensors, from the safetensors headers).
+    """
+    import torch
+
+    from dflash_quant.loading import load_drafter
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DFlashQuantError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        loaded = load_drafter(str(artifact), device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        held = torch.cuda.memory_allocated(dev) - before
+        out = {"device": "cuda", "bytes": int(peak), "held_bytes": int(held), "method": "allocator peak"}
+    elif dev.type == "cpu":
+        loaded = load_drafter(str(artifact), device="cpu", dtype=torch.bfloat16)
+        tensors = list(loaded.model.parameters()) + list(loaded.model.buffers())
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        out = {"device": "cpu", "bytes": int(held), "held_bytes": int(held), "method": "tensor bytes"}
+    else:
+        raise DFlashQuantError(f"unsupported device {device!r}; use cpu or cuda")
+    out["form"] = "dequantized bf16" if loaded.quantization else "bf16"
+    del loaded
+    return out
+
+
+def build_memory_report(
+    artifact: Path,
+    *,
+    baseline: Path | None = None,
+    device: str | None = "cpu",
+    budget_24gb: dict | None = None,
+) -> dict[str, Any]:
+    artifact = Path(artifact)
+    rep = weights_from_files(artifact)
+    shape = parse_shape(read_config(artifact))
+    kv = kv_per_token(shape, "bfloat16")
+    report: dict[str, Any] = {
+        "artifact": str(artifact),
+        "weights": {
+            "total_bytes": rep.total_bytes,
+            "by_module": rep.by_module,
+            "by_dtype": rep.by_dtype,
+            "num_tensors": rep.num_tensors,
+            "params": rep.params,
+            "quantized_linears": rep.quantized_linears,
+            "packed_quantized_bytes": rep.packed_quantized_bytes,
+            "dequantized_bf16_bytes": rep.dequantized_bf16_bytes,
+        },
+        "disk_bytes": disk_bytes(artifact),
+        "baseline": None,
+        "resident": None,
+        "context_kv_bytes_per_token": kv.uncapped_bytes,
+        "context_kv": {
+            "dtype": "bfloat16",
+            "full_attention_bytes_per_token": kv.full_bytes,
+            "sliding_bytes_per_token": kv.sliding_bytes,
+            "sliding_window": kv.window,
+            "layers": len(shape.layer_types),
+        },
+        "budget_24gb": budget_24gb,
+    }
+    if baseline is not None:
+        base = weights_from_files(Path(baseline))
+        report["baseline"] = {
+            "path": str(baseline),
+            "total_bytes": base.total_bytes,
+            "disk_bytes": disk_bytes(Path(baseline)),
+            "ratio": round(rep.total_bytes / base.total_bytes, 4) if base.total_bytes else None,
+            "saved_bytes": base.total_bytes - rep.total_bytes,
+        }
+    if device:
+        res = measure_resident(artifact, device)
+        res["packed_bytes"] = rep.total_bytes
+        report["resident"] = res
+    return report
+
+
+def write_memory_json(report: dict, artifact: Path, out: Path | None = None) -> Path:
+    """Write memory.json (into the artifact by default) and refresh its manifest if it has one."""
+    target = Path(out) if out else Path(artifact) / MEMORY_JSON
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(target)
+    if out is None and (Path(artifact) / "manifest.json").is_file():
+        from dflash_quant.export.manifest import write_manifest
+
+        write_manifest(Path(artifact))
+    return target

@@ -1,0 +1,271 @@
+"""Weight bytes: read from safetensors headers (no tensor is loaded), or counted from a config.
+
+From files: every tensor's bytes by module and by dtype, the packed GPTQ bytes, and what the same
+weights take once dequantized to bf16 (what our loader and checker hold resident).
+
+From a config: the Linear matrices and other parameters of a Qwen3-style dense/MoE model, a Qwen3.5-style
+hybrid (Gated DeltaNet + gated full attention), or a DFlash drafter (fc + layers, no embedding/head), priced
+at bf16, fp8 (1 byte + one fp32 scale per output channel), or GPTQ v1 int8/int4 (qweight + qzeros + fp16 scales
+per group + int32 g_idx). Embeddings, lm_head, norms, convolutions and small gate projections stay bf16.
+Vision towers and MTP heads are not counted (text-only serving; pass --target-weights BYTES otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape
+
+ST_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+ST_DTYPE_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+_LAYER_RE = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)")
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of one .safetensors file (8-byte little-endian length + JSON)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ValueError("file shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * (1 << 20):
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as exc:
+        raise DFlashQuantError(f"{path} is not a readable safetensors file ({exc}); re-download or re-export it") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_files(root: Path) -> list[Path]:
+    root = Path(root)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
+        return [root / s for s in shards]
+    return sorted(root.glob("*.safetensors"))
+
+
+def module_of(name: str) -> str:
+    """'layers.0.self_attn.q_proj.qweight' -> 'layers.0.self_attn'; 'fc.weight' -> 'fc'."""
+    m = _LAYER_RE.match(name)
+    if m:
+        return m.group(1)
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+@dataclass
+class WeightReport:
+    total_bytes: int
+    by_module: dict[str, int]
+    by_dtype: dict[str, int]
+    num_tensors: int
+    files: list[str]
+    packed_quantized_bytes: int = 0  # bytes of qweight/qzeros/scales/g_idx
+    dequantized_bf16_bytes: int = 0  # all weights with quantized Linears expanded to bf16
+    quantized_linears: int = 0
+    params: int = 0  # logical parameters (a packed int4 weight counts out*in)
+
+    def as_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "by_module": self.by_module,
+            "by_dtype": self.by_dtype,
+            "num_tensors": self.num_tensors,
+            "packed_quantized_bytes": self.packed_quantized_bytes,
+            "dequantized_bf16_bytes": self.dequantized_bf16_bytes,
+            "quantized_linears": self.quantized_linears,
+            "params": self.params,
+        }
+
+
+def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
+    """Bytes of every tensor in root's safetensors files, from their headers."""
+    files = weight_files(root)
+    if not files:
+        raise DFlashQuantError(f"no *.safetensors weights in {root}; point at a model or artifact directory")
+    by_module: dict[str, int] = defaultdict(int)
+    by_dtype: dict[str, int] = defaultdict(int)
+    entries: dict[str, tuple[str, list[int], int]] = {}
+    for f in files:
+        if not f.is_file():
+            raise DFlashQuantError(f"{f} is missing (listed in the index); re-download the model")
+        for name, info in read_header(f).items():
+            dt = info.get("dtype")
+            if dt not in ST_DTYPE_BYTES:
+                raise DFlashQuantError(f"{f}: tensor {name} has unknown dtype {dt!r}")
+            start, end = info["data_offsets"]
+            nbytes = int(end) - int(start)
+            entries[name] = (dt, list(info.get("shape", [])), nbytes)
+            by_module[module_of(name)] += nbytes
+            by_dtype[ST_DTYPE_NAMES.get(dt, dt.lower())] += nbytes
+    if bits is None:
+        qc = _quant_config(root)
+        bits = int(qc.get("bits", 4)) if qc else 4
+    packed = 0
+    dequant = 0
+    params = 0
+    nq = 0
+    bases = {n[: -len(".qweight")] for n in entries if n.endswith(".qweight")}
+    for name, (dt, shape, nbytes) in entries.items():
+        base, _, suffix = name.rpartition(".")
+        if base in bases and suffix in GPTQ_SUFFIXES:
+            packed += nbytes
+            if suffix == "qweight":
+                rows, out = shape
+                n_in = rows * 32 // bits
+                dequant += n_in * out * 2
+                params += n_in * out
+                nq += 1
+            continue
+        dequant += nbytes
+        numel = 1
+        for s in shape:
+            numel *= s
+        params += numel
+    return WeightReport(
+        total_bytes=sum(by_dtype.values()),
+        by_module=dict(sorted(by_module.items(), key=_natural)),
+        by_dtype=dict(sorted(by_dtype.items())),
+        num_tensors=len(entries),
+        files=[f.name for f in files],
+        packed_quantized_bytes=packed,
+        dequantized_bf16_bytes=dequant,
+        quantized_linears=nq,
+        params=params,
+    )
+
+
+def _natural(item: tuple[str, int]) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0])]
+
+
+def _quant_config(root: Path) -> dict | None:
+    for name in ("quantize_config.json", "config.json"):
+        p = Path(root) / name
+        if p.is_file():
+            try:
+                data = json.loads(p.read_text())
+            except json.JSONDecodeError:
+                continue
+            if name == "config.json":
+                data = data.get("quantization_config")
+            if isinstance(data, dict) and data:
+                return data
+    return None
+
+
+def disk_bytes(root: Path) -> int:
+    """Every file under root (what a download costs)."""
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------------------------- from a config
+
+
+@dataclass
+class ParamCount:
+    linears: list[tuple[str, int, int]] = field(default_factory=list)  # (group, in, out) for quantizable matrices
+    other: dict[str, int] = field(default_factory=dict)  # group -> params kept in bf16 (embeddings, norms, ...)
+
+    @property
+    def linear_params(self) -> int:
+        return sum(i * o for _, i, o in self.linears)
+
+    @property
+    def total_params(self) -> int:
+        return self.linear_params + sum(self.other.values())
+
+
+def count_params(shape: ModelShape) -> ParamCount:
+    """Parameters implied by a config (see the module docstring for what is covered)."""
+    h, inter = shape.hidden_size, shape.intermediate_size
+    pc = ParamCount()
+    other: dict[str, int] = defaultdict(int)
+    q_out = shape.num_attention_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    if shape.is_drafter:
+        pc.linears.append(("fc", shape.num_taps * h, h))
+        other["norms"] += 2 * h  # hidden_norm, norm
+    else:
+        other["embed_tokens"] += shape.vocab_size * h
+        if not shape.tie_word_embeddings:
+            other["lm_head"] += shape.vocab_size * h
+        other["norms"] += h
+    r = shape.recurrent
+    for kind in shape.layer_types:
+        if kind in (FULL, SLIDING):
+            pc.linears += [
+                ("attention", h, q_out * (2 if shape.attn_output_gate else 1)),
+                ("attention", h, kv_out),
+                ("attention", h, kv_out),
+                ("attention", q_out, h),
+            ]
+            other["norms"] += 2 * shape.head_dim  # q_norm, k_norm
+        elif kind == LINEAR and r is not None:
+            vd = r.v_heads * r.v_dim
+            pc.linears += [("linear_attention", h, r.conv_dim), ("linear_attention", h, vd), ("linear_attention", vd, h)]
+            other["linear_attention_small"] += 2 * h * r.v_heads  # in_proj_a, in_proj_b
+            other["linear_attention_small"] += r.conv_dim * r.conv_kernel + 2 * r.v_heads + r.v_dim
+        elif kind == MAMBA and r is not None:
+            d_inner = r.v_heads * r.v_dim
+            pc.linears += [("mamba", h, 2 * d_inner + (r.conv_dim - d_inner) + r.v_heads), ("mamba", d_inner, h)]
+            other["mamba_small"] += r.conv_dim * r.conv_kernel + 3 * r.v_heads + d_inner
+        if shape.num_experts and shape.moe_intermediate_size:
+            e, mi = shape.num_experts, shape.moe_intermediate_size
+            pc.linears += [("moe_experts", h, 2 * mi)] * e + [("moe_experts", mi, h)] * e
+            other["router"] += h * e
+            if shape.shared_expert_intermediate_size:
+                si = shape.shared_expert_intermediate_size
+                pc.linears += [("mlp", h, 2 * si), ("mlp", si, h)]
+                other["router"] += h
+        elif not (kind == MAMBA and "hybrid_override_pattern" in shape.raw):  # NemotronH: mamba layers have no MLP
+            pc.linears += [("mlp", h, 2 * inter), ("mlp", inter, h)]
+        other["norms"] += 2 * h
+    pc.other = dict(other)
+    return pc
+
+
+WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4")
+
+
+def gptq_matrix_bytes(n_in: int, n_out: int, bits: int, group_size: int = 128) -> int:
+    """GPTQ v1 bytes of one Linear: qweight + qzeros + fp16 scales + int32 g_idx."""
+    groups = -(-n_in // group_size) if group_size > 0 else 1
+    qweight = -(-n_in * bits // 32) * n_out * 4
+    qzeros = groups * (-(-n_out * bits // 32)) * 4
+    scales = groups * n_out * 2
+    g_idx = n_in * 4
+    return qweight + qzeros + scales + g_idx
+
+
+def priced_bytes(pc: ParamCount, fmt: str, group_size: int = 128) -> int:
+    """Bytes of the counted parameters stored in `fmt` (non-Linear parameters stay bf16)."""
+    fmt = fmt.lower()
+    if fmt not in WEIGHT_FORMATS:
+        raise UsageError(f"unknown weight format {fmt!r}; use one of {', '.join(WEIGHT_FORMATS)} or a size like 17.8GB")
+    rest = 2 * sum(pc.other.values())
+    if fmt in ("bf16", "fp16"):
+        return 2 * pc.linear_params + rest
+    if fmt == "fp8":
+        return sum(i * o + 4 * o for _, i, o in pc.linears) + rest
+    bits = 8 if fmt == "int8" else 4
+    return sum(gptq_matrix_bytes(i, o, bits, group_size) for _, i, o in pc.linears) + rest
