@@ -45,6 +45,7 @@ from dflash_quant.memory.budget import (  # noqa: E402
     resolve_target,
 )
 from dflash_quant.memory.gpus import GiB, fmt_bytes  # noqa: E402
+from dflash_quant.memory.kv import read_config  # noqa: E402
 
 SHAPES = {
     "qwen3-8b": (
@@ -128,6 +129,7 @@ def build_random(case: str, device: torch.device):
         with torch.device(device):
             target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
             drafter = DFlashDrafter(parse_draft_config(dict(d_cfg), source=case)).to(torch.bfloat16).eval()
+        target, drafter = target.to(device), drafter.to(device)
     finally:
         torch.set_default_dtype(prev)
     target_dict = {**t_cfg, "torch_dtype": "bfloat16", "architectures": ["Qwen3ForCausalLM"]}
@@ -177,8 +179,9 @@ def run_case(name, target, drafter, t_src, d_src, context, new_tokens, device, g
     generated = len(res.tokens)
 
     engine = "reference"
-    t_spec = resolve_target(t_src, None if isinstance(t_src, str) else "bf16", engine=engine)
-    d_spec = resolve_drafter(d_src).as_model("bf16")
+    # weights counted from the configs at bf16 (the dtype the models run in), not read from the files
+    t_spec = resolve_target(read_config(t_src), "bf16", engine=engine)
+    d_spec = resolve_drafter(read_config(d_src)).as_model("bf16")
     settings = BudgetSettings(gpu_name=str(device), gpu_bytes=gpu_bytes, context=prompt + generated,
                               concurrency=1, spec_tokens=(d_spec.shape.block_size or 16) - 1, engine=engine,
                               new_tokens=generated)  # fmt: skip

@@ -111,11 +111,9 @@ def _print_budget(rep: dict) -> None:
 
     forms = list(rep["budgets"])
     s = rep["settings"]
-    title = (
-        f"{rep['gpu']['name']} ({fmt_bytes(rep['gpu']['total_bytes'])}), engine {rep['engine']}, "
-        f"context {s['context']}, concurrency {s['concurrency']}, K={s['spec_tokens']}"
-    )
-    table = Table(title=title, title_justify="left")
+    title = f"{rep['gpu']['name']} ({fmt_bytes(rep['gpu']['total_bytes'])}), engine {rep['engine']}"
+    caption = f"context {s['context']}, concurrency {s['concurrency']}, K={s['spec_tokens']}"
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     table.add_column("component")
     for f in forms:
         table.add_column(f"{f} drafter", justify="right")
