@@ -1,0 +1,265 @@
+"""Textbook GPTQ (Frantar et al., 2022) in fp32: Hessian statistics and the column-by-column solver.
+
+For one Linear y = x W^T, GPTQ minimises ||X W^T - X Q^T||^2 using H = 2 X^T X / n: it quantizes one input
+column at a time and spreads that column's rounding error over the columns not yet quantized, weighted by
+the Cholesky factor of H^-1. Updates are applied lazily in blocks of `block_size` columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.quantize.grid import (
+    QuantizedWeight,
+    QuantSpec,
+    dequantize_codes,
+    find_params,
+    group_params,
+    quantize_codes,
+)
+from dflash_quant.quantize.rtn import rtn_quantize
+
+log = logging.getLogger(__name__)
+
+DAMP_STEP = 10.0  # each retry multiplies damp by this
+DAMP_TRIES = 4  # 0.01 -> 0.1 -> 1 -> 10 (x mean diagonal) before giving up
+
+
+class GPTQFallbackWarning(UserWarning):
+    """A layer was quantized with round-to-nearest because its Hessian could not be factorized."""
+
+
+class HessianAccumulator:
+    """Streaming sum of X^T X (fp32, [in, in]) over calibration rows of one layer's input."""
+
+    def __init__(self, in_features: int, *, name: str = "", device: torch.device | str | None = None):
+        if in_features <= 0:
+            raise UsageError(f"layer {name!r}: in_features must be positive, got {in_features}")
+        self.in_features = in_features
+        self.name = name
+        self.rows = 0
+        self._xtx = None if device is None else torch.zeros(in_features, in_features, device=device)
+
+    @property
+    def xtx(self) -> torch.Tensor | None:
+        return self._xtx
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._xtx is None else self._xtx.device
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add inputs of shape [..., in] (any float dtype); the first call fixes the device."""
+        if x.shape[-1] != self.in_features:
+            raise DFlashQuantError(
+                f"layer {self.name!r}: calibration input width {x.shape[-1]} != in_features {self.in_features}"
+            )
+        x = x.detach().reshape(-1, self.in_features)
+        if x.shape[0] == 0:
+            return
+        if not torch.isfinite(x).all():
+            bad = int((~torch.isfinite(x)).any(dim=1).sum())
+            raise DFlashQuantError(
+                f"layer {self.name!r}: {bad} calibration rows contain NaN/inf; "
+                "check the drafter's forward in this dtype or drop the offending prompts"
+            )
+        if self._xtx is None:
+            self._xtx = torch.zeros(self.in_features, self.in_features, device=x.device)
+        # Chunks of at most in_features rows: the fp32 copy never outgrows the Hessian itself.
+        for start in range(0, x.shape[0], self.in_features):
+            chunk = x[start : start + self.in_features].to(device=self._xtx.device, dtype=torch.float32)
+            self._xtx.addmm_(chunk.T, chunk)
+        self.rows += x.shape[0]
+
+    def merge(self, other: "HessianAccumulator") -> "HessianAccumulator":
+        """Add another accumulator's rows into this one (e.g. q/k/v sharing one input)."""
+        if other.in_features != self.in_features:
+            raise DFlashQuantError(
+                f"cannot merge Hessians of width {other.in_features} ({other.name!r}) into {self.in_features} ({self.name!r})"
+            )
+        if other._xtx is not None:
+            if self._xtx is None:
+                self._xtx = other._xtx.detach().clone().float()
+            else:
+                self._xtx += other._xtx.to(self._xtx.device, torch.float32)
+        self.rows += other.rows
+        return self
+
+    def hessian(self) -> torch.Tensor:
+        """H = 2 X^T X / rows (fp32, a new tensor)."""
+        if self.rows == 0 or self._xtx is None:
+            raise DFlashQuantError(
+                f"layer {self.name!r}: no calibration rows were collected; check that calibration reaches this layer"
+            )
+        return self._xtx * (2.0 / self.rows)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat tensors (safetensors-friendly): xtx fp32 [in, in] and rows int64 [1]."""
+        xtx = self._xtx if self._xtx is not None else torch.zeros(self.in_features, self.in_features)
+        return {"xtx": xtx.contiguous(), "rows": torch.tensor([self.rows], dtype=torch.int64)}
+
+    @classmethod
+    def from_state_dict(
+        cls, state: dict[str, torch.Tensor], *, name: str = "", device: torch.device | str | None = None
+    ) -> "HessianAccumulator":
+        if "xtx" not in state or "rows" not in state:
+            raise DFlashQuantError(f"layer {name!r}: Hessian cache lacks 'xtx'/'rows'; delete the cache and recollect")
+        xtx = state["xtx"]
+        if xtx.dim() != 2 or xtx.shape[0] != xtx.shape[1]:
+            raise DFlashQuantError(f"layer {name!r}: cached Hessian has shape {tuple(xtx.shape)}, expected square")
+        acc = cls(xtx.shape[0], name=name)
+        acc._xtx = xtx.to(device=device if device is not None else xtx.device, dtype=torch.float32).clone()
+        acc.rows = int(state["rows"].reshape(-1)[0])
+        return acc
+
+
+def _damped_inverse_factor(
+    H: torch.Tensor, damp_percent: float, tries: int
+) -> tuple[torch.Tensor | None, float]:
+    """Upper Cholesky factor of (H + damp*mean(diag H)*I)^-1, raising damp x10 on failure; (None, last damp) if hopeless."""
+    mean = H.diagonal().mean()
+    damp = damp_percent
+    if not torch.isfinite(mean) or mean <= 0:
+        return None, damp
+    for attempt in range(tries):
+        if attempt:
+            damp *= DAMP_STEP
+        Hd = H.clone()
+        Hd.diagonal().add_(damp * mean)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) != 0:
+            continue
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        if int(info) == 0 and torch.isfinite(U).all():
+            return U, damp
+    return None, damp
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | HessianAccumulator,
+    spec: QuantSpec,
+    *,
+    desc_act: bool = False,
+    static_groups: bool = False,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    name: str = "",
+    damp_tries: int = DAMP_TRIES,
+) -> QuantizedWeight:
+    """GPTQ-quantize `weight` [out, in] against `hessian` [in, in]; runs on the weight's device in fp32."""
+    if weight.dim() != 2:
+        raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    if isinstance(hessian, HessianAccumulator):
+        hessian = hessian.hessian()
+    out_features, in_features = weight.shape
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise DFlashQuantError(
+            f"layer {name!r}: Hessian shape {tuple(hessian.shape)} does not match the weight's input width {in_features}"
+        )
+    if not damp_percent > 0:
+        raise UsageError(f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}")
+    if block_size <= 0:
+        raise UsageError(f"block_size must be positive, got {block_size}")
+    width = spec.group_width(in_features, name)
+    grouped = spec.group_size != -1
+    W = weight.detach().float().clone()
+    if not torch.isfinite(W).all():
+        raise DFlashQuantError(f"layer {name!r}: weight has NaN/inf values; fix the checkpoint before quantizing")
+    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()
+    if not torch.isfinite(H).all():
+        raise DFlashQuantError(f"layer {name!r}: Hessian has NaN/inf values; recollect calibration statistics")
+
+    # Inputs that were always zero carry no signal: pin their Hessian diagonal, drop the weight column.
+    dead = H.diagonal() == 0
+    H.diagonal().masked_fill_(dead, 1.0)
+    W.masked_fill_(dead.unsqueeze(0), 0.0)
+
+    n_groups = in_features // width
+    scales: list[torch.Tensor | None] = [None] * n_groups
+    zeros: list[torch.Tensor | None] = [None] * n_groups
+    precomputed = not grouped or static_groups
+    if precomputed:
+        # Per-row (group -1) or static groups: parameters come from the unpermuted weight, up front.
+        s, z = group_params(W, spec, name)
+        scales, zeros = list(s), list(z)
+
+    order = torch.arange(in_features, device=W.device)
+    if desc_act:
+        order = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W = W[:, order]
+        H = H[order][:, order]
+    # Group of the column processed at step j: static groups follow the original column index.
+    col_group = (order if (static_groups or not grouped) else torch.arange(in_features, device=W.device)) // width
+    col_group_list = col_group.tolist()
+
+    Hinv, damp_used = _damped_inverse_factor(H, damp_percent, damp_tries)
+    del H
+    if Hinv is None:
+        why = f"rtn: Hessian not positive definite even at damp {damp_used:g} x mean diagonal"
+        msg = f"GPTQ fell back to round-to-nearest for layer {name!r} ({why})"
+        warnings.warn(msg, GPTQFallbackWarning, stacklevel=2)
+        log.warning(msg)
+        qw = rtn_quantize(weight, spec, name=name, fallback=why)
+        qw.damp_used = damp_used
+        return qw
+    if damp_used != damp_percent:
+        log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
+
+    maxq = spec.maxq
+    Q = torch.empty_like(W)
+    for i1 in range(0, in_features, block_size):
+        i2 = min(i1 + block_size, in_features)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            g = col_group_list[j]
+            if not precomputed and j % width == 0:
+                # Group starts here: take min/max over its columns as they are *now* (errors so far applied).
+                end = j + width
+                cols = W1[:, i : min(end, i2) - i1]
+                if end > i2:
+                    pending = W[:, i2:end] - Err1[:, :i] @ Hinv[i1:j, i2:end]
+                    cols = torch.cat([cols, pending], dim=1)
+                scales[g], zeros[g] = find_params(cols, spec)
+            s, z = scales[g], zeros[g]
+            w = W1[:, i]
+            q = quantize_codes(w, s, z, maxq)
+            Q[:, j] = q
+            err = (w - dequantize_codes(q, s, z)) / Hinv1[i, i]
+            W1[:, i:].sub_(err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0))
+            Err1[:, i] = err
+        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
+
+    g_idx = torch.empty(in_features, dtype=torch.int32, device=W.device)
+    g_idx[order] = col_group.to(torch.int32)
+    codes = torch.empty_like(Q)
+    codes[:, order] = Q
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8),
+        scales=torch.stack(scales),
+        zeros=torch.stack(zeros).to(torch.int32),
+        g_idx=g_idx,
+        spec=spec,
+        desc_act=desc_act,
+        static_groups=static_groups,
+        damp_used=damp_used,
+        fallback=None,
+        name=name,
+    )
+
+
+def relative_output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor) -> float:
+    """||X (W - Wq)^T||^2 / ||X W^T||^2 computed through H (proportional to X^T X), in fp32."""
+    W = weight.float()
+    E = W - dequantized.to(W.device, torch.float32)
+    H = hessian.to(W.device, torch.float32)
+    num = ((E @ H) * E).sum()
+    den = ((W @ H) * W).sum()
+    return float(num / den) if den > 0 else float("nan")
