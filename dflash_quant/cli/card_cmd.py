@@ -1,0 +1,37 @@
+"""`dflash-quant card ARTIFACT`: write the model card (README.md + acceptance.png) from the artifact's reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dflash_quant.cli.common import err_console, handle_errors, print_json
+from dflash_quant.errors import UsageError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("card")
+    @handle_errors
+    def card(
+        artifact: Path = typer.Argument(..., help="Artifact directory written by `dflash-quant gptq`."),
+        repo_id: str = typer.Option(None, "--repo-id", help="Hub id to use in the serving commands (ORG/NAME)."),
+        json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON on stdout."),
+    ) -> None:
+        """Write README.md (Hub metadata, parity and memory tables, serving notes) and acceptance.png."""
+        from dflash_quant.model_cards.card import CHART_NAME, load_reports, write_card
+
+        if not artifact.is_dir():
+            raise UsageError(f"{artifact} is not a directory; pass the --output of `dflash-quant gptq`")
+        readme = write_card(artifact, repo_id=repo_id)
+        _, problems = load_reports(artifact)
+        for name, problem in problems.items():
+            err_console.print(f"note: {name} is {problem}; its card section says 'not measured'", highlight=False)
+        chart = artifact / CHART_NAME
+        err_console.print(f"wrote {readme}" + (f" and {chart}" if chart.is_file() else ""), highlight=False)
+        if json_out:
+            print_json({
+                "readme": str(readme),
+                "chart": str(chart) if chart.is_file() else None,
+                "missing_reports": problems,
+            })

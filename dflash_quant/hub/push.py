@@ -1,0 +1,479 @@
+"""Publish a quantized-drafter artifact on the Hugging Face Hub in one commit.
+
+Flow: check the artifact (manifest hashes, required files, parity passing) -> create the repo if needed
+-> create the branch if needed -> `HfApi.create_commit` with one `CommitOperationAdd` per file listed
+in the manifest (plus manifest.json). huggingface_hub decides per file, from the Hub's preupload answer,
+whether it travels inline in the commit or as a large file (xet when hf_xet is installed and not disabled,
+otherwise the git-LFS batch API + PUT).
+
+`create_commit` is used instead of `upload_folder`: with hf_xet installed, huggingface_hub 2.x routes
+`upload_folder` through its streamed pipeline, which may split a folder into several commits; a
+drafter release must be one commit, and must contain exactly the files the manifest vouches for.
+
+The token is resolved by huggingface_hub (HF_TOKEN, then the login cache) and only ever handed to
+HfApi; it never appears in a message, a log line or a file written here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dflash_quant import __version__
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.export.manifest import MANIFEST, load_manifest, verify_manifest
+
+REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "parity.json",
+                  "README.md", MANIFEST)
+RECOMMENDED_FILES = ("quant_report.json", "memory.json")
+
+# The Hub stores these as large files (the default .gitattributes of a new model repo), as well as any
+# file of 10 MB or more and any binary file (NUL byte in the first 512 bytes, the `sample` huggingface_hub
+# sends to preupload). The Hub's preupload answer is what counts; this only predicts it for --dry-run.
+LFS_PATTERNS = ("*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gz", "*.h5", "*.joblib", "*.lfs.*",
+                "*.mlmodel", "*.model", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.ot", "*.parquet", "*.pb",
+                "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "*.tar.*", "*.tar", "*.tflite",
+                "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*")
+LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
+SAMPLE_BYTES = 512
+
+TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)
+MAX_ATTEMPTS = 3
+RETRY_WAIT_S = 1.0
+
+
+@dataclass
+class PlannedFile:
+    path: str
+    bytes: int
+    large_file: bool
+    why: str
+
+
+@dataclass
+class PushPlan:
+    artifact: str
+    repo_id: str
+    revision: str
+    create_pr: bool
+    private: bool
+    endpoint: str
+    commit_message: str
+    commit_description: str
+    files: list[PlannedFile] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["num_files"] = len(self.files)
+        return d
+
+
+@dataclass
+class PushResult:
+    commit_url: str
+    commit_oid: str
+    pr_url: str | None
+    repo_url: str
+    revision: str
+    num_files: int
+    total_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def inspect_artifact(artifact_dir: Path) -> tuple[list[str], list[str]]:
+    """(blocking problems, notes). Blocking problems stop a push unless forced."""
+    root = Path(artifact_dir)
+    blocking: list[str] = []
+    notes: list[str] = []
+    for name in REQUIRED_FILES:
+        if not (root / name).is_file():
+            blocking.append(f"required file {name} is missing")
+    for name in RECOMMENDED_FILES:
+        if not (root / name).is_file():
+            notes.append(f"{name} is missing; the card says 'not measured' for it")
+    if (root / MANIFEST).is_file():
+        blocking += [f"manifest: {p}" for p in verify_manifest(root)]
+    parity_path = root / "parity.json"
+    if parity_path.is_file():
+        try:
+            parity = json.loads(parity_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            blocking.append(f"parity.json is unreadable ({exc.__class__.__name__})")
+        else:
+            if not isinstance(parity, dict) or parity.get("passed") is not True:
+                why = "; ".join(str(r) for r in (parity.get("reasons") or [])) if isinstance(parity, dict) else ""
+                ratio = parity.get("tau_ratio") if isinstance(parity, dict) else None
+                detail = f"tau ratio {ratio}" if isinstance(ratio, (int, float)) else "no passing verdict"
+                blocking.append(f"parity check did not pass ({detail}{'; ' + why if why else ''})")
+    return blocking, notes
+
+
+def check_artifact(artifact_dir: Path, force: bool = False) -> list[str]:
+    """Warnings to show before a push. Raises DFlashQuantError on blocking problems unless `force`."""
+    root = Path(artifact_dir)
+    if not root.is_dir():
+        raise DFlashQuantError(f"artifact directory {root} does not exist; pass the --output of `dflash-quant gptq`")
+    if not any(p.is_file() for p in root.iterdir()):
+        raise DFlashQuantError(f"artifact directory {root} is empty; nothing to push")
+    blocking, notes = inspect_artifact(root)
+    if blocking and not force:
+        raise DFlashQuantError(
+            f"refusing to push {root}: " + "; ".join(blocking)
+            + ". Fix the artifact (re-run `dflash-quant gptq`, or `dflash-quant card` to refresh the manifest) "
+            "or pass --force to push it anyway"
+        )
+    warnings = [f"--force: pushing despite: {p}" for p in blocking] if blocking else []
+    return warnings + notes
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _upload_files(root: Path) -> list[Path]:
+    """The manifest's files plus manifest.json itself; without a manifest, every non-hidden file."""
+    root = Path(root)
+    names: list[str] = []
+    if (root / MANIFEST).is_file():
+        try:
+            names = sorted(load_manifest(root).get("files", {}))
+        except DFlashQuantError:
+            names = []
+    if not names:
+        names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    files = [root / n for n in names if (root / n).is_file()]
+    if (root / MANIFEST).is_file() and root / MANIFEST not in files:
+        files.append(root / MANIFEST)
+    return files
+
+
+def predict_large_file(path: Path, size: int) -> tuple[bool, str]:
+    name = path.name
+    if any(fnmatch.fnmatch(name, pattern) for pattern in LFS_PATTERNS):
+        return True, "large file (matches the Hub's default .gitattributes)"
+    if size >= LFS_SIZE_THRESHOLD:
+        return True, "large file (10 MB or more)"
+    with open(path, "rb") as fh:
+        if b"\x00" in fh.read(SAMPLE_BYTES):
+            return True, "large file (binary content)"
+    return False, "inline in the commit"
+
+
+def default_commit_message(artifact_dir: Path) -> str:
+    root = Path(artifact_dir)
+    bits = group = None
+    try:
+        q = json.loads((root / "quantize_config.json").read_text(encoding="utf-8"))
+        bits, group = q.get("bits"), q.get("group_size")
+    except (OSError, ValueError):
+        pass
+    recipe = f"GPTQ int{bits}" + (f" g{group}" if group else "") if bits else "GPTQ"
+    return f"Upload {recipe} DFlash drafter (dflash-quant {__version__})"
+
+
+def _commit_description(artifact_dir: Path) -> str:
+    try:
+        parity = json.loads((Path(artifact_dir) / "parity.json").read_text(encoding="utf-8"))
+        base, quant = parity["baseline"]["tau"], parity["quantized"]["tau"]
+        return f"Acceptance parity: tau bf16 {base:.3f}, quantized {quant:.3f} (passed: {parity.get('passed')})."
+    except (OSError, ValueError, KeyError, TypeError):
+        return "Acceptance parity: not measured."
+
+
+def _resolve_endpoint(endpoint: str | None) -> str:
+    if endpoint:
+        return endpoint.rstrip("/")
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def validate_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id as _hf_validate
+
+    if not repo_id or repo_id.count("/") != 1:
+        raise UsageError(f"--repo-id must be ORG/NAME (got {repo_id!r})")
+    try:
+        _hf_validate(repo_id)
+    except HFValidationError as exc:
+        raise UsageError(f"--repo-id {repo_id!r} is not a valid Hub repo id: {str(exc).splitlines()[0]}") from exc
+
+
+def plan_push(
+    artifact_dir: Path,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    create_pr: bool = False,
+    private: bool = False,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+) -> PushPlan:
+    """What a push would send: no network call, no token needed."""
+    validate_repo_id(repo_id)
+    if create_pr and revision not in (None, "main"):
+        raise UsageError("--create-pr opens a pull request against main; do not combine it with --revision")
+    root = Path(artifact_dir)
+    plan = PushPlan(
+        artifact=str(root), repo_id=repo_id, revision=revision or "main", create_pr=create_pr, private=private,
+        endpoint=_resolve_endpoint(endpoint),
+        commit_message=commit_message or default_commit_message(root),
+        commit_description=_commit_description(root),
+    )
+    for path in _upload_files(root):
+        size = path.stat().st_size
+        large, why = predict_large_file(path, size)
+        plan.files.append(PlannedFile(path.relative_to(root).as_posix(), size, large, why))
+    return plan
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _request_url(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    try:
+        return str(response.request.url) if response is not None else ""
+    except Exception:
+        return ""
+
+
+def _server_message(exc: BaseException) -> str:
+    msg = getattr(exc, "server_message", None) or ""
+    return str(msg).strip().splitlines()[0][:200] if msg else ""
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    seen = set()
+    while exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    import httpx2
+
+    return _status(exc) is None and any(
+        isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)) for e in _chain(exc))
+
+
+def _is_connect_error(exc: BaseException) -> bool:
+    import httpx2
+
+    return any(isinstance(e, (httpx2.ConnectError, ConnectionRefusedError)) for e in _chain(exc))
+
+
+def _is_offline(exc: BaseException) -> bool:
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    return any(isinstance(e, OfflineModeIsEnabled) for e in _chain(exc))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth another attempt: 408/429/5xx answers, timeouts and dropped connections (not refused ones)."""
+    if _is_offline(exc):
+        return False
+    status = _status(exc)
+    if status is not None:
+        return status in TRANSIENT_STATUS
+    if _is_connect_error(exc):
+        return False
+    return _is_network_error(exc)
+
+
+def _scrub(text: str, token: str | None) -> str:
+    if token:
+        text = text.replace(token, "***")
+    return text
+
+
+def explain(exc: BaseException, *, stage: str, repo_id: str, endpoint: str, revision: str,
+            token: str | None = None, attempts: int = 1) -> str:
+    """One line naming the problem and the fix."""
+    status = _status(exc)
+    server = _server_message(exc)
+    extra = f" (server said: {server})" if server else ""
+    namespace = repo_id.split("/")[0]
+    tried = f" after {attempts} attempts" if attempts > 1 else ""
+    if status == 401:
+        msg = (f"{endpoint} rejected the token while {stage} (401 Unauthorized){extra}: set HF_TOKEN to a valid "
+               "write token or run `hf auth login`")
+    elif status == 403:
+        msg = (f"no write access to '{namespace}' on {endpoint} while {stage} (403 Forbidden){extra}: use a token "
+               f"with write permission for '{namespace}', or push to a namespace you own")
+    elif status == 404:
+        if "revision" in exc.__class__.__name__.lower():
+            msg = f"branch '{revision}' of {repo_id} was not found while {stage} (404){extra}: check --revision"
+        else:
+            msg = (f"{repo_id} was not found on {endpoint} while {stage} (404){extra}: check --repo-id and "
+                   "--endpoint; a private repo is invisible to a token without access")
+    elif status == 409:
+        msg = (f"conflict while {stage} on {repo_id}@{revision} (409){extra}: the branch changed or another "
+               "operation is running; retry, or push to a new --revision or with --create-pr")
+    elif status == 429:
+        msg = f"rate limited by {endpoint} while {stage}{tried} (429){extra}: wait a few minutes and retry"
+    elif status is not None and status >= 500:
+        msg = f"{endpoint} failed while {stage}{tried} (HTTP {status}){extra}: the Hub had a problem; retry later"
+    elif status is not None:
+        msg = f"{endpoint} refused the request while {stage} (HTTP {status}){extra}"
+    elif _is_offline(exc):
+        msg = (f"huggingface_hub is in offline mode (HF_HUB_OFFLINE is set) while {stage}: unset HF_HUB_OFFLINE "
+               "(or set it to 0) to push")
+    elif _is_connect_error(exc):
+        msg = (f"cannot connect to {endpoint} while {stage}: check --endpoint / HF_ENDPOINT and your network "
+               "(proxy, firewall, offline mode)")
+    elif _is_network_error(exc):
+        cause = _root_cause(exc)
+        msg = (f"network error talking to {endpoint} while {stage}{tried} ({cause.__class__.__name__}): "
+               "check your network and retry")
+    else:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        msg = f"push failed while {stage}: {first}"
+    return _scrub(msg, token)
+
+
+# --------------------------------------------------------------------------- push
+
+
+def _retrying(fn: Callable[[], Any], *, stage: str, log: Callable[[str], None], retry: bool = True,
+              library_retried: Callable[[BaseException], bool] | None = None) -> tuple[Any, int]:
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn(), attempt
+        except Exception as exc:
+            again = (retry and attempt < MAX_ATTEMPTS and is_transient(exc)
+                     and not (library_retried is not None and library_retried(exc)))
+            if not again:
+                exc.__dict__["_dfq_attempts"] = attempt
+                raise
+            wait = RETRY_WAIT_S * (2 ** (attempt - 1))
+            status = _status(exc)
+            what = f"HTTP {status}" if status is not None else _root_cause(exc).__class__.__name__
+            log(f"{stage}: {what}; retrying in {wait:.0f}s (attempt {attempt + 1}/{MAX_ATTEMPTS})")
+            time.sleep(wait)
+
+
+def _already_retried_by_hub(exc: BaseException) -> bool:
+    """huggingface_hub retries preupload, LFS batch and LFS PUT itself (http_backoff); not commit/validate."""
+    if isinstance(exc, RuntimeError) and "Error while uploading" in str(exc):  # LFS PUT (http_backoff)
+        return True
+    url = _request_url(exc)
+    return any(part in url for part in ("/preupload/", "/info/lfs/"))
+
+
+def _check_no_token_in_files(files: list[Path], token: str) -> None:
+    needle = token.encode()
+    for path in files:
+        if path.stat().st_size > LFS_SIZE_THRESHOLD:
+            continue
+        if needle in path.read_bytes():
+            raise DFlashQuantError(f"{path.name} contains your Hugging Face token; remove it from the artifact "
+                                   "before pushing (and revoke the token)")
+
+
+def resolve_token(token: str | None) -> str:
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    found = get_token()
+    if not found:
+        raise DFlashQuantError("no Hugging Face token found: set HF_TOKEN to a write token or run `hf auth login`")
+    return found
+
+
+def push_artifact(
+    artifact_dir: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> PushResult:
+    """Check, then create repo/branch if needed and upload the artifact in one commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    log = log or (lambda _msg: None)
+    root = Path(artifact_dir)
+    for warning in check_artifact(root, force=force):
+        log(f"warning: {warning}")
+    plan = plan_push(root, repo_id, revision=revision, create_pr=create_pr, private=private,
+                     commit_message=commit_message, endpoint=endpoint)
+    secret = resolve_token(token)
+    paths = [root / f.path for f in plan.files]
+    _check_no_token_in_files(paths, secret)
+    api = HfApi(endpoint=plan.endpoint, token=secret, library_name="dflash-quant", library_version=__version__)
+    branch = None if plan.revision == "main" else plan.revision
+
+    stage = "creating the repository"
+    attempts = 1
+    try:
+        log(f"creating {repo_id} on {plan.endpoint} if needed")
+        repo_url, attempts = _retrying(
+            lambda: api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True),
+            stage=stage, log=log)
+        if branch is not None:
+            stage = f"creating branch '{branch}'"
+            log(f"creating branch {branch} if needed")
+            _, attempts = _retrying(
+                lambda: api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True),
+                stage=stage, log=log)
+        stage = "uploading the files and committing"
+        log(f"uploading {len(plan.files)} files ({plan.total_bytes:,} bytes) in one commit")
+
+        def commit():
+            operations = [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(root / f.path))
+                          for f in plan.files]
+            return api.create_commit(
+                repo_id, operations, commit_message=plan.commit_message,
+                commit_description=plan.commit_description, repo_type="model", revision=branch,
+                create_pr=create_pr or None)
+
+        # A retried commit with create_pr could open a second pull request: no retries then.
+        info, attempts = _retrying(commit, stage=stage, log=log, retry=not create_pr,
+                                   library_retried=_already_retried_by_hub)
+    except DFlashQuantError:
+        raise
+    except Exception as exc:
+        attempts = exc.__dict__.get("_dfq_attempts", attempts)
+        raise DFlashQuantError(explain(exc, stage=stage, repo_id=repo_id, endpoint=plan.endpoint,
+                                       revision=plan.revision, token=secret, attempts=attempts)) from None
+    return PushResult(
+        commit_url=str(info.commit_url), commit_oid=str(info.oid), pr_url=info.pr_url, repo_url=str(repo_url),
+        revision=plan.revision, num_files=len(plan.files), total_bytes=plan.total_bytes,
+    )

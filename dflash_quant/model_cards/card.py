@@ -1,0 +1,636 @@
+"""Model card (README.md with Hub metadata) for a quantized-drafter artifact.
+
+Every number in the card is read from the artifact's own reports (provenance.json, quant_report.json,
+parity.json, memory.json, config.json). A report that is missing or unreadable makes its section say
+"not measured" instead of inventing a value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.repocard import metadata_load
+
+from dflash_quant import __version__
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.manifest import write_manifest
+from dflash_quant.model_cards.chart import CHART_NAME, write_acceptance_chart
+
+README = "README.md"
+REPORTS = ("provenance.json", "quant_report.json", "parity.json", "memory.json", "config.json")
+NOT_MEASURED = "not measured"
+DEFAULT_LIBRARY = "transformers"
+DEFAULT_PIPELINE_TAG = "text-generation"
+PLACEHOLDER_REPO = "<this-repo-id>"
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_CACHE_DIR = re.compile(r"^models--([^/]+?)--(.+)$")
+_TOKENISH = re.compile(r"hf_[A-Za-z0-9]{16,}")
+_SECRET_FLAGS = {"--token", "--hf-token", "--api-key"}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read_json(path: Path) -> tuple[dict | None, str | None]:
+    """(data, problem): data is None when the file is missing or unreadable."""
+    if not path.is_file():
+        return None, "missing"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"unreadable ({exc.__class__.__name__})"
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    return data, None
+
+
+def load_reports(artifact_dir: Path) -> tuple[dict[str, dict | None], dict[str, str]]:
+    reports: dict[str, dict | None] = {}
+    problems: dict[str, str] = {}
+    for name in REPORTS:
+        data, problem = _read_json(Path(artifact_dir) / name)
+        reports[name] = data
+        if problem:
+            problems[name] = problem
+    return reports, problems
+
+
+def _get(d: Any, *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if not isinstance(d, dict) or key not in d:
+            return default
+        d = d[key]
+    return default if d is None else d
+
+
+def is_hub_id(value: str | None) -> bool:
+    return bool(value) and bool(_HUB_ID.match(value)) and not Path(value).exists()
+
+
+def _hub_id_from_path(value: str) -> str | None:
+    """`.../models--org--name/snapshots/<sha>` (the HF cache layout) -> `org/name`."""
+    for part in Path(value).parts:
+        m = _CACHE_DIR.match(part)
+        if m:
+            return f"{m.group(1)}/{m.group(2)}"
+    return None
+
+
+def resolve_source(provenance: dict | None) -> dict[str, Any]:
+    """Source drafter id, its Hub id (when it has one), and the metadata of its own card when available.
+
+    License and library are inherited from the source card only when a copy of that card is on disk
+    (a local source directory or the local HF cache); no network call is made here.
+    """
+    src = _get(provenance, "source_drafter", default={}) or {}
+    sid = src.get("id")
+    out: dict[str, Any] = {"id": sid, "revision": src.get("revision"), "sha256": src.get("sha256"),
+                           "hub_id": None, "metadata": {}, "metadata_from": None}
+    if not sid:
+        return out
+    readme: Path | None = None
+    if Path(sid).exists():
+        local = Path(sid)
+        out["hub_id"] = src.get("hub_id") or _hub_id_from_path(str(local.resolve()))
+        if (local / README).is_file():
+            readme = local / README
+    elif is_hub_id(sid):
+        out["hub_id"] = sid
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(sid, README, revision=src.get("revision"))
+            if isinstance(cached, str):
+                readme = Path(cached)
+        except Exception:  # a malformed revision or cache must never break the card
+            readme = None
+    if readme is not None:
+        try:
+            out["metadata"] = metadata_load(readme) or {}
+            out["metadata_from"] = str(readme)
+        except Exception:
+            out["metadata"] = {}
+    if src.get("license"):
+        out["metadata"] = {**out["metadata"], "license": src["license"]}
+        out["metadata_from"] = out["metadata_from"] or "provenance.json"
+    return out
+
+
+def _scrub_command(argv: list[str]) -> list[str]:
+    """Never put a secret from the command line into a card."""
+    clean: list[str] = []
+    hide_next = False
+    for arg in argv:
+        arg = str(arg)
+        if hide_next:
+            clean.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in _SECRET_FLAGS:
+            if eq:
+                clean.append(f"{flag}=***")
+            else:
+                clean.append(arg)
+                hide_next = True
+            continue
+        clean.append(_TOKENISH.sub("***", arg))
+    return clean
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def fmt_float(value: Any, digits: int = 3) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NOT_MEASURED
+    return f"{float(value):.{digits}f}"
+
+
+def fmt_pct(value: Any, digits: int = 1) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NOT_MEASURED
+    return f"{float(value) * 100:.{digits}f}%"
+
+
+def fmt_bytes(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NOT_MEASURED
+    n = int(value)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n:,} B ({n / size:.2f} {unit})"
+    return f"{n:,} B"
+
+
+def fmt_bool(value: Any) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "**no**"
+    return NOT_MEASURED
+
+
+def _fmt_any(value: Any) -> str:
+    if value is None:
+        return NOT_MEASURED
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(f"`{v}`" for v in value) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {v}" for k, v in value.items()) if value else "none"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _missing(name: str, problem: str, how: str) -> str:
+    return f"_{NOT_MEASURED}: `{name}` is {problem} in this artifact ({how})._"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _block_size(config: dict | None) -> int | None:
+    value = _get(config, "block_size") or _get(config, "dflash_config", "block_size")
+    return int(value) if isinstance(value, int) else None
+
+
+def _quantized_modules(quant_report: dict | None) -> list[str]:
+    return [str(layer.get("name")) for layer in _get(quant_report, "layers", default=[]) if isinstance(layer, dict)]
+
+
+def _qkv_state(provenance: dict | None, quant_report: dict | None) -> str:
+    """'bf16', 'quantized' or 'unknown' for the attention q/k/v projections."""
+    names = _quantized_modules(quant_report)
+    if names:
+        return "quantized" if any(re.search(r"\.(q|k|v)_proj$", n) for n in names) else "bf16"
+    skipped = _get(provenance, "quantization", "skipped")
+    if isinstance(skipped, list):
+        qkv_skipped = [s for s in skipped if re.search(r"(q|k|v)_proj", str(s))]
+        return "bf16" if qkv_skipped else "unknown"
+    return "unknown"
+
+
+def _section_summary(ctx: dict) -> str:
+    src, prov, cfg = ctx["source"], ctx["provenance"], ctx["config"]
+    bits = _get(prov, "quantization", "bits") or _get(cfg, "quantization_config", "bits")
+    group = _get(prov, "quantization", "group_size") or _get(cfg, "quantization_config", "group_size")
+    target_id = _get(prov, "target", "id")
+    target_rev = _get(prov, "target", "revision")
+    block = _block_size(cfg)
+    lines = []
+    what = f"GPTQ int{bits}" if bits else "GPTQ"
+    if group:
+        what += f" (group size {group})"
+    source = f"`{src['id']}`" if src["id"] else "an unrecorded source drafter"
+    if src["hub_id"]:
+        source = f"[`{src['hub_id']}`](https://huggingface.co/{src['hub_id']})"
+    lines.append(
+        f"This is a {what} quantization of the DFlash speculative-decoding drafter {source}, made with "
+        f"[dflash-quant](https://pypi.org/project/dflash-quant/) {_get(prov, 'tool_version', default=__version__)}."
+    )
+    lines.append("")
+    lines.append(
+        "A DFlash drafter is not a standalone language model: it has no embedding table and no output head. "
+        "It proposes a block of draft tokens from the hidden states of its **target** model and borrows the "
+        "target's input embedding and LM head, and the target verifies the block in one forward pass. Greedy "
+        "output stays exactly the target's; the drafter only changes how many tokens are accepted per step."
+    )
+    lines.append("")
+    if target_id:
+        rev = f" (revision `{target_rev}`)" if target_rev else ""
+        lines.append(f"- **Target model (pair it with this one only):** `{target_id}`{rev}")
+    else:
+        lines.append("- **Target model:** not recorded in provenance.json; use the target the source drafter was trained for")
+    lines.append(f"- **Source drafter:** `{src['id'] or 'not recorded'}`"
+                 + (f" revision `{src['revision']}`" if src["revision"] else "")
+                 + (f", sha256 `{src['sha256']}`" if src["sha256"] else ""))
+    if block:
+        lines.append(f"- **Block size:** {block} (the drafter proposes {block - 1} tokens per step)")
+    lines.append(f"- **Checkpoint format:** GPTQ v1 (`qweight`/`qzeros`/`scales`/`g_idx`) in `model.safetensors`; "
+                 "layers that are not quantized stay bf16")
+    if ctx["license_note"]:
+        lines.append(f"- **License:** {ctx['license_note']}")
+    return "\n".join(lines)
+
+
+def _section_recipe(ctx: dict) -> str:
+    prov, cfg, qr = ctx["provenance"], ctx["config"], ctx["quant_report"]
+    out = ["## Quantization recipe", ""]
+    q = _get(prov, "quantization", default=None)
+    qc = _get(cfg, "quantization_config", default=None)
+    if not q and not qc:
+        out.append(_missing("provenance.json", ctx["problems"].get("provenance.json", "incomplete"),
+                            "the recipe was not recorded"))
+    else:
+        q = q or {}
+        qc = qc or {}
+        rows = [
+            ["method", _fmt_any(q.get("method") or qc.get("quant_method"))],
+            ["bits", _fmt_any(q.get("bits", qc.get("bits")))],
+            ["group size", _fmt_any(q.get("group_size", qc.get("group_size")))],
+            ["symmetric", _fmt_any(q.get("sym", qc.get("sym")))],
+            ["act-order (desc_act)", _fmt_any(q.get("desc_act", qc.get("desc_act")))],
+            ["static groups", _fmt_any(q.get("static_groups", qc.get("static_groups")))],
+            ["dampening", _fmt_any(q.get("damp", qc.get("damp_percent")))],
+            ["sequential", _fmt_any(q.get("sequential", qc.get("true_sequential")))],
+            ["profile", _fmt_any(q.get("profile"))],
+            ["kept in bf16 (skipped)", _fmt_any(q.get("skipped"))],
+            ["checkpoint format", _fmt_any(qc.get("checkpoint_format"))],
+        ]
+        out.append(_table(["setting", "value"], rows))
+    out += ["", "### Calibration data", ""]
+    cal = _get(prov, "calibration", default=None)
+    if not cal:
+        out.append(_missing("provenance.json", ctx["problems"].get("provenance.json", "without a calibration record"),
+                            "calibration data unknown"))
+    else:
+        rows_per_layer = cal.get("rows")
+        rows_text = NOT_MEASURED
+        if isinstance(rows_per_layer, dict) and rows_per_layer:
+            counts = [int(v) for v in rows_per_layer.values() if isinstance(v, (int, float))]
+            if counts:
+                rows_text = (f"{min(counts):,} to {max(counts):,} per layer ({len(counts)} layers)"
+                             if min(counts) != max(counts) else f"{counts[0]:,} per layer ({len(counts)} layers)")
+        out.append(_table(["setting", "value"], [
+            ["prompts", _fmt_any(cal.get("prompts"))],
+            ["number of prompts", _fmt_any(cal.get("num_prompts"))],
+            ["max new tokens per prompt", _fmt_any(cal.get("max_new_tokens"))],
+            ["Hessian rows", rows_text],
+            ["context K/V inputs in the k/v Hessian", _fmt_any(cal.get("kv_hessian"))],
+            ["seed", _fmt_any(cal.get("seed"))],
+        ]))
+        out.append("")
+        out.append("Hessians come from the bf16 drafter's own inputs while it speculates with its target "
+                   "(not from plain text through the drafter).")
+    out += ["", "### Per-layer result", ""]
+    if qr is None:
+        out.append(_missing("quant_report.json", ctx["problems"].get("quant_report.json", "missing"),
+                            "no per-layer errors recorded"))
+    else:
+        layers = [layer for layer in qr.get("layers", []) if isinstance(layer, dict)]
+        fallbacks = [layer for layer in layers if layer.get("fallback")]
+        errors = [(layer.get("rel_output_error"), layer.get("name")) for layer in layers
+                  if isinstance(layer.get("rel_output_error"), (int, float))]
+        rows = [
+            ["quantized Linear layers", f"{len(layers)}"],
+            ["GPTQ fallbacks (RTN)", f"{len(fallbacks)}" + (": " + ", ".join(f"`{f['name']}` ({f['fallback']})" for f in fallbacks) if fallbacks else "")],
+            ["original weight bytes (quantized layers)", fmt_bytes(qr.get("original_bytes"))],
+            ["quantized weight bytes (quantized layers)", fmt_bytes(qr.get("quantized_bytes"))],
+            ["quantization time", f"{fmt_float(qr.get('seconds'), 1)} s" if isinstance(qr.get("seconds"), (int, float)) else NOT_MEASURED],
+        ]
+        if errors:
+            worst = max(errors, key=lambda e: e[0])
+            mean = sum(e[0] for e in errors) / len(errors)
+            rows.append(["relative output error, mean", fmt_float(mean, 4)])
+            rows.append(["relative output error, worst", f"{fmt_float(worst[0], 4)} (`{worst[1]}`)"])
+        out.append(_table(["", "value"], rows))
+    return "\n".join(out)
+
+
+def _section_parity(ctx: dict) -> str:
+    parity = ctx["parity"]
+    out = ["## Acceptance parity", ""]
+    if parity is None:
+        out.append(_missing("parity.json", ctx["problems"].get("parity.json", "missing"),
+                            "run `dflash-quant verify` or `dflash-quant gptq` to measure acceptance"))
+        return "\n".join(out)
+    base = parity.get("baseline") if isinstance(parity.get("baseline"), dict) else {}
+    quant = parity.get("quantized") if isinstance(parity.get("quantized"), dict) else {}
+    ratio = parity.get("tau_ratio")
+    if not isinstance(ratio, (int, float)) and isinstance(base.get("tau"), (int, float)) and base.get("tau"):
+        if isinstance(quant.get("tau"), (int, float)):
+            ratio = quant["tau"] / base["tau"]
+    verdict = {True: "**passed**", False: "**FAILED**"}.get(parity.get("passed"), NOT_MEASURED)
+    settings = []
+    for key, label in (("prompt_set", "prompt set"), ("num_prompts", "prompts"), ("max_new_tokens", "max new tokens"),
+                       ("temperature", "temperature"), ("block_size", "block size")):
+        if parity.get(key) is not None:
+            settings.append(f"{label} {_fmt_any(parity.get(key))}")
+    out.append(f"Measured by dflash-quant's reference speculative loop ({', '.join(settings) or 'settings not recorded'}). "
+               "tau (acceptance length) is the mean over steps of accepted drafts + 1 (the target's own token), "
+               "range [1, block size].")
+    out.append("")
+    out.append(_table(
+        ["", "tau bf16", "tau quantized", "recovery %", "lossless (bf16 / quantized)"],
+        [["this drafter", fmt_float(base.get("tau")), fmt_float(quant.get("tau")), fmt_pct(ratio),
+          f"{fmt_bool(base.get('lossless'))} / {fmt_bool(quant.get('lossless'))}"]],
+    ))
+    out.append("")
+    tol = parity.get("tolerance")
+    out.append(f"Parity check: {verdict}"
+               + (f" (tolerance {fmt_pct(tol)} tau loss; lossless: {fmt_bool(parity.get('lossless'))})" if isinstance(tol, (int, float)) else ""))
+    reasons = parity.get("reasons") or []
+    if reasons:
+        out.append("")
+        out += [f"- {r}" for r in reasons]
+    pb = base.get("per_position_acceptance") or []
+    pq = quant.get("per_position_acceptance") or []
+    out += ["", "### Per-position acceptance", ""]
+    if not pb and not pq:
+        out.append(f"_{NOT_MEASURED}: parity.json has no per-position acceptance._")
+    else:
+        rows = []
+        for k in range(max(len(pb), len(pq))):
+            b = pb[k] if k < len(pb) else None
+            q = pq[k] if k < len(pq) else None
+            delta = (f"{(q - b) * 100:+.1f} pts" if isinstance(b, (int, float)) and isinstance(q, (int, float))
+                     else NOT_MEASURED)
+            rows.append([str(k + 1), fmt_float(b), fmt_float(q), delta])
+        out.append("Fraction of steps in which draft position k was accepted.")
+        out.append("")
+        out.append(_table(["position k", "bf16", "quantized", "change"], rows))
+        if ctx["chart"]:
+            out += ["", f"![Per-position acceptance, bf16 vs quantized]({CHART_NAME})"]
+    speed_rows = []
+    for label, check in (("bf16", base), ("quantized", quant)):
+        if any(isinstance(check.get(k), (int, float)) for k in ("spec_tokens_per_s", "speedup")):
+            speed_rows.append([label, fmt_float(check.get("spec_tokens_per_s"), 1),
+                               fmt_float(check.get("baseline_tokens_per_s"), 1), fmt_float(check.get("speedup"), 2),
+                               _fmt_any(check.get("steps")), _fmt_any(check.get("new_tokens"))])
+    if speed_rows:
+        out += ["", "### Speed in the reference loop", "",
+                "Wall-clock numbers from the machine that ran the check; they are not engine throughput.", ""]
+        out.append(_table(["drafter", "spec tok/s", "target-only tok/s", "speed-up", "steps", "new tokens"], speed_rows))
+    return "\n".join(out)
+
+
+def _section_memory(ctx: dict) -> str:
+    mem = ctx["memory"]
+    out = ["## Memory", ""]
+    if mem is None:
+        out.append(_missing("memory.json", ctx["problems"].get("memory.json", "missing"),
+                            "run `dflash-quant memory` on the artifact"))
+        return "\n".join(out)
+    weights = mem.get("weights") if isinstance(mem.get("weights"), dict) else {}
+    baseline = mem.get("baseline") if isinstance(mem.get("baseline"), dict) else None
+    rows = [["weights in memory", fmt_bytes(baseline.get("total_bytes")) if baseline else NOT_MEASURED,
+             fmt_bytes(weights.get("total_bytes"))],
+            ["on disk", fmt_bytes(baseline.get("disk_bytes")) if baseline else NOT_MEASURED,
+             fmt_bytes(mem.get("disk_bytes"))]]
+    out.append(_table(["", "bf16", "quantized"], rows))
+    out.append("")
+    if baseline and isinstance(baseline.get("ratio"), (int, float)):
+        out.append(f"- Quantized / bf16 weight bytes: {fmt_float(baseline['ratio'])}")
+    elif not baseline:
+        out.append(f"- bf16 baseline: {NOT_MEASURED} (memory.json has no baseline)")
+    resident = mem.get("resident") if isinstance(mem.get("resident"), dict) else None
+    if resident:
+        out.append(f"- Resident after loading on {_fmt_any(resident.get('device'))}: {fmt_bytes(resident.get('bytes'))} "
+                   f"({_fmt_any(resident.get('method'))})")
+    if mem.get("context_kv_bytes_per_token") is not None:
+        out.append(f"- Drafter context K/V cache: {fmt_bytes(mem.get('context_kv_bytes_per_token'))} per committed token")
+    by_dtype = weights.get("by_dtype")
+    if isinstance(by_dtype, dict) and by_dtype:
+        out += ["", _table(["dtype", "bytes"], [[k, fmt_bytes(v)] for k, v in by_dtype.items()])]
+    out += ["", "### 24 GB budget", ""]
+    budget = mem.get("budget_24gb")
+    if not isinstance(budget, dict):
+        out.append(f"_{NOT_MEASURED}: memory.json has no 24 GB budget (run `dflash-quant memory` with a target)._")
+    else:
+        fits = budget.get("fits")
+        verdict = {True: "fits", False: "does **not** fit"}.get(fits, "fit not determined")
+        out.append(f"With target `{_fmt_any(budget.get('target'))}` on {_fmt_any(budget.get('gpu'))}: {verdict}; "
+                   f"headroom {fmt_bytes(budget.get('headroom_bytes'))}; "
+                   f"max context {_fmt_any(budget.get('max_context'))} tokens.")
+        extra = {k: v for k, v in budget.items() if k not in {"gpu", "target", "fits", "headroom_bytes", "max_context"}}
+        if extra:
+            out += ["", _table(["item", "value"],
+                               [[k, fmt_bytes(v) if k.endswith("_bytes") else _fmt_any(v)] for k, v in extra.items()])]
+        out += ["", "This is an estimate from dflash-quant's memory model, not a measurement in a serving engine."]
+    return "\n".join(out)
+
+
+def _section_serving(ctx: dict) -> str:
+    cfg, prov, qr = ctx["config"], ctx["provenance"], ctx["quant_report"]
+    repo = ctx["repo_id"] or PLACEHOLDER_REPO
+    target = _get(prov, "target", "id") or "<target-model-id>"
+    block = _block_size(cfg)
+    n_spec = block - 1 if block else 15
+    qkv = _qkv_state(prov, qr)
+    spec_cfg = json.dumps({"method": "dflash", "model": repo, "num_speculative_tokens": n_spec})
+    out = ["## Serving", ""]
+    if repo == PLACEHOLDER_REPO:
+        out.append(f"Replace `{PLACEHOLDER_REPO}` with this repository's id (or a local path to it).")
+        out.append("")
+    out += ["### vLLM", "", "```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec_cfg}'", "```", ""]
+    out.append("- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
+               "group -1/32/64/128, otherwise the slower `gptq` path).")
+    if qkv == "quantized":
+        out.append("- **Caveat:** this artifact quantizes the attention q/k/v projections. vLLM's fused context-KV "
+                   "precompute reads `qkv_proj.weight` directly, so stock vLLM crashes (`no attribute 'weight'`) or "
+                   "silently corrupts acceptance until upstream fixes land. Re-quantize with q/k/v kept in bf16 for "
+                   "stock vLLM.")
+    elif qkv == "bf16":
+        out.append("- q/k/v are kept in bf16 in this artifact, as stock vLLM's fused context-KV precompute requires.")
+    else:
+        out.append("- Whether q/k/v are quantized is not recorded here; stock vLLM needs them in bf16.")
+    out.append("- Draft-layer names are offset by the target's layer count inside vLLM: use regexes, not exact "
+               "names, in any ignore list.")
+    out += ["", "### SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {target} \\",
+            "  --speculative-algorithm DFLASH \\", f"  --speculative-draft-model-path {repo}", "```", ""]
+    out.append("- SGLang keeps `qkv_proj` unquantized; o_proj, MLP and fc follow this drafter's quant config."
+               + (" This artifact's quantized q/k/v do not match that expectation." if qkv == "quantized" else ""))
+    out.append("- A quantized DFlash drafter has been seen to give acceptance ~1.0 in SGLang (a bug): check that "
+               "the reported acceptance length is close to the tau above before trusting a deployment.")
+    out += ["", "### transformers / reference loop", ""]
+    out.append("The DFlash forward is not part of transformers; the drafter needs the DFlash modeling code "
+               "(the source drafter's remote code or the `dflash` package) and a GPTQ kernel (GPTQModel) to run "
+               "these tensors. The path this card's numbers come from is dflash-quant's own reference loop, "
+               "`dflash-quant verify` (see `dflash-quant verify --help`).")
+    return "\n".join(out)
+
+
+def _section_limitations(ctx: dict) -> str:
+    parity = ctx["parity"] or {}
+    out = ["## Limitations", ""]
+    temp = parity.get("temperature")
+    n = parity.get("num_prompts")
+    out.append("- Acceptance was measured "
+               + (f"at temperature {_fmt_any(temp)} on {_fmt_any(n)} prompts ({_fmt_any(parity.get('prompt_set'))})"
+                  if ctx["parity"] else "**not at all** (parity.json is missing)")
+               + "; other domains and sampling temperatures can accept differently. A spread of about +-3% in "
+                 "tokens per step between runs is normal: repeat before believing a 2% difference.")
+    out.append("- The drafter only works with its target model; a different target (even a fine-tune) "
+               "changes the hidden states and the mask-token embedding it relies on.")
+    out.append("- int4 saves memory; it only saves time with a kernel built for 16-row blocks (Marlin-class). "
+               "Generic int4 kernels can be slower than bf16 at the drafter's batch shape.")
+    out.append("- Memory numbers are estimates from dflash-quant's model of the engine, not engine measurements.")
+    return "\n".join(out)
+
+
+def _section_reproduce(ctx: dict) -> str:
+    prov = ctx["provenance"]
+    out = ["## How this was made", ""]
+    argv = ctx["command"] or _get(prov, "command")
+    if isinstance(argv, list) and argv:
+        out += ["```bash", shlex.join(_scrub_command([str(a) for a in argv])), "```"]
+    else:
+        out.append(f"Command line: {NOT_MEASURED} (provenance.json does not record it).")
+    out.append("")
+    out.append(f"Tool: {_get(prov, 'tool', default='dflash-quant')} {_get(prov, 'tool_version', default='version not recorded')}"
+               + (f", created {prov['created_utc']} (UTC)" if _get(prov, "created_utc") else "")
+               + f". Card written by dflash-quant {__version__}.")
+    out.append("")
+    out.append("`manifest.json` lists the sha256 and size of every file in this repository.")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- card
+
+
+def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None,
+               chart: bool | None = None) -> ModelCard:
+    artifact_dir = Path(artifact_dir)
+    reports, problems = load_reports(artifact_dir)
+    prov, cfg = reports["provenance.json"], reports["config.json"]
+    source = resolve_source(prov)
+    meta = source["metadata"]
+    bits = _get(prov, "quantization", "bits") or _get(cfg, "quantization_config", "bits")
+
+    license_value = meta.get("license") if isinstance(meta.get("license"), str) else None
+    if license_value:
+        where = "provenance.json" if source["metadata_from"] == "provenance.json" else "the source drafter's card"
+        license_note = f"`{license_value}`, inherited from {where}; the quantized weights are a derivative of the source drafter"
+    else:
+        license_note = ("not determined: the source drafter's card was not available when this card was written, "
+                        "so no license is declared in the metadata. The quantized weights are a derivative of the "
+                        "source drafter: check its license before use or redistribution")
+
+    tags = ["dflash", "speculative-decoding", "draft-model", "gptq"]
+    if isinstance(bits, int):
+        tags.append(f"int{bits}")
+    tags += ["quantized", "dflash-quant"]
+    data_kwargs: dict[str, Any] = {}
+    if source["hub_id"]:
+        data_kwargs["base_model"] = source["hub_id"]
+        data_kwargs["base_model_relation"] = "quantized"
+    if license_value:
+        data_kwargs["license"] = license_value
+        for key in ("license_name", "license_link"):
+            if isinstance(meta.get(key), str):
+                data_kwargs[key] = meta[key]
+    library = meta.get("library_name") if isinstance(meta.get("library_name"), str) else DEFAULT_LIBRARY
+    card_data = ModelCardData(
+        library_name=library,
+        pipeline_tag=DEFAULT_PIPELINE_TAG,
+        tags=tags,
+        **data_kwargs,
+    )
+
+    has_chart = chart if chart is not None else (artifact_dir / CHART_NAME).is_file()
+    ctx = {
+        "source": source, "provenance": prov, "config": cfg, "quant_report": reports["quant_report.json"],
+        "parity": reports["parity.json"], "memory": reports["memory.json"], "problems": problems,
+        "command": command, "repo_id": repo_id, "chart": has_chart, "license_note": license_note,
+    }
+    title_src = source["hub_id"] or (Path(source["id"]).name if source["id"] else artifact_dir.name)
+    title = f"# {title_src.split('/')[-1]} — GPTQ int{bits}" if bits else f"# {title_src.split('/')[-1]} — GPTQ"
+    if not source["hub_id"]:
+        base_note = ("\n\n_The source drafter was not a Hugging Face Hub id (`"
+                     + str(source["id"] or "not recorded")
+                     + "`), so `base_model` is not set in the metadata._")
+    else:
+        base_note = ""
+    body = "\n\n".join([
+        title,
+        _section_summary(ctx) + base_note,
+        _section_parity(ctx),
+        _section_recipe(ctx),
+        _section_memory(ctx),
+        _section_serving(ctx),
+        _section_limitations(ctx),
+        _section_reproduce(ctx),
+    ])
+    content = f"---\n{card_data.to_yaml()}\n---\n\n{body}\n"
+    return ModelCard(content)
+
+
+def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None) -> Path:
+    """Render README.md (and acceptance.png when parity.json exists), then refresh manifest.json.
+
+    Returns the README path. Missing reports are tolerated: their sections say "not measured".
+    """
+    artifact_dir = Path(artifact_dir)
+    if not artifact_dir.is_dir():
+        raise DFlashQuantError(f"artifact directory {artifact_dir} does not exist; pass the --output of `dflash-quant gptq`")
+    parity, _ = _read_json(artifact_dir / "parity.json")
+    chart_path = artifact_dir / CHART_NAME
+    chart = False
+    if parity is not None:
+        base = parity.get("baseline") if isinstance(parity.get("baseline"), dict) else {}
+        quant = parity.get("quantized") if isinstance(parity.get("quantized"), dict) else {}
+        pb, pq = base.get("per_position_acceptance"), quant.get("per_position_acceptance")
+        if pb or pq:
+            tmp = chart_path.with_name(".acceptance.png.tmp")
+            write_acceptance_chart(
+                tmp, pb, pq,
+                baseline_tau=base.get("tau") if isinstance(base.get("tau"), (int, float)) else None,
+                quantized_tau=quant.get("tau") if isinstance(quant.get("tau"), (int, float)) else None,
+                title="Per-position acceptance: bf16 vs quantized drafter",
+            )
+            tmp.replace(chart_path)
+            chart = True
+    if not chart and chart_path.exists():
+        chart_path.unlink()  # a stale chart from an earlier parity report must not outlive it
+    card = build_card(artifact_dir, command=command, repo_id=repo_id, chart=chart)
+    readme = artifact_dir / README
+    tmp = readme.with_name(".README.md.tmp")
+    card.save(tmp)
+    tmp.replace(readme)
+    write_manifest(artifact_dir)
+    return readme

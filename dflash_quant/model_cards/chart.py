@@ -1,0 +1,54 @@
+"""Per-position acceptance chart (bf16 drafter vs quantized drafter) for the model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+CHART_NAME = "acceptance.png"
+
+
+def write_acceptance_chart(
+    path: Path,
+    baseline: Sequence[float] | None,
+    quantized: Sequence[float] | None,
+    *,
+    baseline_tau: float | None = None,
+    quantized_tau: float | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw the fraction of steps in which draft position k was accepted, one line per drafter.
+
+    Uses matplotlib's Agg backend (no display needed) and strips the PNG's software metadata so
+    that the same report gives the same bytes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 3.6), dpi=100)
+    ax = fig.add_subplot(1, 1, 1)
+    for values, label, tau, style in (
+        (baseline, "bf16", baseline_tau, {"color": "#4C72B0", "marker": "o"}),
+        (quantized, "quantized", quantized_tau, {"color": "#DD8452", "marker": "s"}),
+    ):
+        if not values:
+            continue
+        xs = list(range(1, len(values) + 1))
+        name = label if tau is None else f"{label} (tau {tau:.2f})"
+        ax.plot(xs, [float(v) for v in values], label=name, linewidth=1.8, markersize=4, **style)
+    longest = max(len(baseline or []), len(quantized or []), 1)
+    ax.set_xlim(0.5, longest + 0.5)
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xticks(list(range(1, longest + 1)))
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("fraction of steps accepting position k")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right", frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png", metadata={"Software": None})
+    return path
