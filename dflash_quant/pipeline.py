@@ -157,7 +157,7 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
             result.passed = result.parity["passed"]
             result.reasons = result.parity["reasons"]
             (tmp / "parity.json").write_text(json.dumps(result.parity, indent=2) + "\n")
-        _memory(tmp, drafter.source.path, device)
+        _memory(tmp, drafter.source.path, target.source.path, device)
         if job.write_card:
             from dflash_quant.model_cards.card import write_card
 
@@ -203,8 +203,11 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     }
 
 
-def _memory(artifact: Path, baseline: Path, device: torch.device) -> None:
+def _memory(artifact: Path, baseline: Path, target: Path, device: torch.device) -> None:
+    """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults)."""
+    from dflash_quant.memory.plan import embedded_budget
     from dflash_quant.memory.report import build_memory_report, write_memory_json
 
-    report = build_memory_report(artifact, baseline=baseline, device=device.type)
+    budget = embedded_budget(str(target), str(artifact))
+    report = build_memory_report(artifact, baseline=baseline, device=device.type, budget_24gb=budget)
     write_memory_json(report, artifact)

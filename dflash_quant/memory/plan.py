@@ -1,0 +1,110 @@
+"""Budget objects from user-facing strings, and the budget report dict (CLI `budget`, memory.json, gptq)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dflash_quant.errors import UsageError
+
+
+def budget_objects(
+    target: str,
+    drafter: str,
+    gpu: str,
+    context: int,
+    concurrency: int,
+    spec_tokens: Optional[int],
+    target_weights: Optional[str],
+    kv_dtype: Optional[str],
+    drafter_kv_dtype: Optional[str],
+    state_dtype: Optional[str],
+    engine: str,
+    utilization: Optional[float],
+    runtime_overhead: Optional[str],
+    cuda_graphs: Optional[str],
+    prefill_chunk: int,
+    max_num_seqs: int,
+    activation: Optional[str],
+    new_tokens: int,
+    group_size: int,
+):
+    from dflash_quant.memory.budget import (
+        DEFAULT_RUNTIME_OVERHEAD,
+        ENGINES,
+        BudgetSettings,
+        resolve_drafter,
+        resolve_target,
+    )
+    from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
+    from dflash_quant.memory.kv import dtype_bytes
+
+    if engine not in ENGINES:
+        raise UsageError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
+    if context < 0:
+        raise UsageError(f"--context must not be negative (got {context})")
+    card = resolve_gpu(gpu)
+    for name, value in (("--kv-dtype", kv_dtype), ("--drafter-kv-dtype", drafter_kv_dtype), ("--state-dtype", state_dtype)):
+        if value is not None and value != "auto":
+            dtype_bytes(value, what=name)
+    t = resolve_target(target, target_weights, engine=engine)
+    d = resolve_drafter(drafter, group_size=group_size)
+    k = spec_tokens if spec_tokens is not None else ((d.shape.block_size or 16) - 1)
+    settings = BudgetSettings(
+        gpu_name=card.name,
+        gpu_bytes=card.total_bytes,
+        context=context,
+        concurrency=concurrency,
+        spec_tokens=k,
+        engine=engine,
+        kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype,
+        drafter_kv_dtype=None if drafter_kv_dtype in (None, "auto") else drafter_kv_dtype,
+        state_dtype=None if state_dtype in (None, "auto") else state_dtype,
+        gpu_memory_utilization=utilization,
+        runtime_overhead_bytes=DEFAULT_RUNTIME_OVERHEAD
+        if runtime_overhead is None
+        else parse_bytes(runtime_overhead, what="--runtime-overhead"),
+        cuda_graph_bytes=None if cuda_graphs is None else parse_bytes(cuda_graphs, what="--cuda-graphs"),
+        prefill_chunk=prefill_chunk,
+        max_num_seqs=max_num_seqs,
+        activation_bytes=None if activation is None else parse_bytes(activation, what="--activation"),
+        new_tokens=new_tokens,
+    )
+    return t, d, settings
+
+
+def budget_report(t, d, settings) -> dict:
+    """The JSON that `budget --json` prints (also embedded in memory.json as budget_24gb)."""
+    from dflash_quant.memory.budget import compare_drafters, kv_summary
+
+    budgets = compare_drafters(t, d, settings)
+    return {
+        "gpu": {"name": settings.gpu_name, "total_bytes": settings.gpu_bytes},
+        "engine": settings.engine,
+        "settings": {
+            "context": settings.context,
+            "concurrency": settings.concurrency,
+            "spec_tokens": settings.spec_tokens,
+            "gpu_memory_utilization": settings.utilization,
+            "runtime_overhead_bytes": settings.runtime_overhead_bytes,
+            "cuda_graph_bytes": settings.cuda_graphs,
+            "prefill_chunk": settings.prefill_chunk,
+            "max_num_seqs": settings.max_num_seqs,
+            "activation_override_bytes": settings.activation_bytes,
+            "new_tokens": settings.new_tokens,
+        },
+        "target": {"source": t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
+                   "weights_from": t.weight_source},  # fmt: skip
+        "drafter": {"source": d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
+                    "quantized_format": d.quantized_format, "weights_from": d.source},  # fmt: skip
+        "caches": kv_summary(t, d, settings),
+        "budgets": {k: b.as_dict() for k, b in budgets.items()},
+    }
+
+
+def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: int = 8192, target_weights: str | None = "int4") -> dict:
+    """The 24 GB summary stored in memory.json: one request, vLLM defaults, bf16 vs this drafter."""
+    t, d, settings = budget_objects(
+        target, drafter, gpu, context, 1, None, target_weights, None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
+    )  # fmt: skip
+    return budget_report(t, d, settings)
+
