@@ -83,7 +83,9 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
     return Source(id=text, path=Path(local), revision=revision)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path, required: bool = True) -> list[Path]:
+    """The safetensors files of a model dir (index shards or *.safetensors); pickle-only dirs are refused."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -92,7 +94,7 @@ def _weight_files(path: Path) -> list[Path]:
             raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
-    if files:
+    if files or not required:
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
         raise DFlashQuantError(
@@ -104,7 +106,7 @@ def _weight_files(path: Path) -> list[Path]:
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory (shards merged), with a clear error on corrupt files."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         if not file.is_file():
             raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
         try:
@@ -118,7 +120,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def weights_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with open(file, "rb") as fh:
             while block := fh.read(1 << 20):
                 digest.update(block)
@@ -201,7 +203,7 @@ def load_target(
     raw = read_config_json(source.path)
     if "mask_token_id" in raw or "dflash_config" in raw:
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
-    _weight_files(source.path)  # refuse pickle-only targets before transformers looks
+    weight_files(source.path)  # refuse pickle-only targets before transformers looks
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True

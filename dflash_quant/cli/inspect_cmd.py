@@ -10,14 +10,7 @@ from rich.table import Table
 from dflash_quant.cli.common import handle_errors, out_console, print_json
 from dflash_quant.config import parse_draft_config, read_config_json
 from dflash_quant.loading import read_safetensors, resolve
-
-
-def module_of(key: str) -> str:
-    """Group a tensor key by module: fc, hidden_norm, norm, layers.N.self_attn, layers.N.mlp, layers.N (norms)."""
-    parts = key.split(".")
-    if parts[0] == "layers":
-        return ".".join(parts[:3]) if parts[2] in ("self_attn", "mlp") else ".".join(parts[:2])
-    return parts[0]
+from dflash_quant.memory.weights import module_of
 
 
 def describe(src: str) -> dict:

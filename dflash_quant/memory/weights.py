@@ -53,15 +53,9 @@ def read_header(path: Path) -> dict:
 
 
 def weight_files(root: Path) -> list[Path]:
-    root = Path(root)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
-        return [root / s for s in shards]
-    return sorted(root.glob("*.safetensors"))
+    from dflash_quant.loading import weight_files as model_weight_files
+
+    return model_weight_files(Path(root), required=False)
 
 
 def module_of(name: str) -> str:
