@@ -11,8 +11,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
-from dflash_quant.pipeline import GptqJob, run_gptq
-from dflash_quant.quantize.drafter import QuantSettings
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -77,6 +75,9 @@ def gptq(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
+    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.quantize.drafter import QuantSettings
+
     quant = QuantSettings(
         method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, static_groups=static_groups,
         damp=damp, sequential=sequential, profile=profile, skip=tuple(skip),

@@ -8,12 +8,13 @@ import typer
 from rich.table import Table
 
 from dflash_quant.cli.common import handle_errors, out_console, print_json
-from dflash_quant.config import parse_draft_config, read_config_json
-from dflash_quant.loading import read_safetensors, resolve
-from dflash_quant.memory.weights import module_of
 
 
 def describe(src: str) -> dict:
+    from dflash_quant.config import parse_draft_config, read_config_json
+    from dflash_quant.loading import read_safetensors, resolve
+    from dflash_quant.memory.weights import module_of
+
     source = resolve(src)
     raw = read_config_json(source.path)
     cfg = parse_draft_config(raw, source=str(source.path / "config.json"))

@@ -10,9 +10,6 @@ from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
 from dflash_quant.errors import UsageError
-from dflash_quant.loading import check_pair, load_drafter
-from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:
@@ -57,6 +54,11 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
+    # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
+    from dflash_quant.loading import check_pair, load_drafter
+    from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
+    from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
+
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if temperature < 0:
