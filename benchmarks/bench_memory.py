@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash_quant.memory.budget import (  # noqa: E402
+    DEFAULT_CUBLAS_WORKSPACE,
     BudgetSettings,
     compute_budget,
     reference_phases,
@@ -184,7 +185,8 @@ def run_case(name, target, drafter, t_src, d_src, context, new_tokens, device, g
     d_spec = resolve_drafter(read_config(d_src)).as_model("bf16")
     settings = BudgetSettings(gpu_name=str(device), gpu_bytes=gpu_bytes, context=prompt + generated,
                               concurrency=1, spec_tokens=(d_spec.shape.block_size or 16) - 1, engine=engine,
-                              new_tokens=generated)  # fmt: skip
+                              new_tokens=generated,
+                              cublas_workspace_bytes=0 if device.type == "cpu" else DEFAULT_CUBLAS_WORKSPACE)  # fmt: skip
     b = compute_budget(t_spec, d_spec, settings, "bf16")
     phases = reference_phases(t_spec, d_spec, settings, settings.context)
     predicted = b.allocator_peak_bytes + input_ids.numel() * 8

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.memory.gpus import GiB, parse_bytes
+from dflash_quant.memory.gpus import GiB, MiB, parse_bytes
 from dflash_quant.memory.kv import (
     ModelShape,
     dtype_bytes,
@@ -75,6 +75,10 @@ DEFAULT_MAX_NUM_SEQS = 256  # vLLM max_num_seqs default on GPUs < 70 GiB
 DEFAULT_BLOCK_SIZE = 16
 ACT_BYTES = 2  # bf16 activations
 LOGITS_COPIES = 3  # fp32 logits, probabilities, one sampler temporary
+# torch allocates the cuBLAS workspace through its caching allocator on the first matmul, so it shows in
+# the allocator peak: CUBLAS_WORKSPACE_CONFIG's default on Hopper is :4096:8 = 32 MiB (see PyTorch's
+# cuBLAS notes); older GPUs use less. The reference engine counts it; vLLM's overhead term already does.
+DEFAULT_CUBLAS_WORKSPACE = 32 * MiB
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -128,6 +132,7 @@ class BudgetSettings:
     block_size: int = DEFAULT_BLOCK_SIZE
     activation_bytes: int | None = None  # override the estimate
     new_tokens: int = 0  # reference engine: tokens generated after a prompt of (context - new_tokens)
+    cublas_workspace_bytes: int = DEFAULT_CUBLAS_WORKSPACE  # reference engine on CUDA; 0 on CPU
 
     @property
     def utilization(self) -> float:
@@ -384,7 +389,7 @@ def required_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, con
     if s.engine == "reference":
         # batch 1; the peak is the largest of three phases, each with the caches that exist at that moment
         phases = reference_phases(target, drafter, s, context)
-        comps: dict[str, int] = {**weights, **phases[peak_phase(phases)]}
+        comps: dict[str, int] = {**weights, **phases[peak_phase(phases)], "cublas_workspace": s.cublas_workspace_bytes}
     else:
         comps = {
             **weights,
