@@ -30,6 +30,8 @@ GRID = {
     "gptq desc_act+static": dict(desc_act=True, static_groups=True),
     "gptq sequential": dict(sequential=True),
     "gptq block+context": dict(kv="block+context"),
+    "gptq desc_act block+context": dict(desc_act=True, kv="block+context"),
+    "gptq desc_act sequential block+context": dict(desc_act=True, sequential=True, kv="block+context"),
 }
 
 
@@ -62,7 +64,7 @@ def main() -> None:
     stats = {}
     t = time.perf_counter()
     for kv in ("block", "block+context"):
-        stats[kv] = capture(drafter.model, target.model, calib, args.calib_new_tokens, kv, stops, keep_replay=(kv == "block"))
+        stats[kv] = capture(drafter.model, target.model, calib, args.calib_new_tokens, kv, stops, keep_replay=True)
     calib_s = time.perf_counter() - t
     block = drafter.config.block_size
     settings = CheckSettings(args.eval_new_tokens, 0.0, block, 0, stops)

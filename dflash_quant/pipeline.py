@@ -36,12 +36,12 @@ class GptqJob:
     calib_prompts: str | None = None
     calib_num_prompts: int | None = None
     calib_max_new_tokens: int = 64
-    kv_hessian: str = "block"
+    kv_hessian: str = "block+context"
     calib_cache: Path | None = None
     verify: bool = True
     eval_prompts: str | None = None
     eval_num_prompts: int | None = None
-    eval_max_new_tokens: int = 64
+    eval_max_new_tokens: int = 128
     tolerance: float = 0.03
     device: str = "auto"
     dtype: str = "auto"
@@ -98,6 +98,7 @@ def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
 
 def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically)."""
+    job.quant = job.quant.normalized()
     job.quant.check()
     check_output_dir(job.output, job.overwrite)
     device = resolve_device(job.device)

@@ -6,7 +6,7 @@ import math
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -34,7 +34,7 @@ class QuantSettings:
     bits: int = 4
     group_size: int = 128
     sym: bool = True
-    desc_act: bool = False
+    desc_act: bool = True  # measured on the reference pair: see README, benchmarks/reference_quality.py
     static_groups: bool = False
     damp: float = 0.01
     lazy_block: int = 128
@@ -42,6 +42,10 @@ class QuantSettings:
     profile: str = "full"
     skip: tuple[str, ...] = ()
     min_rows: int = 64
+
+    def normalized(self) -> "QuantSettings":
+        """RTN has no column order: act-order flags would only mislabel the checkpoint."""
+        return replace(self, desc_act=False, static_groups=False) if self.method == "rtn" else self
 
     def spec(self) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size, sym=self.sym)
@@ -138,6 +142,7 @@ def quantize_drafter(
     progress: Callable[[str], None] | None = None,
 ) -> QuantOutcome:
     """Quantize the chosen Linears in place (weights replaced by their dequantized values) and return codes."""
+    settings = settings.normalized()
     settings.check()
     if settings.method == "gptq" and stats is None:
         raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
