@@ -8,14 +8,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 # 1. GPTQ wall time at Qwen3-8B-DFlash-b16 shapes (GPTQModel column skipped where it cannot import).
-timeout 240 python3 benchmarks/bench_gptq.py --device cuda --repeats 2 --out "$OUT/bench_gptq.json" 2>&1 | tee "$OUT/bench_gptq.log"
+timeout 200 python3 benchmarks/bench_gptq.py --device cuda --repeats 2 --out "$OUT/bench_gptq.json" 2>&1 | tee "$OUT/bench_gptq.log"
 
 # 2. budget --engine reference vs measured allocator peak.
-timeout 200 python3 benchmarks/bench_memory.py --device cuda --cases reference,qwen3-8b --contexts 4096,16384,32768 \
+timeout 120 python3 benchmarks/bench_memory.py --device cuda --cases reference,qwen3-8b --contexts 4096,16384,32768 \
     --new-tokens 48 --out "$OUT" 2>&1 | tee "$OUT/bench_memory.log"
 
 # 3. The main job on CUDA (bf16) on the reference pair.
-timeout 120 python3 -m dflash_quant.cli.app gptq --bits 4 --device cuda --output /tmp/ref-int4-cuda --overwrite \
+timeout 230 python3 -m dflash_quant.cli.app gptq --bits 4 --device cuda --output /tmp/ref-int4-cuda --overwrite \
+    --num-prompts 64 --eval-num-prompts 32 \
     --json > "$OUT/gptq_reference_cuda.json" 2> "$OUT/gptq_reference_cuda.log"
 echo "gptq exit: $?" | tee -a "$OUT/gptq_reference_cuda.log"
 python3 - <<'PY'

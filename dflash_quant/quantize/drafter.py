@@ -15,7 +15,7 @@ from torch import nn
 from dflash_quant.calibration.capture import CalibrationStats, input_group, replay_capture
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.model import DFlashDrafter
-from dflash_quant.quantize.gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize, relative_output_error
+from dflash_quant.quantize.gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize_shared, relative_output_error
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
@@ -100,39 +100,42 @@ def stages(names: list[str], kv_hessian: str) -> list[list[str]]:
     return out
 
 
-def _quantize_one(
-    name: str, module: nn.Linear, acc: HessianAccumulator | None, settings: QuantSettings
-) -> tuple[QuantizedWeight, dict[str, Any]]:
+def _quantize_group(
+    names: list[str], modules: list[nn.Linear], acc: HessianAccumulator | None, settings: QuantSettings
+) -> list[tuple[QuantizedWeight, dict[str, Any]]]:
+    """Quantize Linears that share one input (and so one Hessian) together."""
     spec = settings.spec()
-    weight = module.weight.detach().float()
-    entry: dict[str, Any] = {"name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size}
+    weights = [m.weight.detach().float() for m in modules]
     hessian = None
     if acc is not None:
         if acc.rows < settings.min_rows:
             raise DFlashQuantError(
-                f"only {acc.rows} calibration rows reached {name} (need at least {settings.min_rows}); "
+                f"only {acc.rows} calibration rows reached {names[0]} (need at least {settings.min_rows}); "
                 "raise --num-prompts or --max-new-tokens"
             )
         hessian = acc.hessian()
-        entry["hessian_rows"] = acc.rows
     if settings.method == "gptq":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GPTQFallbackWarning)
-            qw = gptq_quantize(
-                weight, hessian, spec, desc_act=settings.desc_act, static_groups=settings.static_groups,
-                damp_percent=settings.damp, block_size=settings.lazy_block, name=name,
+            qws = gptq_quantize_shared(
+                weights, hessian, spec, names=names, desc_act=settings.desc_act, static_groups=settings.static_groups,
+                damp_percent=settings.damp, block_size=settings.lazy_block,
             )
         for w in caught:
             warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
     else:
-        qw = rtn_quantize(weight, spec, name=name)
-    entry["damp"] = qw.damp_used
-    entry["fallback"] = qw.fallback
-    if hessian is not None:  # ||X dW^T|| / ||X W^T|| over the calibration rows
-        entry["rel_output_error"] = round(math.sqrt(max(relative_output_error(weight, qw.dequantize(), hessian), 0.0)), 6)
-    else:
-        entry["rel_output_error"] = None
-    return qw, entry
+        qws = [rtn_quantize(w, spec, name=n) for w, n in zip(weights, names)]
+    results = []
+    for name, weight, qw in zip(names, weights, qws):
+        entry: dict[str, Any] = {
+            "name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size,
+            "hessian_rows": acc.rows if acc is not None else None, "damp": qw.damp_used, "fallback": qw.fallback,
+            "rel_output_error": None,
+        }
+        if hessian is not None:  # ||X dW^T|| / ||X W^T|| over the calibration rows
+            entry["rel_output_error"] = round(math.sqrt(max(relative_output_error(weight, qw.dequantize(), hessian), 0.0)), 6)
+        results.append((qw, entry))
+    return results
 
 
 def quantize_drafter(
@@ -160,16 +163,18 @@ def quantize_drafter(
             if missing and not settings.sequential:
                 raise DFlashQuantError(f"no calibration rows reached {missing[0]}; check the calibration prompts")
             accs = replay_capture(model, stats.replay, groups, kv_mode) if settings.sequential else {g: stats.hessians[g] for g in groups}
+        shared: dict[str, list[str]] = {}
         for name in stage:
-            module = model.get_submodule(name)
-            acc = accs.get(input_group(name, kv_mode)) if stats is not None else None
-            qw, entry = _quantize_one(name, module, acc, settings)
-            with torch.no_grad():
-                module.weight.copy_(qw.dequantize().to(module.weight.dtype))
-            outcome.weights[name] = qw
-            outcome.layers.append(entry)
-            if progress:
-                progress(name)
+            shared.setdefault(input_group(name, kv_mode), []).append(name)
+        for group, names in shared.items():
+            modules = [model.get_submodule(n) for n in names]
+            for module, name, (qw, entry) in zip(modules, names, _quantize_group(names, modules, accs.get(group), settings)):
+                with torch.no_grad():
+                    module.weight.copy_(qw.dequantize().to(module.weight.dtype))
+                outcome.weights[name] = qw
+                outcome.layers.append(entry)
+                if progress:
+                    progress(name)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     outcome.seconds = time.perf_counter() - t0

@@ -8,6 +8,7 @@ the Cholesky factor of H^-1. Updates are applied lazily in blocks of `block_size
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import warnings
 
 import torch
@@ -263,3 +264,23 @@ def relative_output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessi
     num = ((E @ H) * E).sum()
     den = ((W @ H) * W).sum()
     return float(num / den) if den > 0 else float("nan")
+
+
+def gptq_quantize_shared(
+    weights: list[torch.Tensor], hessian: torch.Tensor | HessianAccumulator, spec: QuantSpec, *, names: list[str], **kwargs
+) -> list[QuantizedWeight]:
+    """GPTQ of several Linears that read the same input (q/k/v, gate/up) in one pass.
+
+    GPTQ treats output rows independently given H, and the column order, damping and Cholesky factor
+    depend on H alone, so stacking the weights along the output dim gives exactly the per-matrix result
+    with one column loop instead of several.
+    """
+    if len(weights) == 1:
+        return [gptq_quantize(weights[0], hessian, spec, name=names[0], **kwargs)]
+    stacked = gptq_quantize(torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs)
+    out, row = [], 0
+    for w, name in zip(weights, names):
+        rows = slice(row, row + w.shape[0])
+        out.append(replace(stacked, codes=stacked.codes[rows], scales=stacked.scales[:, rows], zeros=stacked.zeros[:, rows], name=name))
+        row += w.shape[0]
+    return out
