@@ -281,6 +281,8 @@ def gptq_quantize_shared(
     out, row = [], 0
     for w, name in zip(weights, names):
         rows = slice(row, row + w.shape[0])
-        out.append(replace(stacked, codes=stacked.codes[rows], scales=stacked.scales[:, rows], zeros=stacked.zeros[:, rows], name=name))
+        # Own copies: views of one stacked tensor would be shared storage in the exported file.
+        out.append(replace(stacked, codes=stacked.codes[rows].clone(), scales=stacked.scales[:, rows].clone(),
+                           zeros=stacked.zeros[:, rows].clone(), g_idx=stacked.g_idx.clone(), name=name))
         row += w.shape[0]
     return out
