@@ -23,14 +23,15 @@ from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
 from dflash_quant.verify import CheckSettings, baseline_runs, spec_runs, summarize
 
+# Every recipe spells out act-order and the k/v Hessian rows, so rows stay comparable when defaults change.
 GRID = {
     "rtn": dict(method="rtn"),
-    "gptq": dict(),
-    "gptq desc_act": dict(desc_act=True),
-    "gptq desc_act+static": dict(desc_act=True, static_groups=True),
-    "gptq sequential": dict(sequential=True),
-    "gptq block+context": dict(kv="block+context"),
-    "gptq desc_act block+context": dict(desc_act=True, kv="block+context"),
+    "gptq": dict(desc_act=False, kv="block"),
+    "gptq desc_act": dict(desc_act=True, kv="block"),
+    "gptq desc_act+static": dict(desc_act=True, static_groups=True, kv="block"),
+    "gptq sequential": dict(desc_act=False, sequential=True, kv="block"),
+    "gptq block+context": dict(desc_act=False, kv="block+context"),
+    "gptq desc_act block+context": dict(desc_act=True, kv="block+context"),  # the `gptq` defaults
     "gptq desc_act sequential block+context": dict(desc_act=True, sequential=True, kv="block+context"),
 }
 
