@@ -169,6 +169,16 @@ def test_pair_mode_golden_on_tiny_fixture():
 
 
 @pytest.mark.slow
+def test_reference_pair_matches_official_generate():
+    """The trained reference pair (tau well above 1): same greedy tokens and acceptance lengths as dflash_generate."""
+    from dflash_quant.reference import pair_dir
+
+    golden = Path(__file__).parent / "fixtures" / "official" / "reference" / "golden.json"
+    check_pair_golden(pair_dir(), golden)
+    assert json.loads(golden.read_text())["records"][0]["acceptance_lengths"]  # a real, non-empty run
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (os.environ.get("DFLASH_OFFICIAL_PAIR_DIR") and os.environ.get("DFLASH_OFFICIAL_PAIR_GOLDEN")),
     reason="set DFLASH_OFFICIAL_PAIR_DIR and DFLASH_OFFICIAL_PAIR_GOLDEN to check a shipped pair",
