@@ -194,10 +194,11 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     s_base = summarize(source_id, spec_runs(base.model, target.model, eval_ids, settings, adv), reference, settings, block)
     adv = progress("parity: quantized drafter", len(eval_ids))
     s_quant = summarize(str(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
-    verdict = parity(s_base, s_quant, job.tolerance, greedy=True)
+    verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
     return {
         "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
         "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],
+        "notes": verdict["notes"], "lossless_gated": verdict["lossless_gated"],
         "temperature": 0.0, "prompt_set": spec, "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
         "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "baseline": s_base, "quantized": s_quant,

@@ -118,16 +118,29 @@ def summarize(
     return out
 
 
-def parity(baseline: dict[str, Any], quantized: dict[str, Any], tolerance: float, greedy: bool) -> dict[str, Any]:
-    """tau ratio and pass/fail reasons for a quantized drafter against its bf16 source."""
+def parity(
+    baseline: dict[str, Any], quantized: dict[str, Any], tolerance: float, greedy: bool, exact: bool = True
+) -> dict[str, Any]:
+    """tau ratio and pass/fail reasons for a quantized drafter against its bf16 source.
+
+    Losslessness is a hard gate only when the run is exact (fp32): in bf16 the target's logits for a
+    multi-token verify differ in rounding from one-token decoding, so near-ties can flip with any drafter,
+    the bf16 one included (seen on an H200: 2 of 32 prompts for both). There it is reported, not gated.
+    """
     ratio = quantized["tau"] / baseline["tau"] if baseline["tau"] else 0.0
-    reasons = []
+    reasons, notes = [], []
     if ratio < 1 - tolerance:
         reasons.append(f"tau ratio {ratio:.4f} < {1 - tolerance:.4f} (tolerance {tolerance})")
     if greedy and quantized.get("lossless") is False:
-        reasons.append("greedy output of the quantized drafter differs from the target's own greedy output")
+        message = "greedy output of the quantized drafter differs from the target's own greedy output"
+        if exact:
+            reasons.append(message)
+        else:
+            notes.append(message + " (reduced-precision run: reported, not gated; the bf16 drafter's lossless is "
+                         f"{baseline.get('lossless')})")
     per_pos = [
         round(q / b, 4) if b and q is not None else None
         for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"])
     ]
-    return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons}
+    return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons,
+            "notes": notes, "lossless_gated": bool(greedy and exact)}

@@ -103,6 +103,8 @@ def gptq(
     else:
         out_console.print(_summary(result))
         out_console.print(f"artifact: {result.output}")
+    for note in (result.parity or {}).get("notes", []):
+        err_console.print(f"[yellow]note:[/] {note}")
     if result.passed is False:
         err_console.print(f"[red]parity gate failed:[/] {'; '.join(result.reasons)} (artifact kept for inspection)")
         raise typer.Exit(1)
