@@ -30,8 +30,8 @@ GRID = {
     "gptq desc_act": dict(desc_act=True, kv="block"),
     "gptq desc_act+static": dict(desc_act=True, static_groups=True, kv="block"),
     "gptq sequential": dict(desc_act=False, sequential=True, kv="block"),
-    "gptq block+context": dict(desc_act=False, kv="block+context"),
-    "gptq desc_act block+context": dict(desc_act=True, kv="block+context"),  # the `gptq` defaults
+    "gptq block+context": dict(desc_act=False, kv="block+context"),  # the `gptq` defaults
+    "gptq desc_act block+context": dict(desc_act=True, kv="block+context"),
     "gptq desc_act sequential block+context": dict(desc_act=True, sequential=True, kv="block+context"),
 }
 

@@ -49,7 +49,7 @@ def gptq(
     bits: int = typer.Option(4, help="2, 3, 4 or 8."),
     group_size: int = typer.Option(128, help="-1 (per channel), 32, 64, 128, ..."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (vLLM Marlin) or asymmetric grid."),
-    desc_act: bool = typer.Option(True, "--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing Hessian diagonal (default: measured better)."),
+    desc_act: bool = typer.Option(False, "--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing Hessian diagonal."),
     static_groups: bool = typer.Option(False, help="With --desc-act: group parameters fixed before reordering."),
     damp: float = typer.Option(0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."),
     method: str = typer.Option("gptq", help="gptq, or rtn (round-to-nearest baseline)."),

@@ -34,7 +34,7 @@ class QuantSettings:
     bits: int = 4
     group_size: int = 128
     sym: bool = True
-    desc_act: bool = True  # measured on the reference pair: see README, benchmarks/reference_quality.py
+    desc_act: bool = False  # act-order measured as a wash on the reference pair (README, reference_recipes.json)
     static_groups: bool = False
     damp: float = 0.01
     lazy_block: int = 128
