@@ -114,8 +114,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=None, help="calibration rows per layer (default 4096, small 512)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported); default 3 small, 2 full")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip the GPTQModel baseline")
-    ap.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=True,
-                    help="act-order, as `dflash-quant gptq` does by default (the GPTQModel baseline always runs without)")
+    ap.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=False,
+                    help="act-order (`gptq --desc-act`); the GPTQModel baseline always runs without")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
 

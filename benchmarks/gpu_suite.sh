@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 # 1. GPTQ wall time at Qwen3-8B-DFlash-b16 shapes (GPTQModel column skipped where it cannot import).
-timeout 200 python3 benchmarks/bench_gptq.py --device cuda --repeats 1 --out "$OUT/bench_gptq.json" 2>&1 | tee "$OUT/bench_gptq.log"
+timeout 200 python3 benchmarks/bench_gptq.py --device cuda --repeats 1 --desc-act --out "$OUT/bench_gptq.json" 2>&1 | tee "$OUT/bench_gptq.log"
 
 # 2. budget --engine reference vs measured allocator peak.
 timeout 120 python3 benchmarks/bench_memory.py --device cuda --cases reference,qwen3-8b --contexts 4096,16384,32768 \
