@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,6 @@ class SpecResult:
     target_forwards: int = 0
     drafter_forwards: int = 0
     seconds: float = 0.0
-    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:

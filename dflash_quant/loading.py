@@ -32,9 +32,6 @@ class Source:
     path: Path
     revision: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "revision": self.revision, "path": str(self.path)}
-
 
 @dataclass
 class LoadedDrafter:

@@ -65,11 +65,11 @@ def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
     return lambda: None
 
 
-def _calibrate(job, drafter, target, device, progress: Progress) -> tuple[CalibrationStats, dict[str, Any]]:
-    spec = job.calib_prompts or default_prompt_spec(target, "calib")
-    prompts = encode_prompts(target, spec, job.calib_num_prompts, job.chat_template)
+def _calibrate(
+    job, drafter, target, spec: str, prompts: list[list[int]], drafter_sha: str, device, progress: Progress
+) -> tuple[CalibrationStats, dict[str, Any]]:
     key = {
-        "drafter_sha256": weights_sha256(drafter.source.path), "target": target.source.id, "prompts": spec,
+        "drafter_sha256": drafter_sha, "target": target.source.id, "prompts": spec,
         "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian,
         "chat_template": job.chat_template, "dtype": str(next(drafter.model.parameters()).dtype),
     }
@@ -108,17 +108,18 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     drafter, target = load_pair(job.drafter, job.target, device, dtype)
     timings["load_s"] = time.perf_counter() - t0
 
+    drafter_sha = weights_sha256(drafter.source.path)
     stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
     if job.quant.method == "gptq":
+        calib_ids = encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template)
+        seen = set(map(tuple, calib_ids))
+        if any(tuple(p) in seen for p in eval_ids):  # checked before the target runs
+            raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
         t = time.perf_counter()
-        stats, calib_info = _calibrate(job, drafter, target, device, progress)
+        stats, calib_info = _calibrate(job, drafter, target, calib_spec, calib_ids, drafter_sha, device, progress)
         calib_info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
-        if job.verify:
-            calib_ids = set(map(tuple, encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template)))
-            if any(tuple(p) in calib_ids for p in eval_ids):
-                raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
         timings["calibrate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -126,20 +127,18 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 
-    q_bytes = sum(4 * (qw.in_features * qw.spec.bits // 32) * qw.out_features for qw in outcome.weights.values())
     quant_report = {
         "layers": outcome.layers,
         "kept_bf16": outcome.kept,
         "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
-        "quantized_bytes": None,  # filled from the written file below
-        "packed_weight_bytes": q_bytes,
+        "quantized_bytes": None,  # export fills it from the written file
         "seconds": round(outcome.seconds, 3),
     }
     provenance = {
         "tool": "dflash-quant", "tool_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": job.command,
-        "source_drafter": {"id": drafter.source.id, "revision": drafter.source.revision, "sha256": weights_sha256(drafter.source.path)},
+        "source_drafter": {"id": drafter.source.id, "revision": drafter.source.revision, "sha256": drafter_sha},
         "target": {"id": target.source.id, "revision": target.source.revision, "path": str(target.source.path)},
         "calibration": {**calib_info, "seed": job.seed, "chat_template": job.chat_template},
         "quantization": {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept},
@@ -149,8 +148,6 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report=quant_report, timings=timings)
     with atomic_dir(job.output, job.overwrite) as tmp:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
-        quant_report["quantized_bytes"] = _quantized_bytes(tmp / "model.safetensors", outcome.weights)
-        (tmp / "quant_report.json").write_text(json.dumps(quant_report, indent=2) + "\n")
         if job.verify:
             t = time.perf_counter()
             result.parity = _parity(job, drafter.source.id, tmp, target, eval_spec, eval_ids, device, dtype, progress)
@@ -166,19 +163,6 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
         write_manifest(tmp)
     timings["total_s"] = time.perf_counter() - t0
     return result
-
-
-def _quantized_bytes(path: Path, weights: dict) -> int:
-    """Bytes the quantized Linears take in the written file (qweight + qzeros + scales + g_idx)."""
-    from dflash_quant.memory.weights import read_header
-
-    header = read_header(path)
-    total = 0
-    for name in weights:
-        for part in ("qweight", "qzeros", "scales", "g_idx"):
-            start, end = header[f"{name}.{part}"]["data_offsets"]
-            total += end - start
-    return total
 
 
 def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtype, progress) -> dict[str, Any]:

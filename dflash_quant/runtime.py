@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 def _cpu_threads() -> None:
     # Batch-1 decoding is made of tiny matmuls: extra OpenMP threads only spin, and on a shared machine
-    # they slow it down 10-50x. OMP_NUM_THREADS, when set, wins.
+    # they slowed it ~25x on a loaded 2-core box (measured once). OMP_NUM_THREADS, when set, wins.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 

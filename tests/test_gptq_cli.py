@@ -66,6 +66,7 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
         assert fh.get_tensor("norm.weight").dtype == torch.bfloat16
     assert "fc.weight" not in keys and "layers.1.mlp.down_proj.g_idx" in keys
     report = json.loads((art / "quant_report.json").read_text())
+    assert 0.25 < report["quantized_bytes"] / report["original_bytes"] < 0.35  # 4-bit codes + g32 scales/zeros/g_idx
     assert len(report["layers"]) == 15 and all(l["hessian_rows"] > 0 and l["rel_output_error"] < 0.5 for l in report["layers"])
     prov = json.loads((art / "provenance.json").read_text())
     assert prov["source_drafter"]["sha256"] and prov["calibration"]["num_prompts"] == 6

@@ -55,6 +55,15 @@ def quantization_config(settings: QuantSettings, kept: list[str], n_layers: int)
     )
 
 
+def _packed_bytes(path: Path, names) -> int:
+    """Bytes the quantized Linears take in the written file (qweight + qzeros + scales + g_idx)."""
+    from dflash_quant.memory.weights import read_header
+
+    header = read_header(path)
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+    return sum(header[f"{n}.{p}"]["data_offsets"][1] - header[f"{n}.{p}"]["data_offsets"][0] for n in names for p in parts)
+
+
 def export_gptq(
     out: Path, source: LoadedDrafter, outcome: QuantOutcome, settings: QuantSettings,
     provenance: dict[str, Any], quant_report: dict[str, Any],
@@ -77,5 +86,6 @@ def export_gptq(
     _dump(out / "config.json", config)
     _dump(out / "quantize_config.json", qcfg)
     _dump(out / "provenance.json", provenance)
+    quant_report["quantized_bytes"] = _packed_bytes(out / "model.safetensors", outcome.weights)
     _dump(out / "quant_report.json", quant_report)
     return qcfg
