@@ -176,7 +176,8 @@ def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[
         if name in skip:
             continue
         if st.st_size != entry["bytes"]:
-            problems.append(f"{name} has {st.st_size} bytes, the manifest says {entry['bytes']}")
+            problems.append(f"{name} does not match its sha256 in the manifest ({st.st_size} bytes, "
+                            f"recorded {entry['bytes']})")
             continue
         try:
             digest, fst = _hash_open(root / name, st)
