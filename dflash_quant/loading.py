@@ -80,17 +80,44 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
     return Source(id=text, path=Path(local), revision=revision)
 
 
+def _cache_repo(root: Path) -> Path | None:
+    """`<cache>/models--org--name` when root is one of its `snapshots/<rev>` folders (files link to ../../blobs)."""
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent
+    return None
+
+
+def confined(root: Path, name: str) -> Path:
+    """root/name, refused unless it stays inside root (or, for an HF cache snapshot, inside its repo folder)."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
+            or re.match(r"^[A-Za-z]:", name) or any(p in ("", ".", "..") for p in name.split("/")):
+        raise DFlashQuantError(f"{root}: file name {name!r} points outside the model directory; only plain "
+                               "relative names are read (fix the index or re-download the model)")
+    real_root = Path(root).resolve()
+    allowed = _cache_repo(real_root) or real_root
+    real = (Path(root) / name).resolve()
+    if not real.is_relative_to(allowed):
+        raise DFlashQuantError(f"{Path(root) / name} resolves to {real}, outside the model directory {root}; "
+                               "copy the file into the model directory instead of linking to it")
+    return Path(root) / name
+
+
 def weight_files(path: Path, required: bool = True) -> list[Path]:
-    """The safetensors files of a model dir (index shards or *.safetensors); pickle-only dirs are refused."""
+    """The safetensors files of a model dir (index shards or *.safetensors); pickle-only dirs are refused.
+
+    Every file returned (and the index) stays inside the model directory: a shard named `../x` or `/x`,
+    or a symlink leading out, is refused (an HF cache snapshot's links into its own blobs/ are fine).
+    """
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        confined(path, index.name)
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
+        return [confined(path, s) for s in shards]
+    files = [confined(path, f.name) for f in sorted(path.glob("*.safetensors"))]
     if files or not required:
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
@@ -149,7 +176,7 @@ def load_drafter(
 ) -> LoadedDrafter:
     """Build a DFlashDrafter from a bf16 drafter dir / Hub id, or from a quantized artifact (dequantized)."""
     source = resolve(src, revision)
-    raw = read_config_json(source.path)
+    raw = read_config_json(confined(source.path, "config.json"))
     config = parse_draft_config(raw, source=str(source.path / "config.json"))
     tensors = read_safetensors(source.path)
     qcfg = raw.get("quantization_config")
@@ -197,7 +224,7 @@ def load_target(
     hf_logging.disable_progress_bar()  # our own progress goes to stderr; keep the output clean
     hf_logging.set_verbosity_error()
     source = resolve(src, revision)
-    raw = read_config_json(source.path)
+    raw = read_config_json(confined(source.path, "config.json"))
     if "mask_token_id" in raw or "dflash_config" in raw:
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks

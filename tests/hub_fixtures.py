@@ -136,10 +136,9 @@ def make_artifact(
             "budget_24gb": {"gpu": "RTX 4090 (24 GB)", "target": "Qwen/Qwen3-8B-GPTQ-Int4", "fits": True,
                             "headroom_bytes": 3_221_225_472, "max_context": 32768},
         }, indent=2))
-    if card:
+    if card:  # as the export does: the card inside the export, then the manifest over everything
         from dflash_quant.model_cards.card import write_card
 
         write_card(root)
-    else:
-        write_manifest(root)
+    write_manifest(root)
     return root

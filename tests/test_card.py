@@ -8,6 +8,7 @@ import shutil
 import pytest
 from huggingface_hub import ModelCard
 
+from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import verify_manifest
 from dflash_quant.model_cards.card import NOT_MEASURED, fmt_bytes, fmt_float, write_card
 from hub_fixtures import SOURCE_ID, TARGET_ID, make_artifact
@@ -87,9 +88,15 @@ def test_stale_chart_removed_when_parity_goes(tmp_path):
     art = make_artifact(tmp_path / "a", big_bytes=0)
     assert (art / "acceptance.png").exists()
     (art / "parity.json").unlink()
+    # In a finished artifact a recorded file going missing is refused: nothing is rewritten.
+    with pytest.raises(DFlashQuantError, match="parity.json is listed in the manifest but missing"):
+        write_card(art)
+    assert (art / "acceptance.png").exists()
+    # Inside the export (no manifest yet) the card drops the stale chart.
+    (art / "manifest.json").unlink()
     write_card(art)
     assert not (art / "acceptance.png").exists()
-    assert verify_manifest(art) == []
+    assert not (art / "manifest.json").exists()
 
 
 def test_failing_parity_shown(tmp_path):

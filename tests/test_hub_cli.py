@@ -7,6 +7,7 @@ process boundary are covered in-process in tests/test_push.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
+from dflash_quant.export.manifest import write_manifest
 from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
 from hub_server import FakeHub
 
@@ -112,6 +114,37 @@ def runs(tmp_path_factory):
     card_art = artifact("art-card-src", card=False)
     add("card", ["card", "{art}", "--json", "--repo-id", REPO], art=card_art)
 
+    # Integrity (issue #13): refused before any request, --force or not; card/memory keep the manifest.
+    outside = root / "outside.txt"
+    outside.write_bytes(b"private notes that must never reach the Hub\n")
+
+    def listed(art: Path, name: str, content: bytes) -> None:
+        manifest = json.loads((art / "manifest.json").read_text())
+        manifest["files"][name] = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content)}
+        (art / "manifest.json").write_text(json.dumps(manifest))
+
+    sym = artifact("art-symlink-src")
+    (sym / "notes.txt").symlink_to(outside)
+    listed(sym, "notes.txt", outside.read_bytes())
+    dotdot = artifact("art-dotdot-src")
+    listed(dotdot, "../outside.txt", outside.read_bytes())
+    absolute = artifact("art-abs-src")
+    listed(absolute, str(outside), outside.read_bytes())
+    for name, art in (("push_symlink", sym), ("push_dotdot", dotdot), ("push_abs", absolute)):
+        add(name, ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--force"], art=art,
+            hub=FakeHub(FAKE_TOKEN, upload_mode="regular"))
+    for name, cmd in (("card_tampered", ["card", "{art}"]), ("memory_tampered", ["memory", "{art}", "--device", "none"])):
+        art = artifact(f"art-{name}-src")
+        data = bytearray((art / "model.safetensors").read_bytes())
+        data[-100] ^= 1
+        (art / "model.safetensors").write_bytes(bytes(data))
+        add(name, cmd, art=art)
+        scenarios[name].extra["manifest"] = (art / "manifest.json").read_bytes()
+    bad_prov = artifact("art-bad-prov-src")
+    (bad_prov / "provenance.json").write_text(json.dumps({"source_drafter": "z-lab/x"}))
+    write_manifest(bad_prov)
+    add("card_bad_provenance", ["card", "{art}"], art=bad_prov)
+
     for run in scenarios.values():  # HF_ENDPOINT given as a template above
         if run.env.get("HF_ENDPOINT") == "{hub}":
             run.env["HF_ENDPOINT"] = run.hub.url
@@ -190,12 +223,34 @@ def test_dry_run_makes_no_network_call(runs):
 
 @pytest.mark.parametrize("name,expect", [
     ("mismatch", "parity.json does not match its sha256"),
+    ("push_symlink", "notes.txt is a symlink"),
+    ("push_dotdot", "'..' part"),
+    ("push_abs", "is an absolute path"),
 ])
 def test_refusals(runs, name, expect):
     run = runs[name]
     assert run.rc == 1
-    assert expect in run.stderr and "--force" in run.stderr
-    assert not run.hub.requests()  # refused before any request
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0] and "dflash-quant gptq" in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert not run.hub.requests()  # refused before any request, create_repo included, even with --force
+    assert "private notes" not in repr(run.hub.state.requests)
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("card_tampered", "card: artifact"),
+    ("memory_tampered", "memory: artifact"),
+    ("card_bad_provenance", "provenance.json field 'source_drafter' must be an object"),
+])
+def test_later_stages_refuse_a_damaged_artifact(runs, name, expect):
+    run = runs[name]
+    assert run.rc == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0] and "dflash-quant gptq" in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    if "manifest" in run.extra:  # the recorded (original) hash is kept, so push refuses too
+        assert (run.artifact / "manifest.json").read_bytes() == run.extra["manifest"]
+        assert "model.safetensors does not match its sha256" in errors[0]
 
 
 def test_force_pushes_with_warning(runs):

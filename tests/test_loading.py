@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -87,3 +88,101 @@ def test_pairing_errors(tmp_path, drafter_over, target_over, message):
     t = load_target(save_target(tmp_path / "t", **target_over))
     with pytest.raises(DFlashQuantError, match=message):
         check_pair(d.config, t.model)
+
+
+# --------------------------------------------------------------------------- confinement (issue #13)
+
+
+def _shard(path, tmp_path, shard_name):
+    """Split the drafter's weights into an index naming `shard_name` for half of them."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    first, second = keys[: len(keys) // 2], keys[len(keys) // 2:]
+    save_file({k: tensors[k] for k in first}, str(path / "part-1.safetensors"))
+    target = (path / shard_name) if not shard_name.startswith("/") else __import__("pathlib").Path(shard_name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: tensors[k] for k in second}, str(target))
+    weight_map = {k: "part-1.safetensors" for k in first} | {k: shard_name for k in second}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return target
+
+
+def test_sharded_index_loads(tmp_path):
+    path = save_drafter(tmp_path / "d")
+    expected = load_drafter(path).model.state_dict()
+    _shard(path, tmp_path, "part-2.safetensors")
+    got = load_drafter(path).model.state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.parametrize("shard", ["../../outside/x.safetensors", "ABSOLUTE"])
+def test_index_shard_outside_the_model_dir_is_not_read(tmp_path, monkeypatch, shard):
+    import builtins
+
+    import dflash_quant.loading as loading
+
+    path = save_drafter(tmp_path / "m" / "d")
+    if shard == "ABSOLUTE":
+        shard = str(tmp_path / "outside" / "abs.safetensors")
+    outside = _shard(path, tmp_path, shard)
+    assert outside.is_file() and not outside.resolve().is_relative_to(path.resolve())
+    opened = []
+    real_open, real_safe_open = builtins.open, loading.safe_open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (opened.append(str(f)), real_open(f, *a, **k))[1])
+    monkeypatch.setattr(loading, "safe_open", lambda f, *a, **k: (opened.append(str(f)), real_safe_open(f, *a, **k))[1])
+    with pytest.raises(DFlashQuantError) as info:
+        load_drafter(path)
+    assert "outside the model directory" in str(info.value) and "\n" not in str(info.value)
+    assert not any("outside" in f for f in opened), opened
+    from dflash_quant.memory.weights import weights_from_files
+
+    with pytest.raises(DFlashQuantError, match="outside the model directory"):
+        weights_from_files(path)
+
+
+def test_symlink_out_of_the_model_dir_is_refused(tmp_path):
+    path = save_drafter(tmp_path / "d")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    (path / "model.safetensors").rename(elsewhere)
+    (path / "model.safetensors").symlink_to(elsewhere)
+    with pytest.raises(DFlashQuantError, match="outside the model directory.*copy the file"):
+        load_drafter(path)
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").symlink_to("../elsewhere.safetensors")
+    with pytest.raises(DFlashQuantError, match="outside the model directory"):
+        load_drafter(path)
+
+
+def test_config_symlink_out_of_the_model_dir_is_refused(tmp_path):
+    path = save_drafter(tmp_path / "d")
+    (path / "config.json").rename(tmp_path / "config.json")
+    (path / "config.json").symlink_to(tmp_path / "config.json")
+    with pytest.raises(DFlashQuantError, match="config.json resolves to .* outside the model directory"):
+        load_drafter(path)
+
+
+def test_hf_cache_snapshot_symlinks_still_load(tmp_path):
+    """models--org--name/snapshots/<rev>/ files are links into ../../blobs/: the cache's own layout loads."""
+    src = save_drafter(tmp_path / "src")
+    expected = load_drafter(src).model.state_dict()
+    repo = tmp_path / "hub" / "models--org--drafter"
+    snap = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    got = load_drafter(snap).model.state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    # ...but a link leaving the cache repo folder is still refused.
+    other = tmp_path / "hub" / "models--org--other"
+    other.mkdir()
+    (other / "w.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(other / "w.safetensors")
+    with pytest.raises(DFlashQuantError, match="outside the model directory"):
+        load_drafter(snap)

@@ -77,13 +77,13 @@ def test_plan_rejects_bad_args(artifact):
         plan_push(artifact, REPO, revision="dev", create_pr=True)
 
 
-def test_manifest_mismatch_refused_unless_forced(tmp_path):
+def test_manifest_mismatch_refused_even_forced(tmp_path):
     art = make_artifact(tmp_path / "a", big_bytes=0)
-    (art / "config.json").write_text((art / "config.json").read_text() + " ")
-    with pytest.raises(DFlashQuantError, match="config.json does not match its sha256.*--force"):
-        check_artifact(art)
-    warnings = check_artifact(art, force=True)
-    assert any("--force" in w and "config.json" in w for w in warnings)
+    data = (art / "config.json").read_text()
+    (art / "config.json").write_text(data.replace('"hidden_size": 256', '"hidden_size": 257'))  # same size
+    for force in (False, True):
+        with pytest.raises(DFlashQuantError, match="config.json does not match its sha256.*gptq.*does not override"):
+            check_artifact(art, force=force)
 
 
 def test_missing_and_failing_parity_refused(tmp_path):
@@ -211,7 +211,7 @@ def test_offline_mode_is_named(artifact, monkeypatch):
 
 
 def test_token_inside_artifact_refused(tmp_path):
-    art = make_artifact(tmp_path / "t", big_bytes=0, card=False)
+    art = make_artifact(tmp_path / "t", big_bytes=0)
     (art / "notes.txt").write_text(f"token={FAKE_TOKEN}\n")
     write_manifest(art)
     with FakeHub(FAKE_TOKEN) as hub:

@@ -21,9 +21,16 @@ def register(app: typer.Typer) -> None:
         """Write README.md (Hub metadata, parity and memory tables, serving notes) and acceptance.png."""
         from dflash_quant.model_cards.card import CHART_NAME, load_reports, write_card
 
+        from dflash_quant.export.manifest import has_manifest
+        from dflash_quant.export.provenance import check_provenance
+
         if not artifact.is_dir():
             raise UsageError(f"{artifact} is not a directory; pass the --output of `dflash-quant gptq`")
-        readme = write_card(artifact, repo_id=repo_id)
+        check_provenance(artifact)
+        if not has_manifest(artifact):
+            err_console.print(f"note: {artifact} has no manifest.json, so nothing is checked or recorded; `push` "
+                              "needs one: re-export with `dflash-quant gptq`", highlight=False, markup=False)
+        readme = write_card(artifact, repo_id=repo_id)  # checks the manifest first, records only its own files
         _, problems = load_reports(artifact)
         for name, problem in problems.items():
             err_console.print(f"note: {name} is {problem}; its card section says 'not measured'", highlight=False)

@@ -134,6 +134,12 @@ def register(app: typer.Typer) -> None:
         dev = None if device.lower() in ("none", "") else device.lower()
         if dev not in (None, "cpu", "cuda") and not dev.startswith("cuda:"):
             raise UsageError(f"unknown --device {device!r}; use cpu, cuda or none")
+        from dflash_quant.export.manifest import has_manifest, require_intact
+        from dflash_quant.memory.report import MEMORY_JSON
+
+        if has_manifest(artifact):  # an exported artifact: measure only what the export vouches for
+            rewrites = not no_write and (out is None or out.resolve() == (artifact / MEMORY_JSON).resolve())
+            require_intact(artifact, stage="memory", skip=(MEMORY_JSON,) if rewrites else ())
         budget = None
         if budget_target:
             t, d, settings = _budget_objects(

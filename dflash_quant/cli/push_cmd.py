@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         commit_message: str = typer.Option(None, "--commit-message", help="Commit title."),
         dry_run: bool = typer.Option(False, "--dry-run", help="List files and the planned commit; no network."),
         endpoint: str = typer.Option(None, "--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)."),
-        force: bool = typer.Option(False, "--force", help="Push even if the artifact check fails (warns)."),
+        force: bool = typer.Option(False, "--force", help="Push even if the parity gate failed or never ran (warns); never overrides integrity checks."),
         json_out: bool = typer.Option(False, "--json", help="Print the plan or the result as JSON on stdout."),
     ) -> None:
         """Upload the artifact to the Hub in one commit and print the commit URL.
@@ -36,12 +36,15 @@ def register(app: typer.Typer) -> None:
         from dflash_quant.hub.push import check_artifact, inspect_artifact, plan_push, push_artifact
 
         if dry_run:
+            check = inspect_artifact(artifact) if artifact.is_dir() else None
             plan = plan_push(artifact, repo_id, revision=revision, create_pr=create_pr, private=private,
-                             commit_message=commit_message, endpoint=endpoint)
-            blocking, notes = inspect_artifact(artifact) if artifact.is_dir() else ([f"{artifact} does not exist"], [])
+                             commit_message=commit_message, endpoint=endpoint,
+                             verified=check.verified if check else [])
+            blocking = check.integrity + check.gate if check else [f"{artifact} does not exist"]
+            notes = check.notes if check else []
             if json_out:
                 print_json({"dry_run": True, "plan": plan.to_dict(), "problems": blocking, "notes": notes,
-                            "would_push": not blocking or force})
+                            "would_push": bool(check) and not check.integrity and (not check.gate or force)})
             else:
                 target = f"{plan.repo_id} ({'pull request against main' if plan.create_pr else 'branch ' + plan.revision})"
                 err_console.print(f"dry run: nothing is sent to {plan.endpoint}", highlight=False, markup=False)
@@ -52,11 +55,11 @@ def register(app: typer.Typer) -> None:
                 for note in notes:
                     _log(f"note: {note}")
             if blocking:
-                if force:
-                    for problem in blocking:
+                if force and check and not check.integrity:
+                    for problem in check.gate:
                         _log(f"warning: --force: would push despite: {problem}")
                 else:
-                    check_artifact(artifact, force=False)  # raises with the one-line refusal
+                    check_artifact(artifact, force=force)  # raises with the one-line refusal
             return
         result = push_artifact(artifact, repo_id, private=private, revision=revision, create_pr=create_pr,
                                commit_message=commit_message, endpoint=endpoint, force=force, log=_log)

@@ -1,14 +1,51 @@
-"""sha256 manifest over an artifact directory, so that push (and users) can check what they got."""
+"""sha256 manifest of an artifact directory: the export stage's record of what it wrote.
+
+Who writes what (docs/artifact.md):
+- the export stage (`dflash-quant gptq`, inside its temp dir) records every file with `write_manifest`;
+- a later stage (`card`, `memory`) first checks every recorded file with `require_intact` and refuses on
+  any mismatch, then records only the files it wrote itself with `record_files`. It never re-hashes
+  weights or other files into the manifest: a flipped byte must stay detectable until re-export.
+- `push` uploads only what `verified_files` vouches for.
+
+An artifact is intact when every manifest entry is a plain relative path naming a regular file (no
+symlink anywhere on the way) inside the directory, with the recorded size and sha256, and no other
+visible file, and no symlink at all, is in the tree. Hidden files (a leading dot in any part: our own
+temp files, a lock file) are neither listed nor uploaded.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from pathlib import Path
+import os
+import re
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Iterator
 
 from dflash_quant.errors import DFlashQuantError
 
 MANIFEST = "manifest.json"
+LOCK = ".manifest.lock"
+REEXPORT = "re-export the artifact with `dflash-quant gptq`"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_SHOWN = 3  # problems named in a one-line refusal
+
+
+@dataclass(frozen=True)
+class VerifiedFile:
+    """A manifest entry checked against the file: the identity of what was hashed, for push."""
+
+    name: str
+    path: Path
+    bytes: int
+    sha256: str
+    dev: int
+    ino: int
+    mtime_ns: int
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -19,55 +56,254 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def _artifact_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+def _hidden(rel: PurePosixPath) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative posix name, lstat) of everything under root, symlinks not followed."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            yield full.relative_to(root).as_posix(), full.lstat()
+
+
+def name_problem(name: object) -> str | None:
+    """Why a manifest entry name is not a plain relative POSIX path inside the artifact (None if it is)."""
+    if not isinstance(name, str) or not name:
+        return f"entry {name!r} is not a file name"
+    shown = repr(name) if any(c in name for c in "\\\0\n\r") else name
+    if "\\" in name or "\0" in name or "\n" in name or "\r" in name:
+        return f"entry {shown} contains a backslash or control character"
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        return f"entry {shown} is an absolute path"
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return f"entry {shown} has an empty, '.' or '..' part (it must stay inside the artifact)"
+    if name == MANIFEST:
+        return f"entry {shown} names the manifest itself"
+    return None
+
+
+def _file_problem(root: Path, name: str) -> tuple[str | None, os.stat_result | None]:
+    """lstat every part of root/name: no symlink on the way, a regular file at the end, inside root."""
+    path = root
+    st = None
+    parts = name.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return f"{name} is listed in the manifest but missing", None
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})", None
+        if stat.S_ISLNK(st.st_mode):
+            return f"{'/'.join(parts[: i + 1])} is a symlink (artifacts hold real files only)", None
+        last = i == len(parts) - 1
+        if not last and not stat.S_ISDIR(st.st_mode):
+            return f"{name} is listed in the manifest but {'/'.join(parts[: i + 1])} is not a directory", None
+        if last and not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file", None
+    real_root = root.resolve()
+    if not path.resolve().is_relative_to(real_root):  # belt and braces: lexical and lstat checks cover it
+        return f"{name} resolves outside the artifact", None
+    return None, st
+
+
+def read_manifest(root: Path) -> tuple[dict | None, str | None]:
+    """(files mapping, problem). The manifest itself must be a regular file, not a symlink."""
+    path = Path(root) / MANIFEST
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None, f"{MANIFEST} is missing"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        return None, f"{MANIFEST} is not a regular file"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{MANIFEST} is not valid JSON ({exc.__class__.__name__})"
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return None, f"{MANIFEST} has no \"files\" object"
+    return files, None
+
+
+def _entry_problem(name: str, entry: object) -> str | None:
+    if not isinstance(entry, dict):
+        return f"entry {name} is not an object"
+    sha, size = entry.get("sha256"), entry.get("bytes")
+    if not isinstance(sha, str) or not _HEX64.match(sha):
+        return f"entry {name} has no valid sha256"
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"entry {name} has no valid byte count"
+    return None
+
+
+def _hash_open(path: Path, st: os.stat_result) -> tuple[str, os.stat_result]:
+    """Hash through a descriptor opened without following a final symlink; it must be the file lstat saw."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as fh:
+        fst = os.fstat(fh.fileno())
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise OSError("file replaced while checking")
+        digest = hashlib.sha256()
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest(), fst
+
+
+def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[str], list[VerifiedFile]]:
+    """(problems, verified files). `skip`: names the caller is about to rewrite (checked for shape, not hash)."""
+    root = Path(root)
+    skip = set(skip)
+    listed, problem = read_manifest(root)
+    if problem:
+        return [problem], []
+    problems: list[str] = []
+    verified: list[VerifiedFile] = []
+    for name, entry in sorted(listed.items(), key=lambda kv: str(kv[0])):
+        bad = name_problem(name) or _entry_problem(name, entry)
+        if bad:
+            problems.append(bad)
+            continue
+        bad, st = _file_problem(root, name)
+        if bad:
+            if not (name in skip and bad.endswith("but missing")):
+                problems.append(bad)
+            continue
+        if name in skip:
+            continue
+        if st.st_size != entry["bytes"]:
+            problems.append(f"{name} does not match its sha256 in the manifest ({st.st_size} bytes, "
+                            f"recorded {entry['bytes']})")
+            continue
+        try:
+            digest, fst = _hash_open(root / name, st)
+        except OSError as exc:
+            problems.append(f"{name} cannot be read ({exc.strerror or exc})")
+            continue
+        if digest != entry["sha256"]:
+            problems.append(f"{name} does not match its sha256 in the manifest")
+            continue
+        verified.append(VerifiedFile(name, root / name, fst.st_size, digest, fst.st_dev, fst.st_ino, fst.st_mtime_ns))
+    for rel, st in _walk(root):
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{rel} is a symlink (artifacts hold real files only)")
+        elif stat.S_ISDIR(st.st_mode) or _hidden(PurePosixPath(rel)) or rel == MANIFEST:
+            continue
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{rel} is not a regular file")
+        elif rel not in listed and rel not in skip:
+            problems.append(f"{rel} is not in the manifest")
+    return list(dict.fromkeys(problems)), verified
+
+
+def verify_manifest(root: Path, *, skip: Iterable[str] = ()) -> list[str]:
+    """Problems found (empty when the artifact is intact; see the module docstring)."""
+    return check_artifact_files(root, skip=skip)[0]
+
+
+def summarize(problems: list[str]) -> str:
+    more = len(problems) - _SHOWN
+    return "; ".join(problems[:_SHOWN]) + (f" (and {more} more)" if more > 0 else "")
+
+
+def require_intact(root: Path, *, stage: str, skip: Iterable[str] = ()) -> list[VerifiedFile]:
+    """Raise a one-line DFlashQuantError unless the artifact is intact; the fix is always a re-export."""
+    problems, verified = check_artifact_files(root, skip=skip)
+    if problems:
+        raise DFlashQuantError(
+            f"{stage}: artifact {root} fails its integrity check: {summarize(problems)}; {REEXPORT} "
+            f"(only the export stage records weight hashes)")
+    return verified
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _artifact_files(root: Path) -> list[str]:
+    names = []
+    for rel, st in _walk(root):
+        if stat.S_ISLNK(st.st_mode):
+            raise DFlashQuantError(f"{root / rel} is a symlink; the export writes real files only")
+        if stat.S_ISREG(st.st_mode) and rel != MANIFEST and not _hidden(PurePosixPath(rel)):
+            names.append(rel)
+    return sorted(names)
+
+
+def _entry(path: Path) -> dict:
+    st = path.lstat()
+    return {"sha256": _hash_open(path, st)[0], "bytes": st.st_size}
 
 
 def build_manifest(root: Path) -> dict:
     root = Path(root)
-    files = {
-        p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-        for p in _artifact_files(root)
-    }
-    return {"format": 1, "files": files}
+    return {"format": 1, "files": {name: _entry(root / name) for name in _artifact_files(root)}}
+
+
+def _write_atomic(root: Path, manifest: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=root)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, Path(root) / MANIFEST)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_manifest(root: Path) -> dict:
-    """(Re)write manifest.json over every file in root except itself."""
+    """Export stage only: record every visible file in root except the manifest itself."""
     manifest = build_manifest(root)
-    tmp = Path(root) / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(Path(root) / MANIFEST)
+    _write_atomic(Path(root), manifest)
     return manifest
 
 
-def verify_manifest(root: Path) -> list[str]:
-    """Problems found (empty when every listed file is present with its hash and no file is unlisted)."""
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Serialise read-modify-write of the manifest between concurrent `card` / `memory` runs."""
+    import fcntl
+
+    with open(Path(root) / LOCK, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def record_files(root: Path, names: Iterable[str]) -> dict:
+    """After `require_intact`: set (or drop, when the file is gone) the entries of `names` only."""
     root = Path(root)
-    path = root / MANIFEST
-    if not path.is_file():
-        return [f"{path} is missing; re-export the artifact or run `dflash-quant card` to refresh it"]
-    try:
-        manifest = json.loads(path.read_text())
-        listed = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        return [f"{path} is not a valid manifest ({exc})"]
-    problems = []
-    for name, entry in sorted(listed.items()):
-        file = root / name
-        if not file.is_file():
-            problems.append(f"{name} is listed in the manifest but missing")
-        elif file.stat().st_size != entry.get("bytes") or sha256_file(file) != entry.get("sha256"):
-            problems.append(f"{name} does not match its sha256 in the manifest")
-    for file in _artifact_files(root):
-        name = file.relative_to(root).as_posix()
-        if name not in listed:
-            problems.append(f"{name} is not in the manifest")
-    return problems
+    with _locked(root):
+        listed, problem = read_manifest(root)
+        if problem:
+            raise DFlashQuantError(f"cannot update {root / MANIFEST}: {problem}; {REEXPORT}")
+        files = dict(listed)
+        for name in names:
+            bad = name_problem(name)
+            if bad:
+                raise ValueError(bad)  # a programming error: stages pass their own fixed names
+            bad, _ = _file_problem(root, name)
+            if bad and bad.endswith("but missing"):
+                files.pop(name, None)
+            elif bad:
+                raise DFlashQuantError(f"cannot record {name}: {bad}; {REEXPORT}")
+            else:
+                files[name] = _entry(root / name)
+        manifest = {"format": 1, "files": dict(sorted(files.items()))}
+        _write_atomic(root, manifest)
+    return manifest
+
+
+def has_manifest(root: Path) -> bool:
+    return os.path.lexists(Path(root) / MANIFEST)
 
 
 def load_manifest(root: Path) -> dict:
-    try:
-        return json.loads((Path(root) / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DFlashQuantError(f"cannot read {Path(root) / MANIFEST}: {exc}") from exc
+    files, problem = read_manifest(root)
+    if problem:
+        raise DFlashQuantError(f"cannot read {Path(root) / MANIFEST}: {problem}; {REEXPORT}")
+    return {"format": 1, "files": files}

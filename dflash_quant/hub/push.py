@@ -1,8 +1,17 @@
 """Publish a quantized-drafter artifact on the Hugging Face Hub in one commit.
 
-Flow: check the artifact (manifest hashes, required files, parity passing) -> create the repo if needed
--> create the branch if needed -> `HfApi.create_commit` with one `CommitOperationAdd` per file listed
-in the manifest (plus manifest.json). huggingface_hub decides per file, from the Hub's preupload answer,
+Flow: check the artifact -> read what will be uploaded -> create the repo if needed -> create the branch
+if needed -> `HfApi.create_commit` with one `CommitOperationAdd` per file listed in the manifest (plus
+manifest.json).
+
+Everything is checked before the first network call: every manifest entry is a plain relative path to a
+regular file inside the artifact with its recorded sha256 and size, no symlink exists anywhere in the
+tree and no visible file is unlisted (`dflash_quant.export.manifest`), the required files are there and
+provenance.json is well formed. `--force` never overrides these; it only overrides a missing, unreadable
+or failed parity gate (parity.json). The bytes uploaded are the bytes hashed: a file up to
+IN_MEMORY_LIMIT is read once into memory while hashing; a larger one is uploaded from a descriptor opened
+(without following symlinks) on the very file that was checked, re-hashed by huggingface_hub as it reads
+it, and refused if that hash differs. huggingface_hub decides per file, from the Hub's preupload answer,
 whether it travels inline in the commit or as a large file (xet when hf_xet is installed and not disabled,
 otherwise the git-LFS batch API + PUT).
 
@@ -16,8 +25,12 @@ HfApi; it never appears in a message, a log line or a file written here.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import hashlib
+import io
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,10 +38,13 @@ from typing import Any, Callable
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.manifest import MANIFEST, load_manifest, verify_manifest
+from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check_artifact_files, summarize
+from dflash_quant.export.provenance import provenance_problem
 
-REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "parity.json",
-                  "README.md", MANIFEST)
+# parity.json is required too, but its absence is a parity-gate problem (--force overrides it).
+REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "README.md",
+                  MANIFEST)
+IN_MEMORY_LIMIT = 1 << 30  # files up to this size are uploaded from the bytes that were hashed
 RECOMMENDED_FILES = ("quant_report.json", "memory.json")
 
 # The Hub stores these as large files (the default .gitattributes of a new model repo), as well as any
@@ -94,71 +110,68 @@ class PushResult:
 # --------------------------------------------------------------------------- checks
 
 
-def inspect_artifact(artifact_dir: Path) -> tuple[list[str], list[str]]:
-    """(blocking problems, notes). Blocking problems stop a push unless forced."""
+@dataclass
+class ArtifactCheck:
+    integrity: list[str]  # never overridden: the artifact is not what the export wrote
+    gate: list[str]  # the parity gate: --force overrides
+    notes: list[str]
+    verified: list[VerifiedFile]
+
+
+def _parity_problems(root: Path) -> list[str]:
+    path = root / "parity.json"
+    if not path.is_file():
+        return ["parity.json is missing (the parity check never ran)"]
+    try:
+        parity = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [f"parity.json is unreadable ({exc.__class__.__name__})"]
+    if not isinstance(parity, dict) or parity.get("passed") is not True:
+        why = "; ".join(str(r) for r in (parity.get("reasons") or [])) if isinstance(parity, dict) else ""
+        ratio = parity.get("tau_ratio") if isinstance(parity, dict) else None
+        detail = f"tau ratio {ratio}" if isinstance(ratio, (int, float)) else "no passing verdict"
+        return [f"parity check did not pass ({detail}{'; ' + why if why else ''})"]
+    return []
+
+
+def inspect_artifact(artifact_dir: Path) -> ArtifactCheck:
+    """Every check push makes, without a network call."""
     root = Path(artifact_dir)
-    blocking: list[str] = []
-    notes: list[str] = []
-    for name in REQUIRED_FILES:
-        if not (root / name).is_file():
-            blocking.append(f"required file {name} is missing")
-    for name in RECOMMENDED_FILES:
-        if not (root / name).is_file():
-            notes.append(f"{name} is missing; the card says 'not measured' for it")
-    if (root / MANIFEST).is_file():
-        blocking += [f"manifest: {p}" for p in verify_manifest(root)]
-    parity_path = root / "parity.json"
-    if parity_path.is_file():
-        try:
-            parity = json.loads(parity_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            blocking.append(f"parity.json is unreadable ({exc.__class__.__name__})")
-        else:
-            if not isinstance(parity, dict) or parity.get("passed") is not True:
-                why = "; ".join(str(r) for r in (parity.get("reasons") or [])) if isinstance(parity, dict) else ""
-                ratio = parity.get("tau_ratio") if isinstance(parity, dict) else None
-                detail = f"tau ratio {ratio}" if isinstance(ratio, (int, float)) else "no passing verdict"
-                blocking.append(f"parity check did not pass ({detail}{'; ' + why if why else ''})")
-    return blocking, notes
+    integrity, verified = check_artifact_files(root)
+    integrity = [f"required file {name} is missing" for name in REQUIRED_FILES
+                 if name != MANIFEST and not os.path.lexists(root / name)] + [
+        p for p in integrity if not any(p.startswith(f"{name} is listed") for name in REQUIRED_FILES)]
+    bad_provenance = provenance_problem(root) if not integrity else None
+    if bad_provenance:
+        integrity.append(f"provenance.json {bad_provenance}")
+    notes = [f"{name} is missing; the card says 'not measured' for it"
+             for name in RECOMMENDED_FILES if not (root / name).is_file()]
+    return ArtifactCheck(list(dict.fromkeys(integrity)), _parity_problems(root), notes, verified)
 
 
-def check_artifact(artifact_dir: Path, force: bool = False) -> list[str]:
-    """Warnings to show before a push. Raises DFlashQuantError on blocking problems unless `force`."""
+def _checked(artifact_dir: Path, force: bool) -> tuple[list[str], list[VerifiedFile]]:
     root = Path(artifact_dir)
     if not root.is_dir():
         raise DFlashQuantError(f"artifact directory {root} does not exist; pass the --output of `dflash-quant gptq`")
-    if not any(p.is_file() for p in root.iterdir()):
+    if not any(True for _ in root.iterdir()):
         raise DFlashQuantError(f"artifact directory {root} is empty; nothing to push")
-    blocking, notes = inspect_artifact(root)
-    if blocking and not force:
-        raise DFlashQuantError(
-            f"refusing to push {root}: " + "; ".join(blocking)
-            + ". Fix the artifact (re-run `dflash-quant gptq`, or `dflash-quant card` to refresh the manifest) "
-            "or pass --force to push it anyway"
-        )
-    warnings = [f"--force: pushing despite: {p}" for p in blocking] if blocking else []
-    return warnings + notes
+    check = inspect_artifact(root)
+    if check.integrity:
+        raise DFlashQuantError(f"refusing to push {root}: {summarize(check.integrity)}; {REEXPORT} "
+                               "(--force does not override integrity checks)")
+    if check.gate and not force:
+        raise DFlashQuantError(f"refusing to push {root}: {summarize(check.gate)}; re-run the parity check with "
+                               "`dflash-quant gptq` or pass --force to push it anyway")
+    warnings = [f"--force: pushing despite: {p}" for p in check.gate] if check.gate else []
+    return warnings + check.notes, check.verified
+
+
+def check_artifact(artifact_dir: Path, force: bool = False) -> list[str]:
+    """Warnings to show before a push. Raises DFlashQuantError on a problem (`force`: parity-gate ones pass)."""
+    return _checked(artifact_dir, force)[0]
 
 
 # --------------------------------------------------------------------------- plan
-
-
-def _upload_files(root: Path) -> list[Path]:
-    """The manifest's files plus manifest.json itself; without a manifest, every non-hidden file."""
-    root = Path(root)
-    names: list[str] = []
-    if (root / MANIFEST).is_file():
-        try:
-            names = sorted(load_manifest(root).get("files", {}))
-        except DFlashQuantError:
-            names = []
-    if not names:
-        names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
-    files = [root / n for n in names if (root / n).is_file()]
-    if (root / MANIFEST).is_file() and root / MANIFEST not in files:
-        files.append(root / MANIFEST)
-    return files
 
 
 def predict_large_file(path: Path, size: int) -> tuple[bool, str]:
@@ -222,23 +235,33 @@ def plan_push(
     private: bool = False,
     commit_message: str | None = None,
     endpoint: str | None = None,
+    verified: list[VerifiedFile] | None = None,
 ) -> PushPlan:
-    """What a push would send: no network call, no token needed."""
-    validate_repo_id(repo_id)
-    if create_pr and revision not in (None, "main"):
-        raise UsageError("--create-pr opens a pull request against main; do not combine it with --revision")
+    """What a push would send: the verified manifest files plus manifest.json; no network call, no token."""
+    _validate_args(repo_id, revision, create_pr)
     root = Path(artifact_dir)
+    if verified is None:
+        verified = check_artifact_files(root)[1] if root.is_dir() else []
     plan = PushPlan(
         artifact=str(root), repo_id=repo_id, revision=revision or "main", create_pr=create_pr, private=private,
         endpoint=_resolve_endpoint(endpoint),
         commit_message=commit_message or default_commit_message(root),
         commit_description=_commit_description(root),
     )
-    for path in _upload_files(root):
-        size = path.stat().st_size
-        large, why = predict_large_file(path, size)
-        plan.files.append(PlannedFile(path.relative_to(root).as_posix(), size, large, why))
+    for f in sorted(verified, key=lambda v: v.name):
+        large, why = predict_large_file(f.path, f.bytes)
+        plan.files.append(PlannedFile(f.name, f.bytes, large, why))
+    manifest = root / MANIFEST
+    if verified or (manifest.is_file() and not manifest.is_symlink()):
+        size = manifest.stat().st_size
+        plan.files.append(PlannedFile(MANIFEST, size, *predict_large_file(manifest, size)))
     return plan
+
+
+def _validate_args(repo_id: str, revision: str | None, create_pr: bool) -> None:
+    validate_repo_id(repo_id)
+    if create_pr and revision not in (None, "main"):
+        raise UsageError("--create-pr opens a pull request against main; do not combine it with --revision")
 
 
 # --------------------------------------------------------------------------- errors
@@ -391,14 +414,68 @@ def _already_retried_by_hub(exc: BaseException) -> bool:
     return any(part in url for part in ("/preupload/", "/info/lfs/"))
 
 
-def _check_no_token_in_files(files: list[Path], token: str) -> None:
+def _check_no_token_in_files(payloads: list[tuple[str, bytes | io.BufferedReader]], token: str) -> None:
     needle = token.encode()
-    for path in files:
-        if path.stat().st_size > LFS_SIZE_THRESHOLD:
+    for name, data in payloads:
+        if isinstance(data, bytes) and len(data) <= LFS_SIZE_THRESHOLD and needle in data:
+            raise DFlashQuantError(f"{name} contains your Hugging Face token; remove it from the artifact "
+                                   "(then re-export) before pushing, and revoke the token")
+
+
+def _open_verified(f: VerifiedFile) -> io.BufferedReader:
+    """A descriptor on the very file that was checked: symlinks not followed, same inode, size and mtime."""
+    try:
+        fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise DFlashQuantError(f"{f.name} cannot be opened ({exc.strerror}); {REEXPORT}") from None
+    fh = os.fdopen(fd, "rb")
+    st = os.fstat(fh.fileno())
+    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (f.dev, f.ino, f.bytes, f.mtime_ns):
+        fh.close()
+        raise DFlashQuantError(f"{f.name} changed while pushing; push again once nothing writes to the artifact")
+    return fh
+
+
+def _read_payloads(root: Path, verified: list[VerifiedFile], stack: contextlib.ExitStack
+                   ) -> list[tuple[str, bytes | io.BufferedReader]]:
+    """What the commit sends, read from the checked files; a changed byte or a swapped file is refused."""
+    payloads: list[tuple[str, bytes | io.BufferedReader]] = []
+    for f in sorted(verified, key=lambda v: v.name):
+        fh = stack.enter_context(_open_verified(f))
+        if f.bytes > IN_MEMORY_LIMIT:
+            payloads.append((f.name, fh))  # hashed again by huggingface_hub as it reads; see _operations
             continue
-        if needle in path.read_bytes():
-            raise DFlashQuantError(f"{path.name} contains your Hugging Face token; remove it from the artifact "
-                                   "before pushing (and revoke the token)")
+        data = fh.read()
+        if hashlib.sha256(data).hexdigest() != f.sha256:
+            raise DFlashQuantError(f"{f.name} changed while pushing; push again once nothing writes to the artifact")
+        payloads.append((f.name, data))
+    try:
+        fd = os.open(root / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read()
+        listed = json.loads(data)["files"]
+        recorded = {name: entry["sha256"] for name, entry in listed.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        recorded = None
+    if recorded != {f.name: f.sha256 for f in verified}:
+        raise DFlashQuantError(f"{MANIFEST} changed while pushing; push again once nothing writes to the artifact")
+    payloads.append((MANIFEST, data))
+    return payloads
+
+
+def _operations(payloads: list[tuple[str, bytes | io.BufferedReader]], verified: list[VerifiedFile]) -> list:
+    from huggingface_hub import CommitOperationAdd
+
+    sha = {f.name: f.sha256 for f in verified}
+    ops = []
+    for name, data in payloads:
+        if not isinstance(data, bytes):
+            data.seek(0)
+        op = CommitOperationAdd(path_in_repo=name, path_or_fileobj=data)
+        if name in sha and op.upload_info.sha256.hex() != sha[name]:  # computed from the bytes it will send
+            raise DFlashQuantError(f"{name} changed while pushing; push again once nothing writes to the artifact")
+        ops.append(op)
+    return ops
 
 
 def resolve_token(token: str | None) -> str:
@@ -425,18 +502,28 @@ def push_artifact(
     force: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> PushResult:
-    """Check, then create repo/branch if needed and upload the artifact in one commit."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    """Check and read everything, then create repo/branch if needed and upload the artifact in one commit."""
+    with contextlib.ExitStack() as stack:
+        return _push(stack, Path(artifact_dir), repo_id, private=private, revision=revision, create_pr=create_pr,
+                     commit_message=commit_message, endpoint=endpoint, token=token, force=force,
+                     log=log or (lambda _msg: None))
 
-    log = log or (lambda _msg: None)
-    root = Path(artifact_dir)
-    for warning in check_artifact(root, force=force):
+
+def _push(stack: contextlib.ExitStack, root: Path, repo_id: str, *, private: bool, revision: str | None,
+          create_pr: bool, commit_message: str | None, endpoint: str | None, token: str | None, force: bool,
+          log: Callable[[str], None]) -> PushResult:
+    from huggingface_hub import HfApi
+
+    _validate_args(repo_id, revision, create_pr)
+    warnings, verified = _checked(root, force)
+    for warning in warnings:
         log(f"warning: {warning}")
     plan = plan_push(root, repo_id, revision=revision, create_pr=create_pr, private=private,
-                     commit_message=commit_message, endpoint=endpoint)
+                     commit_message=commit_message, endpoint=endpoint, verified=verified)
     secret = resolve_token(token)
-    paths = [root / f.path for f in plan.files]
-    _check_no_token_in_files(paths, secret)
+    payloads = _read_payloads(root, verified, stack)
+    _check_no_token_in_files(payloads, secret)
+    _operations(payloads, verified)  # a first pass: a mismatch is refused before any network call
     api = HfApi(endpoint=plan.endpoint, token=secret, library_name="dflash-quant", library_version=__version__)
     branch = None if plan.revision == "main" else plan.revision
 
@@ -457,8 +544,7 @@ def push_artifact(
         log(f"uploading {len(plan.files)} files ({plan.total_bytes:,} bytes) in one commit")
 
         def commit():
-            operations = [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(root / f.path))
-                          for f in plan.files]
+            operations = _operations(payloads, verified)  # fresh per attempt: an operation is single-use
             return api.create_commit(
                 repo_id, operations, commit_message=plan.commit_message,
                 commit_description=plan.commit_description, repo_type="model", revision=branch,

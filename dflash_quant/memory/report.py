@@ -105,13 +105,22 @@ def build_memory_report(
 
 
 def write_memory_json(report: dict, artifact: Path, out: Path | None = None) -> Path:
-    """Write memory.json (into the artifact by default) and refresh its manifest if it has one."""
-    target = Path(out) if out else Path(artifact) / MEMORY_JSON
-    tmp = target.with_name(target.name + ".tmp")
+    """Write memory.json (into the artifact by default).
+
+    Into an artifact with a manifest: its recorded files are checked first (a mismatch is refused) and
+    only memory.json's entry is updated; weights are never re-hashed into the manifest here.
+    """
+    from dflash_quant.export.manifest import has_manifest, record_files, require_intact
+
+    own = Path(artifact) / MEMORY_JSON
+    target = Path(out) if out else own
+    in_artifact = target.resolve() == own.resolve()
+    manifest = in_artifact and has_manifest(artifact)
+    if manifest:
+        require_intact(Path(artifact), stage="memory", skip=(MEMORY_JSON,))
+    tmp = target.with_name("." + target.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(target)
-    if out is None and (Path(artifact) / "manifest.json").is_file():
-        from dflash_quant.export.manifest import write_manifest
-
-        write_manifest(Path(artifact))
+    if manifest:
+        record_files(Path(artifact), (MEMORY_JSON,))
     return target

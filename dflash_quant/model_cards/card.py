@@ -18,7 +18,7 @@ from huggingface_hub.repocard import metadata_load
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.manifest import write_manifest
+from dflash_quant.export.manifest import has_manifest, record_files, require_intact
 from dflash_quant.model_cards.chart import CHART_NAME, write_acceptance_chart
 
 README = "README.md"
@@ -601,13 +601,19 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
 
 
 def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None) -> Path:
-    """Render README.md (and acceptance.png when parity.json exists), then refresh manifest.json.
+    """Render README.md (and acceptance.png when parity.json exists).
 
+    With a manifest (a finished artifact), every file it records is checked first and a mismatch is
+    refused; then only README.md and acceptance.png are recorded. Without one (inside the export's temp
+    dir, before the export stage writes it) the manifest is left to the export.
     Returns the README path. Missing reports are tolerated: their sections say "not measured".
     """
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.is_dir():
         raise DFlashQuantError(f"artifact directory {artifact_dir} does not exist; pass the --output of `dflash-quant gptq`")
+    manifest = has_manifest(artifact_dir)
+    if manifest:
+        require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME))
     parity, _ = _read_json(artifact_dir / "parity.json")
     chart_path = artifact_dir / CHART_NAME
     chart = False
@@ -632,5 +638,6 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
     tmp = readme.with_name(".README.md.tmp")
     card.save(tmp)
     tmp.replace(readme)
-    write_manifest(artifact_dir)
+    if manifest:
+        record_files(artifact_dir, (README, CHART_NAME))
     return readme
