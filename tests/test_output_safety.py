@@ -87,6 +87,9 @@ def test_output_overlapping_an_input_is_refused_even_with_overwrite(pair, out, h
 
 def test_output_overlapping_prompts_or_calib_cache_is_refused(pair, tmp_path):
     one_error(gptq(pair, pair / "calib.txt" / "x"), 2, "lies inside the input")
+    (tmp_path / "link").symlink_to(pair / "drafter")
+    one_error(gptq(pair, tmp_path / "link", "--overwrite"), 2, "is the input")
+    assert (pair / "drafter" / "model.safetensors").is_file() and (tmp_path / "link").is_symlink()
     cache = tmp_path / "cache"
     one_error(gptq(pair, cache / "art", "--calib-cache", str(cache)), 2, "lies inside the input")
     assert not cache.exists()
@@ -177,6 +180,13 @@ def test_staging_removes_its_temp_dir_on_error_and_never_replaces_what_appeared(
             final.mkdir()
             (final / "user.txt").write_text("keep")  # someone else's data, not an artifact
     assert (final / "user.txt").read_text() == "keep" and leftovers(tmp_path, "art") == []
+
+
+def test_atomic_dir_writes_under_the_lock(tmp_path):
+    with atomic.atomic_dir(tmp_path / "art") as tmp:
+        assert (tmp_path / ".art.lock").is_file()
+        (tmp / "a.txt").write_text("a")
+    assert (tmp_path / "art" / "a.txt").is_file() and leftovers(tmp_path, "art") == []
 
 
 def test_overwrite_swaps_a_previous_artifact(tmp_path):

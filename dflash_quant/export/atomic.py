@@ -358,3 +358,13 @@ def staging(final: Path, overwrite: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path | str, overwrite: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """guard_output + staging in one, for writers that have nothing to compute before they write."""
+    with guard_output(final, overwrite, inputs) as resolved, staging(resolved, overwrite) as tmp:
+        yield tmp
+
+
+check_output_dir = check_output  # the name this check had before the lock and overlap rules
