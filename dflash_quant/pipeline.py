@@ -15,10 +15,11 @@ from dflash_quant import __version__
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats, capture
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.atomic import atomic_dir, check_output_dir
+from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
 from dflash_quant.loading import load_drafter, weights_sha256
+from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
 from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
@@ -97,10 +98,16 @@ def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
 
 
 def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
-    """Quantize job.drafter and write the artifact to job.output (atomically)."""
+    """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
-    check_output_dir(job.output, job.overwrite)
+    # Output, inputs and cache are checked and the output locked before anything is loaded or computed.
+    specs = (job.calib_prompts, job.eval_prompts)
+    with guard_run(job.output, job.overwrite, job.drafter, job.target, specs, job.calib_cache) as final:
+        return _run(job, final, progress)
+
+
+def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     device = resolve_device(job.device)
     dtype = resolve_dtype(job.dtype, device)
     timings: dict[str, float] = {}
@@ -146,7 +153,7 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     }
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report=quant_report, timings=timings)
-    with atomic_dir(job.output, job.overwrite) as tmp:
+    with staging(final, job.overwrite) as tmp:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
         if job.verify:
             t = time.perf_counter()

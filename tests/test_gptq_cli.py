@@ -98,6 +98,7 @@ def test_verify_and_inspect_accept_the_artifact(setup):
 
 def test_refuses_to_overwrite(setup):
     (setup["root"] / "exists").mkdir()
+    (setup["root"] / "exists" / "notes.txt").write_text("mine")  # an empty directory would be filled in place
     res = gptq(setup, out="exists")
     assert res.returncode == 2 and "--overwrite" in res.stderr
 

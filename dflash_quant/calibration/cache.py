@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_quant.calibration.capture import CalibrationStats, DraftCall
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.atomic import check_writable_dir, current_umask
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 STATS = "hessians.safetensors"
@@ -20,8 +21,13 @@ REPLAY = "replay.safetensors"
 META = "calibration.json"
 
 
+def check_location(directory: Path) -> Path:
+    """A usable --calib-cache: a directory (or creatable), writable; checked before any compute."""
+    return check_writable_dir(directory, "--calib-cache")
+
+
 def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
-    directory = Path(directory)
+    directory = check_location(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, acc in stats.hessians.items():
@@ -43,12 +49,13 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp))
+    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors writes 0600; a shared cache should follow the umask
     os.replace(tmp, path)
 
 
 def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.device) -> CalibrationStats | None:
     """Cached stats if the directory holds ones captured with the same key, else None."""
-    directory = Path(directory)
+    directory = check_location(directory)
     meta_path = directory / META
     if not meta_path.is_file():
         return None

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
+from dflash_quant.cli.common import err_console, fail, handle_errors, out_console, print_json
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -57,7 +57,7 @@ def gptq(
     profile: str = typer.Option("full", help="full | vllm | sglang (vllm/sglang keep q/k/v in bf16)."),
     skip: List[str] = typer.Option([], "--skip", help="Regex of Linear names to keep in bf16 (repeatable)."),
     output: Path = typer.Option(Path("out/drafter-gptq"), "--output", "-o", help="Artifact directory to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    overwrite: bool = typer.Option(False, help="Replace a previous dflash-quant artifact (one with manifest.json) at --output; never a directory that overlaps an input."),
     calib_prompts: Optional[str] = typer.Option(None, help="Calibration prompts: builtin:calib (default), reference:calib, or a file."),
     num_prompts: Optional[int] = typer.Option(None, help="Use only the first N calibration prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens generated per calibration prompt."),
@@ -75,28 +75,36 @@ def gptq(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
-    from dflash_quant.pipeline import GptqJob, run_gptq
-    from dflash_quant.quantize.drafter import QuantSettings
+    from dflash_quant.export.atomic import Terminated
+    from dflash_quant.preflight import guard_run
 
-    quant = QuantSettings(
-        method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, static_groups=static_groups,
-        damp=damp, sequential=sequential, profile=profile, skip=tuple(skip),
-    )
-    job = GptqJob(
-        output=output, drafter=drafter, target=target, quant=quant, overwrite=overwrite, calib_prompts=calib_prompts,
-        calib_num_prompts=num_prompts, calib_max_new_tokens=max_new_tokens, kv_hessian=kv_hessian,
-        calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
-        eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
-        chat_template=chat_template, write_card=card, command=["dflash-quant", *sys.argv[1:]],
-    )
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as bar:
+    try:
+        # Path checks and the output lock come before the heavy imports, so refusals are instant.
+        with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
+            from dflash_quant.pipeline import GptqJob, run_gptq
+            from dflash_quant.quantize.drafter import QuantSettings
 
-        def stage(label: str, total: int | None):
-            task = bar.add_task(label, total=total)
-            return lambda: bar.advance(task)
+            quant = QuantSettings(
+                method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, static_groups=static_groups,
+                damp=damp, sequential=sequential, profile=profile, skip=tuple(skip),
+            )
+            job = GptqJob(
+                output=output, drafter=drafter, target=target, quant=quant, overwrite=overwrite, calib_prompts=calib_prompts,
+                calib_num_prompts=num_prompts, calib_max_new_tokens=max_new_tokens, kv_hessian=kv_hessian,
+                calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
+                eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
+                chat_template=chat_template, write_card=card, command=["dflash-quant", *sys.argv[1:]],
+            )
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=err_console, transient=True) as bar:
 
-        result = run_gptq(job, progress=stage)
+                def stage(label: str, total: int | None):
+                    task = bar.add_task(label, total=total)
+                    return lambda: bar.advance(task)
+
+                result = run_gptq(job, progress=stage)
+    except Terminated as exc:
+        fail(f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum)
     if json_out:
         print_json({"output": str(result.output), "passed": result.passed, "reasons": result.reasons,
                     "parity": result.parity, "quant_report": result.quant_report, "timings": result.timings})

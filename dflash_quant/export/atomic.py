@@ -1,40 +1,370 @@
-"""Write an output directory atomically: build it beside the target, rename at the end."""
+"""Output-directory safety: preflight checks, one lock per output, temp dir beside it, no-replace publish.
+
+A run writes into `.NAME.tmp-<pid>-<rand>` next to the output and publishes it with one rename at the end.
+While it runs it holds `.NAME.lock` (fcntl.flock, so a killed run's lock is free again) so that two runs
+can never write the same output. An existing directory is only ever replaced with --overwrite, and only
+when it is a previous dflash-quant artifact (it has our manifest.json) that does not overlap an input.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from dflash_quant.errors import UsageError
 
+MANIFEST = "manifest.json"  # the name dflash_quant.export.manifest writes; only read here
+# Signals whose default action would kill us mid-write; Ctrl-C (SIGINT) already raises KeyboardInterrupt.
+TERMINATING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n))
+_LOCK_TEXT = re.compile(r"^(dflash-quant (\d+)\n?)?$")
 
-def check_output_dir(final: Path, overwrite: bool) -> None:
-    final = Path(final)
-    if final.exists() and not overwrite:
-        raise UsageError(f"output directory {final} already exists; pass --overwrite or choose another --output")
-    if final.exists() and not final.is_dir():
-        raise UsageError(f"output path {final} exists and is not a directory; choose another --output")
+
+class Terminated(BaseException):
+    """A terminating signal, raised like KeyboardInterrupt so every `finally` and cleanup runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# --- checks ---------------------------------------------------------------------------------------------
+
+def resolve_output(path: Path | str) -> Path:
+    """Absolute path with symlinks, `.`, `..` and trailing slashes resolved (the name temp dirs are named after)."""
+    return Path(os.path.expanduser(str(path))).resolve()
+
+
+def is_artifact(path: Path) -> bool:
+    """True for a directory written by dflash-quant: it holds our manifest.json ({"format": 1, "files": {...}})."""
+    try:
+        data = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("files"), dict)
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a.is_relative_to(b) or b.is_relative_to(a)  # either way round, equal included
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: Path | str, flag: str) -> Path:
+    """A directory that exists or can be created, and that we can write into; else a one-line UsageError."""
+    path = resolve_output(path)
+    if os.path.lexists(path) and not path.is_dir():
+        raise UsageError(f"{flag} {path} exists and is not a directory; pass a directory path")
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise UsageError(f"{flag} {path} cannot be created: {base} is not a directory; choose another {flag}")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path} is not writable ({base} denies writing); choose a writable {flag}")
+    return path
+
+
+def check_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = ()) -> Path:
+    """Refuse outputs that would lose data; returns the resolved output path. Creates nothing."""
+    final = resolve_output(output)
+    if final.parent == final:
+        raise UsageError(f"--output {final} is the filesystem root; choose a new directory")
+    for item in inputs:
+        src = resolve_output(item)
+        if _overlaps(final, src):
+            how = "is" if final == src else "contains" if src.is_relative_to(final) else "lies inside"
+            raise UsageError(f"--output {final} {how} the input {src}; choose an --output outside every input")
+    check_writable_dir(final.parent, "--output parent")
+    if not os.path.lexists(final):
+        return final
+    if not final.is_dir():
+        raise UsageError(f"--output {final} exists and is not a directory; choose another --output")
+    if not any(final.iterdir()):
+        if os.stat(final).st_dev != os.stat(final.parent).st_dev:
+            raise UsageError(f"--output {final} is a mount point; pass a new subdirectory of it")
+        return final  # an empty directory is filled in place: nothing can be lost
+    if not is_artifact(final):
+        raise UsageError(
+            f"--output {final} exists and is not a dflash-quant artifact (no manifest.json); "
+            "--overwrite only replaces previous artifacts: choose another --output"
+        )
+    if not overwrite:
+        raise UsageError(f"--output {final} already exists; pass --overwrite to replace it or choose another --output")
+    return final
+
+
+# --- umask ------------------------------------------------------------------------------------------------
+
+def current_umask() -> int:
+    """The process umask, read without changing it where the kernel reports it (os.umask is process-wide)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give root and everything in it the permissions a plain mkdir/open would (mkdtemp and safetensors use 0700/0600)."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask, follow_symlinks=False)
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
+
+
+# --- signals ----------------------------------------------------------------------------------------------
+
+_signal_depth = 0
 
 
 @contextlib.contextmanager
-def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp dir in final's parent; on success it replaces final, on any error (Ctrl-C too) it is removed."""
-    final = Path(final)
-    check_output_dir(final, overwrite)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+def signals_raise() -> Iterator[None]:
+    """Turn terminating signals into Terminated for the duration (main thread only; nests; restores handlers)."""
+    global _signal_depth
+    if threading.current_thread() is not threading.main_thread() or _signal_depth:
+        yield  # an outer level (or no main thread) owns the handlers
+        return
+    previous = {}
+
+    def handler(signum, frame):
+        for sig in previous:  # a second signal must not interrupt the cleanup the first one started
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    for sig in TERMINATING:
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+    _signal_depth = 1
+    try:
+        yield
+    finally:
+        _signal_depth = 0
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Hold signals back while renames are half done; they are delivered (and raise) right after."""
+    sigs = {*TERMINATING, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --- lock -------------------------------------------------------------------------------------------------
+
+_held: dict[Path, int] = {}  # resolved output -> lock fd held by this process
+
+
+def lock_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.lock"
+
+
+def _acquire(final: Path) -> int:
+    path = lock_path(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {final.parent} ({exc.strerror}); choose a writable --output") from exc
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            raise UsageError(f"cannot create the lock {path} ({exc.strerror}); choose a writable --output") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 64, 0).decode(errors="replace")
+            os.close(fd)
+            match = _LOCK_TEXT.match(text)
+            who = f"pid {match.group(2)}" if match and match.group(2) else "pid unknown"
+            raise UsageError(f"--output {final} is being written by another dflash-quant run ({who}); wait for it or choose another --output") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # we locked a file its previous owner had just unlinked: take the new one
+    if not _LOCK_TEXT.match(os.pread(fd, 64, 0).decode(errors="replace")):
+        os.close(fd)
+        raise UsageError(f"{path} exists and is not a dflash-quant lock; remove it or choose another --output")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"dflash-quant {os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _release(final: Path, fd: int) -> None:
+    path = lock_path(final)
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(final: Path) -> list[Path]:
+    """Under the lock: remove temp dirs of dead runs of this output; an interrupted swap gets its old artifact back."""
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)-[a-z0-9_]+$")
+    removed = []
+    for entry in sorted(final.parent.iterdir()):
+        match = pattern.match(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir() or _pid_alive(int(match.group(2))):
+            continue
+        inner = entry / "artifact"
+        if match.group(1) == "old" and not os.path.lexists(final) and is_artifact(inner):
+            os.rename(inner, final)  # killed between moving the old artifact aside and renaming the new one in
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """Check the output, take its lock, clean stale temp dirs, and raise Terminated on signals, until exit.
+
+    Re-entrant within one process (the CLI takes it before the heavy imports, run_gptq again), so the
+    lock and signal handlers are only set up and released by the outermost level.
+    """
+    final = check_output(output, overwrite, list(inputs))
+    with signals_raise():
+        if final in _held:
+            yield final
+            return
+        fd = _acquire(final)
+        _held[final] = fd
+        try:
+            remove_stale(final)
+            yield final
+        finally:
+            del _held[final]
+            _release(final, fd)
+
+
+# --- staging and publishing ------------------------------------------------------------------------------
+
+def _libc_renameat2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+_RENAMEAT2 = _libc_renameat2()
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """rename(2) that fails with FileExistsError instead of replacing dst (plain rename replaces empty dirs)."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: the filesystem lacks the flag
+            raise OSError(err, os.strerror(err), str(dst))
+    # Fallback: the lock keeps other dflash-quant runs out; the check narrows the window for anything else.
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
+def _fill(tmp: Path, final: Path) -> None:
+    """Move the finished files into an existing empty directory (keeps its inode: `--output .` stays the cwd)."""
+    names = sorted(os.listdir(tmp), key=lambda n: n == MANIFEST)  # manifest last: it marks the artifact complete
+    moved = []
+    try:
+        for name in names:
+            rename_noreplace(tmp / name, final / name)
+            moved.append(name)
+    except BaseException:
+        for name in moved:
+            os.rename(final / name, tmp / name)
+        raise
+    tmp.rmdir()
+
+
+def _publish(tmp: Path, final: Path, overwrite: bool) -> None:
+    apply_umask(tmp)
+    with _signals_blocked():
+        try:
+            if not os.path.lexists(final):
+                rename_noreplace(tmp, final)
+                return
+            if final.is_dir() and not any(final.iterdir()):
+                _fill(tmp, final)
+                return
+        except FileExistsError:
+            pass
+        if not (overwrite and final.is_dir() and is_artifact(final)):
+            raise UsageError(f"--output {final} appeared while this run was writing it; nothing was replaced, choose another --output")
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{os.getpid()}-", dir=final.parent))
+        os.rename(final, old / "artifact")  # into our own fresh dir: never replaces anything
+        try:
+            rename_noreplace(tmp, final)
+        except BaseException:
+            os.rename(old / "artifact", final)
+            old.rmdir()
+            raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(final: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield `.NAME.tmp-<pid>-<rand>` beside final; publish it on success, remove it on any error or signal."""
+    final = resolve_output(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())
     try:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{tmp.name[-8:]}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+        _publish(tmp, final, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path | str, overwrite: bool = False, inputs: Iterable[Path] = ()) -> Iterator[Path]:
+    """guard_output + staging in one, for writers that have nothing to compute before they write."""
+    with guard_output(final, overwrite, inputs) as resolved, staging(resolved, overwrite) as tmp:
+        yield tmp
+
+
+check_output_dir = check_output  # the name this check had before the lock and overlap rules

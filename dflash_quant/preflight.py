@@ -1,0 +1,70 @@
+"""Before any compute: which paths a gptq run reads, and the guard over the directory it writes.
+
+Kept free of torch/transformers imports so the CLI can refuse a bad --output or --calib-cache at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.atomic import check_writable_dir, guard_output
+
+REFERENCE_NAMES = {"reference": "drafter", "reference/drafter": "drafter", "reference/target": "target"}
+
+
+def _model_paths(src: str) -> list[Path]:
+    """Local files behind a drafter/target argument: its directory, the reference pair, or its Hub cache folder."""
+    if src in REFERENCE_NAMES:
+        from dflash_quant.reference import pair_dir
+
+        try:
+            return [pair_dir() / REFERENCE_NAMES[src]]
+        except DFlashQuantError:
+            return []  # not installed: the loader reports it
+    path = Path(src).expanduser()
+    if os.path.lexists(path):
+        return [path]
+    if src.count("/") == 1 and not src.startswith((".", "/", "~")):  # a Hub id: protect its cache folder
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return [Path(HF_HUB_CACHE) / f"models--{src.replace('/', '--')}"]
+    return []
+
+
+def _default_target(drafter: str) -> str | None:
+    """The target recorded by an artifact used as the drafter (mirrors runtime.default_target, without loading)."""
+    if drafter.startswith("reference"):
+        return "reference/target"
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        target = json.loads((Path(drafter) / "provenance.json").read_text()).get("target", {})
+        return target.get("path") or target.get("id")
+    return None
+
+
+def input_paths(drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None) -> list[Path]:
+    paths = _model_paths(drafter)
+    target = target or _default_target(drafter)
+    if target:
+        paths += _model_paths(target)
+    for spec in prompt_specs:
+        if spec and not spec.startswith(("builtin", "reference")):
+            paths.append(Path(spec).expanduser())
+    if calib_cache is not None:
+        paths.append(Path(calib_cache))
+    return paths
+
+
+@contextlib.contextmanager
+def guard_run(
+    output: Path, overwrite: bool, drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None
+) -> Iterator[Path]:
+    """Every path check of a gptq run, then its output lock (see export.atomic.guard_output); yields the resolved output."""
+    if calib_cache is not None:
+        check_writable_dir(calib_cache, "--calib-cache")  # what calibration.cache.check_location checks, without torch
+    with guard_output(output, overwrite, input_paths(drafter, target, prompt_specs, calib_cache)) as final:
+        yield final
