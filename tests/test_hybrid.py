@@ -275,3 +275,23 @@ def test_rejection_sampling_on_a_hybrid_target_is_exact_in_distribution():
         mp.setattr(target_cache.TargetCache, "commit", _crop_only)
         bad, bad_dof, _ = chi2(400)
     assert bad > 2 * _chi2_critical_p001(bad_dof)
+
+
+def test_sliding_window_target_stays_lossless(drafter):
+    """Attention-only targets keep the crop path; sliding windows past their size roll back exactly too."""
+    from transformers import Qwen3ForCausalLM
+
+    from tiny import target_config
+
+    torch.manual_seed(0)
+    cfg = target_config(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=5, use_sliding_window=True, initializer_range=0.1)
+    target = Qwen3ForCausalLM(cfg).eval()
+    ids = _prompt(15)
+    ref = target_generate(target, ids, 30).tokens
+    for wrong_at in (WRONG_AT.__getitem__, lambda a: 0):
+        spec = speculative_generate(_Scripted(drafter, ref + [0] * 8, ids.shape[1], wrong_at), target, ids, 30)
+        assert spec.tokens == ref and spec.replay_forwards == 0
+    # The window really matters here: a full-attention twin decodes differently.
+    full = Qwen3ForCausalLM(target_config(initializer_range=0.1)).eval()
+    full.load_state_dict(target.state_dict())
+    assert target_generate(full, ids, 30).tokens != ref
