@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from tiny import hybrid_target_config, save_hybrid_target
 from transformers import AutoModelForCausalLM
 
 from dflash_quant import target_cache
@@ -20,7 +21,6 @@ from dflash_quant.calibration.capture import capture
 from dflash_quant.decode import speculative_generate, target_generate
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import load_drafter, load_target
-from tiny import hybrid_target_config, save_hybrid_target
 
 FAMILIES = ["qwen3_5", "qwen3_next"]
 # Where the scripted drafter goes wrong, by anchor index: a fixed pseudo-random mix of 0..3.
@@ -279,9 +279,8 @@ def test_rejection_sampling_on_a_hybrid_target_is_exact_in_distribution():
 
 def test_sliding_window_target_stays_lossless(drafter):
     """Attention-only targets keep the crop path; sliding windows past their size roll back exactly too."""
-    from transformers import Qwen3ForCausalLM
-
     from tiny import target_config
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = target_config(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=5, use_sliding_window=True, initializer_range=0.1)
