@@ -196,21 +196,39 @@ def test_unknown_cache_layer_is_refused_in_one_line(drafter, targets, monkeypatc
     assert "\n" not in msg and "OpaqueStateLayer" in msg and "qwen3_5_text" in msg and "layer 1" in msg
 
 
-def test_verify_cli_on_a_hybrid_target(tiny_pair, hybrid_dirs, tmp_path):
+def _verify_args(tiny_pair, hybrid_dirs, tmp_path):
     prompts = tmp_path / "two_prompts.txt"
     prompts.write_text("w1 w2 w3 w4 w5\nw9 w8 w7 w6\n")
-    args = ["verify", str(tiny_pair[0]), "--target", str(hybrid_dirs["qwen3_5"]), "--prompts", str(prompts), "--max-new-tokens", "32"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(CLI + args + ["--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
-    s = json.loads(res.stdout)["summary"]
+    return ["verify", str(tiny_pair[0]), "--target", str(hybrid_dirs["qwen3_5"]), "--prompts", str(prompts), "--max-new-tokens", "32"]
+
+
+def _check_summary(s):
     assert s["lossless"] is True and all(p["lossless"] for p in s["per_prompt"]) and s["new_tokens"] == 64
-    assert s["target_forwards"] == s["steps"] + 2  # one prefill per prompt
+    assert s["target_forwards"] == s["steps"] + 2  # one prefill per prompt; replays are counted apart
     assert 0 < s["target_replay_forwards"] <= s["steps"] and s["replayed_tokens"] >= s["target_replay_forwards"]
     assert s["replay_seconds"] > 0
-    table = subprocess.run(CLI + args, capture_output=True, text=True, env=env, timeout=300)
-    assert table.returncode == 0, table.stderr
+
+
+def test_verify_cli_on_a_hybrid_target(tiny_pair, hybrid_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_quant.cli.app import app
+
+    args = _verify_args(tiny_pair, hybrid_dirs, tmp_path)
+    res = CliRunner().invoke(app, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    _check_summary(json.loads(res.stdout)["summary"])
+    table = CliRunner().invoke(app, args[:-1] + ["8"])
+    assert table.exit_code == 0, table.output
     assert "replayed tokens" in table.stdout and "target replay forwards" in table.stdout
+
+
+@pytest.mark.slow
+def test_verify_subprocess_on_a_hybrid_target(tiny_pair, hybrid_dirs, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(CLI + _verify_args(tiny_pair, hybrid_dirs, tmp_path) + ["--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    _check_summary(json.loads(res.stdout)["summary"])
 
 
 def _chi2_critical_p001(dof: int) -> float:
