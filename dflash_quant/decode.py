@@ -7,7 +7,7 @@ accepted drafts plus the target's bonus token (clipped at max_new_tokens and sto
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,10 @@ class GreedyResult:
     tokens: list[int]
     seconds: float
     target_forwards: int
+    # per new token: the target's top-1 logit and its margin over the top-2 (judges bf16 near-ties)
+    top1_logits: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    logits_dtype: str = "float32"
 
 
 def _sync(device: torch.device) -> float:
@@ -203,12 +207,22 @@ def target_generate(
     t0 = _sync(device)
     out = target(input_ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     forwards = 1
-    tokens = [int(out.logits[0, -1].argmax())]
+    result = GreedyResult(tokens=[], seconds=0.0, target_forwards=0, logits_dtype=str(out.logits.dtype).replace("torch.", ""))
+
+    def take(logits: torch.Tensor) -> None:
+        top = logits.float().topk(min(2, logits.shape[-1])).values
+        result.tokens.append(int(logits.argmax()))  # argmax, as the speculative loop picks (same tie rule)
+        result.top1_logits.append(float(top[0]))
+        result.margins.append(float(top[0] - top[-1]))
+
+    take(out.logits[0, -1])
+    tokens = result.tokens
     pos = input_ids.shape[1]
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         step = torch.tensor([[tokens[-1]]], device=device)
         out = target(step, position_ids=torch.tensor([[pos]], device=device), **{kw: cache}, use_cache=True)
         forwards += 1
         pos += 1
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return GreedyResult(tokens=tokens, seconds=_sync(device) - t0, target_forwards=forwards)
+        take(out.logits[0, -1])
+    result.seconds, result.target_forwards = _sync(device) - t0, forwards
+    return result

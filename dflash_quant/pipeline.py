@@ -189,7 +189,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     return {
         "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
         "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],
-        "notes": verdict["notes"], "lossless_gated": verdict["lossless_gated"],
+        "notes": verdict["notes"], "lossless_gated": verdict["lossless_gated"], "lossless_status": verdict["lossless_status"],
         "temperature": 0.0, "prompt_set": spec, "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
         "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "baseline": s_base, "quantized": s_quant,

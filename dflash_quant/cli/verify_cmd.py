@@ -20,6 +20,8 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
     rows = [
         ("tau (mean acc+1)", "tau"),
         ("lossless", "lossless"),
+        ("lossless status", "lossless_status"),
+        ("token match rate", "token_match_rate"),
         ("steps", "steps"),
         ("new tokens", "new_tokens"),
         ("spec tok/s", "spec_tokens_per_s"),
@@ -105,7 +107,13 @@ def verify(
     else:
         out_console.print(_table(summaries, par))
     exact = dt == torch.float32
-    failed = (exact and any(s["lossless"] is False for s in summaries)) or (par is not None and not par["passed"])
+    # fp32: any difference fails; reduced precision: only a divergence the numerics cannot explain
+    not_lossless = [s for s in summaries if s["lossless"] is False and (exact or s.get("lossless_status") == "diverged")]
+    failed = bool(not_lossless) or (par is not None and not par["passed"])
+    for s in summaries:
+        if not exact and s.get("lossless_status") == "near-ties":
+            err_console.print(f"[yellow]note:[/] {s['drafter']}: lossless up to {s.get('logits_dtype')} numerics "
+                              f"(token match rate {s['token_match_rate']:.4f}; every divergence at a near-tie)")
     if failed:
         reasons = (par or {}).get("reasons") or ["greedy output is not lossless"]
         err_console.print(f"[red]check failed:[/] {'; '.join(reasons)}")
