@@ -159,7 +159,7 @@ def test_rejection_sampling_with_selector_is_exact():
     selector's) is detected by the same test."""
     drafter, target = _micro_pair()
     expected_p = _exact_marginal(target).flatten()
-    n = 1200
+    n = 800
     counts, accepted = _sample_pairs(drafter, target, n)
     assert set(accepted) == {0, 1, 2}  # rejections, partial and full acceptance all occur
     chi2, dof = _chi2(counts, expected_p * n)
