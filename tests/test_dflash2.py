@@ -176,3 +176,23 @@ def test_rejection_sampling_with_selector_is_exact():
     counts, _ = _sample_pairs(drafter, target, n)
     chi2, dof = _chi2(counts, expected_p * n)
     assert chi2 > _chi2_critical(dof), f"the biased proposal went undetected (chi2 {chi2:.1f})"
+
+
+def test_memory_and_inspect_name_the_dflash2_parts(tmp_path):
+    from dflash_quant.cli.inspect_cmd import describe
+    from dflash_quant.memory.kv import parse_shape
+    from dflash_quant.memory.weights import count_params, weights_from_files
+
+    path = save_dflash2_drafter(tmp_path / "d")
+    model = DFlash2Drafter(parse_draft_config(dflash2_raw_config()))
+    pc = count_params(parse_shape(path))
+    assert pc.total_params == sum(p.numel() for p in model.parameters())  # config-based count is exact
+    conv = sum(p.numel() for n, p in model.named_parameters() if "_conv." in n)
+    assert pc.other["dflash2_conv"] == conv
+    assert pc.other["dflash2_selector_codebooks"] == 2 * 123 * 8 and pc.other["dflash2_selector_projection"] == 64 * 8
+    by_module = weights_from_files(path).by_module
+    assert by_module["candidate_selector.predecessor_codebook"] == 123 * 8 * 4 and "layers.1.mlp_conv" in by_module
+    info = describe(str(path))
+    assert info["config"]["variant"] == "DFlash2" and info["config"]["selector_top_k"] == 4
+    assert info["dflash2_parts"]["conv"]["elements"] == conv
+    assert info["dflash2_parts"]["selector_codebooks"]["bytes"] == 2 * 123 * 8 * 4
