@@ -229,3 +229,8 @@ class DFlashDrafter(PreTrainedModel):
             for n, m in self.layers.named_modules(prefix="layers")
             if isinstance(m, nn.Linear) and n.split(".")[2] in ("self_attn", "mlp")
         ]
+
+    def other_linear_names(self) -> list[str]:
+        """Linears outside the quantizable backbone (DFlash2's conv and selector projections); kept bf16."""
+        backbone = set(self.linear_names())
+        return [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and n not in backbone]

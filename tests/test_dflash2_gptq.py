@@ -36,6 +36,9 @@ def test_gptq_quantizes_backbone_and_keeps_conv_and_selector(tmp_path):
     assert parity["lossless"] is True
     cfg = json.loads((art / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_top_k"] == 4
+    skips = set(cfg["quantization_config"]["dynamic"])  # GPTQ loaders must not expect qweight for these
+    assert {r"-:(^|.*\.)attention_conv\.kernel_projection$", r"-:(^|.*\.)mlp_conv\.kernel_projection$",
+            r"-:(^|.*\.)candidate_selector\.hidden_projection$"} <= skips, skips
     report = json.loads((art / "quant_report.json").read_text())
     quantized = sorted(l["name"] for l in report["layers"])
     assert len(quantized) == 15 and "fc" in quantized  # fc + 2 layers x (q, k, v, o, gate, up, down)
