@@ -14,14 +14,21 @@ from dflash_quant.errors import DFlashQuantError
 DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH_ARCH, DFLASH2_ARCH = "DFlashDraftModel", "DFlash2DraftModel"
 
 
 class DFlashDraftConfig(Qwen3Config):
     """A Qwen3Config carrying the DFlash fields as plain attributes.
 
-    Saved with `dflash_config: {mask_token_id, target_layer_ids}` and top-level `block_size` /
-    `num_target_layers`, the layout the official loader reads.
+    Saved with `dflash_config: {mask_token_id, target_layer_ids}` (plus the DFlash2 keys
+    `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k` for a DFlash2 drafter) and
+    top-level `block_size` / `num_target_layers`, the layout the official loader reads.
     """
+
+    @property
+    def is_dflash2(self) -> bool:
+        """A DFlash2 drafter: conv around each sublayer and a candidate selector on the head's top-k."""
+        return getattr(self, "conv_kernel_size", None) is not None
 
     @property
     def num_taps(self) -> int:
@@ -44,18 +51,34 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def dflash2_fields(raw: dict[str, Any], nested: dict[str, Any], archs: list[str], source: str) -> dict[str, int]:
+    """The four DFlash2 keys (top-level or in `dflash_config`) as validated ints; {} for a v1 drafter."""
+    present = {k: nested.get(k, raw.get(k)) for k in DFLASH2_KEYS}
+    if not any("DFlash2" in a for a in archs) and all(v is None for v in present.values()):
+        return {}
+    missing = [k for k, v in present.items() if v is None]
+    if missing:
+        raise DFlashQuantError(
+            f"{source} is a DFlash2 drafter but lacks {', '.join(missing)} (top-level or in `dflash_config`); add them"
+        )
+    out = {}
+    for key, value in present.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DFlashQuantError(f"{source}: {key} is {value!r}; it must be a positive integer")
+        out[key] = value
+    return out
+
+
 def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDraftConfig:
     """Normalize a drafter config.json dict; raises DFlashQuantError naming what is missing."""
     raw = dict(raw)
     nested = dict(raw.pop("dflash_config", None) or {})
     archs = raw.get("architectures") or []
-    if any("DFlash2" in a for a in archs) or any(k in nested or k in raw for k in DFLASH2_KEYS):
-        raise DFlashQuantError(
-            f"{source} is a DFlash2 drafter (conv/selector keys); dflash-quant handles DFlash v1 drafters only"
-        )
 
     def pick(name: str) -> Any:
         return nested.get(name, raw.get(name))
+
+    v2 = dflash2_fields(raw, nested, archs, source)
 
     is_dflash = any("DFlash" in a for a in archs) or pick("mask_token_id") is not None
     if not is_dflash:
@@ -104,15 +127,33 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDra
     raw.pop("block_size", None)
     raw.pop("mask_token_id", None)
     raw.pop("target_layer_ids", None)
-    raw["architectures"] = ["DFlashDraftModel"]
+    for key in DFLASH2_KEYS:
+        raw.pop(key, None)
+    raw["architectures"] = [DFLASH2_ARCH if v2 else DFLASH_ARCH]
+    if v2 and int(raw["hidden_size"]) % v2["conv_group_size"]:
+        raise DFlashQuantError(
+            f"{source}: hidden_size {raw['hidden_size']} is not divisible by conv_group_size "
+            f"{v2['conv_group_size']}; fix the config"
+        )
+    if v2 and raw.get("vocab_size") is not None and v2["selector_top_k"] > int(raw["vocab_size"]):
+        raise DFlashQuantError(
+            f"{source}: selector_top_k {v2['selector_top_k']} exceeds vocab_size {raw['vocab_size']}; fix the config"
+        )
 
     cfg = DFlashDraftConfig(
         **raw,
         block_size=block_size,
-        dflash_config={**nested, "mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in target_layer_ids]},
+        dflash_config={
+            **nested,
+            "mask_token_id": int(mask_token_id),
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+            **v2,
+        },
     )
     cfg.mask_token_id = int(mask_token_id)
     cfg.target_layer_ids = [int(i) for i in target_layer_ids]
+    for key, value in v2.items():
+        setattr(cfg, key, value)
     if cfg.block_size < 2:
         raise DFlashQuantError(f"{source}: block_size is {cfg.block_size}; a DFlash drafter needs block_size >= 2")
     return cfg

@@ -68,13 +68,22 @@ def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torc
 
 
 def rejection_step(
-    drafts: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator | None
+    drafts: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    generator: torch.Generator | None,
 ) -> tuple[int, int]:
     """Speculative sampling for one block: (accepted drafts, next token). Exact in distribution.
 
-    drafts [g]; target_probs [g+1, V] (row i scores the token after draft i-1); draft_probs [g, V].
+    drafts [g]; target_probs [g+1, V] (row i scores the token after draft i-1); draft_probs is the
+    proposal: [g, V] over the vocabulary, or (candidate ids [g, k], their probabilities [g, k]) from
+    DFlash2's selector, where every token outside a slot's candidates has probability 0.
     """
     g = drafts.shape[0]
+    if isinstance(draft_probs, tuple):
+        ids, cand_probs = draft_probs
+        draft_probs = torch.zeros(g, target_probs.shape[-1], dtype=cand_probs.dtype, device=cand_probs.device)
+        draft_probs.scatter_(1, ids, cand_probs)  # top-k ids are distinct, so scatter == scatter_add
     p = target_probs[:g].gather(-1, drafts[:, None])[:, 0]
     q = draft_probs.gather(-1, drafts[:, None])[:, 0]
     u = torch.rand(g, generator=generator, device=p.device)  # generator must live on p's device
@@ -139,13 +148,8 @@ def speculative_generate(
             positions = torch.arange(start - ctx.shape[1], start + size, device=device)[None]
             noise = embed(blk[None]) * scale
             hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache)[:, 1:]
-            logits = drafter.compute_logits(hidden, head)[0]
             result.drafter_forwards += 1
-            if temperature > 0:
-                draft_probs = _probs(logits, temperature)
-                blk[1:] = _sample(draft_probs, generator)
-            else:
-                blk[1:] = logits.argmax(-1)
+            blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
         saved = t_state.save(start, size)
         out = target(
             blk[None],

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.model import DFlashDrafter
+from dflash_quant.model2 import build_drafter
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "tokenizer*", "*.jinja"]
@@ -192,7 +193,7 @@ def load_drafter(
             raise DFlashQuantError(f"{source.id}: tensor {key} contains NaN or inf; the checkpoint is damaged")
 
     with torch.device("meta"):
-        model = DFlashDrafter(config)
+        model = build_drafter(config)
     expected = set(model.state_dict().keys())
     missing = sorted(expected - tensors.keys())
     unexpected = sorted(tensors.keys() - expected)
@@ -263,3 +264,24 @@ def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
         )
     if config.block_size < 2:
         raise DFlashQuantError(f"block_size {config.block_size} < 2; a drafter must propose at least one token")
+    if config.is_dflash2:
+        check_selector_head(config, target)
+
+
+def check_selector_head(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
+    """DFlash2's selector takes the top-k of a dense target head and indexes its codebooks by token id."""
+    head = target.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not callable(head):
+        raise DFlashQuantError(
+            "the DFlash2 candidate selector needs a dense target lm_head (get_output_embeddings() with a 2-D weight); "
+            "this target has none"
+        )
+    head_vocab = int(weight.shape[0])
+    if int(config.vocab_size) != head_vocab:
+        raise DFlashQuantError(
+            f"DFlash2 selector codebooks cover {config.vocab_size} tokens but the target head has {head_vocab}; "
+            "pair the drafter with the target it was trained for"
+        )
+    if config.selector_top_k > head_vocab:
+        raise DFlashQuantError(f"selector_top_k {config.selector_top_k} exceeds the target vocabulary ({head_vocab}); fix the config")

@@ -138,10 +138,11 @@ class DFlashDrafter(PreTrainedModel):
     base_model_prefix = ""
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
+    layer_class = DFlashDecoderLayer
 
     def __init__(self, config: DFlashDraftConfig):
         super().__init__(config)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
@@ -201,6 +202,35 @@ class DFlashDrafter(PreTrainedModel):
             logits = torch.tanh(logits / float(softcap)) * float(softcap)
         return logits
 
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        head: nn.Module,
+        temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens for one block from the drafter's hidden rows [1, g, H] (batch 1).
+
+        Returns (tokens [g], proposal): proposal is None at temperature 0, else the distribution the
+        tokens were sampled from, [g, V] over the vocabulary (what rejection sampling needs).
+        anchor_ids is unused here (DFlash2's selector conditions on it).
+        """
+        logits = self.compute_logits(hidden, head)[0]
+        if temperature <= 0:
+            return logits.argmax(-1), None
+        probs = F.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0], probs
+
     def linear_names(self) -> list[str]:
-        """Every quantizable Linear, in execution order (fc first)."""
-        return ["fc"] + [n for n, m in self.layers.named_modules(prefix="layers") if isinstance(m, nn.Linear)]
+        """Every quantizable backbone Linear (attention, MLP), in execution order (fc first)."""
+        return ["fc"] + [
+            n
+            for n, m in self.layers.named_modules(prefix="layers")
+            if isinstance(m, nn.Linear) and n.split(".")[2] in ("self_attn", "mlp")
+        ]
+
+    def other_linear_names(self) -> list[str]:
+        """Linears outside the quantizable backbone (DFlash2's conv and selector projections); kept bf16."""
+        backbone = set(self.linear_names())
+        return [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and n not in backbone]

@@ -5,6 +5,7 @@ Runs ONLY inside the isolated environment ``.venv-official`` (it pins transforme
     python3 -m venv .venv-official
     .venv-official/bin/pip install torch==2.13.0 "dflash[local]==0.1.0"
     .venv-official/bin/python scripts/make_official_golden.py            # tiny mode (default)
+    .venv-official/bin/python scripts/make_official_golden.py dflash2    # DFlash2 drafter on the tiny target
     .venv-official/bin/python scripts/make_official_golden.py --pair DIR --prompts FILE.jsonl --out OUTDIR
 
 Everything runs on CPU in fp32 with fixed seeds. See tests/fixtures/official/README.md for what the
@@ -24,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import dflash.model as dm
-from dflash.model import DFlashDraftModel, dflash_generate, extract_context_feature
-from safetensors.torch import save_file
+from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate, extract_context_feature
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 # The official timer calls torch.cuda.synchronize(); on CPU use the plain clock.
@@ -33,6 +34,7 @@ dm._cuda_time = time.perf_counter
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / "tests" / "fixtures" / "official" / "tiny"
+DFLASH2_DIR = TINY_DIR / "dflash2"
 
 VOCAB = 512
 HIDDEN = 64
@@ -379,6 +381,193 @@ def make_tiny(out_dir: Path, train_steps: int) -> None:
 
 
 # ---------------------------------------------------------------------------
+# dflash2 mode: a DFlash2 drafter (conv + candidate selector) on the tiny full-attention target
+# ---------------------------------------------------------------------------
+
+CODEBOOKS = ("predecessor_codebook", "successor_codebook")
+
+
+def dflash2_config() -> Qwen3Config:
+    """The Qwen3.8-27B-DFlash2 layout scaled down: block 8, every layer sliding-window with is_causal false,
+    the four DFlash2 keys inside dflash_config. The window (6) is shorter than the context of most steps
+    and than the block, so the sliding cache trimming is exercised."""
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+        num_target_layers=TARGET_LAYERS,
+        architectures=["DFlash2DraftModel"],
+        block_size=8,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "sliding_attention"],
+        is_causal=False,
+        dflash_config={
+            "mask_token_id": MASK_ID,
+            "target_layer_ids": [0, 2],
+            "conv_kernel_size": 3,
+            "conv_group_size": 16,
+            "selector_rank": 16,
+            "selector_top_k": 8,
+        },
+    )
+
+
+def init_dflash2(drafter: DFlash2DraftModel) -> None:
+    """The official base_kernel is torch.empty and post_init leaves it alone: start near the identity
+    convolution (tap 0 = 1) with some noise, and give the dynamic part and the codebooks a visible size."""
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.normal_(std=0.15)
+                conv.base_kernel[:, 0].add_(1.0)
+                conv.kernel_projection.weight.normal_(std=0.1)
+        sel = drafter.candidate_selector
+        for name in CODEBOOKS:
+            getattr(sel, name).weight.normal_(std=0.5)
+        sel.hidden_projection.weight.normal_(std=0.2)
+
+
+def train_dflash2(drafter, target, seqs: torch.Tensor, prompt_len: int, steps: int, seed: int) -> float:
+    """As train_drafter, plus the selector: cross-entropy over each slot's top-k candidates with the true
+    previous token as predecessor (teacher forcing), on slots whose label is among the candidates."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        feats = taps(target, drafter, seqs)
+        emb = target.get_input_embeddings().weight
+    head, sel = target.lm_head, drafter.candidate_selector
+    B = drafter.block_size
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    n, total = seqs.shape
+    for step in range(steps):
+        rows = torch.randint(0, n, (32,), generator=g)
+        s = int(torch.randint(prompt_len, total - B + 1, (1,), generator=g))
+        block = seqs[rows, s : s + B].clone()
+        labels = block[:, 1:].clone()
+        prev = block[:, :-1].clone()
+        block[:, 1:] = MASK_ID
+        noise = F.embedding(block, emb)
+        pos = torch.arange(s + B)[None].expand(len(rows), -1)
+        h = drafter(position_ids=pos, noise_embedding=noise, target_hidden=feats[rows, :s])[:, 1:]
+        logits = drafter.compute_logits(h, head)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        unary, cand = torch.topk(logits, sel.top_k, dim=-1)
+        scores = unary + torch.einsum(
+            "bgr,bgkr->bgk", sel.predecessor_codebook(prev) * sel.hidden_projection(h), sel.successor_codebook(cand)
+        )
+        hit = cand == labels[..., None]
+        keep = hit.any(-1)
+        if keep.any():
+            loss = loss + F.cross_entropy(scores[keep], hit[keep].float().argmax(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  train step {step}: loss {loss.item():.3f}", file=sys.stderr)
+    drafter.eval()
+    return float(loss.item())
+
+
+def save_release_layout(drafter: DFlash2DraftModel, out: Path) -> None:
+    """save_pretrained, then rename the codebook keys to the release layout (no `.weight`), which the
+    official from_pretrained maps back; reloading must give the same tensors."""
+    drafter.save_pretrained(out, safe_serialization=True)
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) == 1, files
+    state = load_file(str(files[0]))
+    renamed = {}
+    for key, value in state.items():
+        for name in CODEBOOKS:
+            if key == f"candidate_selector.{name}.weight":
+                key = f"candidate_selector.{name}"
+        renamed[key] = value.contiguous()
+    assert all(f"candidate_selector.{n}" in renamed for n in CODEBOOKS), sorted(renamed)
+    save_file(renamed, str(files[0]), metadata={"format": "pt"})
+    again = DFlash2DraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    mine, theirs = drafter.state_dict(), again.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), "reload differs"
+
+
+def make_dflash2(out_dir: Path, train_steps: int) -> None:
+    """Needs the tiny fixture (tiny/target, tiny/golden.json) made by the default mode."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = json.loads((TINY_DIR / "golden.json").read_text())
+    prompts = base["prompts"]
+    target = AutoModelForCausalLM.from_pretrained(TINY_DIR / "target", dtype=torch.float32).eval()
+
+    # the same training sequences as tiny mode: the prompts consume the generator first
+    g = torch.Generator().manual_seed(1234)
+    for n in (10, 16, 7, 24):
+        torch.randint(4, MASK_ID, (n,), generator=g)
+    n_train, plen, gen = 192, 12, 56
+    with torch.no_grad():
+        seqs = torch.randint(4, MASK_ID, (n_train, plen), generator=g)
+        for _ in range(gen):
+            seqs = torch.cat([seqs, target(seqs).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+    torch.manual_seed(300)
+    drafter = DFlash2DraftModel(dflash2_config()).eval()
+    init_dflash2(drafter)
+    loss = train_dflash2(drafter, target, seqs, plen, train_steps, seed=400) if train_steps else None
+    save_release_layout(drafter, out_dir / "drafter")
+    # from here on, the reloaded release-layout checkpoint is what gets recorded
+    drafter = DFlash2DraftModel.from_pretrained(out_dir / "drafter", dtype=torch.float32).eval()
+
+    tensors: dict[str, torch.Tensor] = {}
+    entry = {
+        "block_size": drafter.block_size,
+        "mask_token_id": drafter.mask_token_id,
+        "target_layer_ids": list(drafter.target_layer_ids),
+        "train_steps": train_steps,
+        "final_train_loss": loss,
+    }
+    seq = prompts[1] + base["target_greedy"][1]
+    entry["forward"] = record_forward(drafter, target, "dflash2", seq, ctx=12, ctx2=3, tensors=tensors)
+    with torch.no_grad():  # the selector's greedy walk on the no-cache forward (rows 1.., anchor seq[12])
+        hidden = tensors["dflash2/forward/hidden"][:, 1:]
+        tokens, cands, q = drafter.propose(hidden, torch.tensor([seq[12]]), dm._output_head(target), 0.0)
+        assert q is None
+        tensors["dflash2/propose/tokens"] = tokens
+        tensors["dflash2/propose/candidates"] = cands
+        argmax = drafter.compute_logits(hidden, dm._output_head(target)).argmax(-1)
+        entry["propose_differs_from_argmax"] = int((tokens != argmax).sum())
+    entry["generate"] = [run_generate(drafter, target, p, MAX_NEW_TOKENS, None) for p in prompts]
+    for j, r in enumerate(entry["generate"]):
+        if r["new_tokens"] != base["target_greedy"][j]:
+            print(f"WARNING dflash2 prompt {j}: official output differs from plain greedy", file=sys.stderr)
+    print(f"dflash2: tau per prompt {[round(r['tau'], 3) for r in entry['generate']]}", file=sys.stderr)
+    golden = {
+        "mode": "dflash2",
+        "versions": versions(),
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "prompts": prompts,
+        "target_greedy": base["target_greedy"],
+        "drafter": entry,
+    }
+    stop_prompt, stop_id = pick_stop({"target_greedy": base["target_greedy"], "drafters": {"dflash2": entry}})
+    golden["stop"] = {"prompt_index": stop_prompt, "stop_token_ids": [stop_id]}
+    golden["target_greedy_stop"] = plain_greedy(target, prompts[stop_prompt], MAX_NEW_TOKENS, [stop_id])[0]
+    entry["generate_stop"] = run_generate(drafter, target, prompts[stop_prompt], MAX_NEW_TOKENS, [stop_id])
+    print(f"dflash2: stop run acceptance {entry['generate_stop']['acceptance_lengths']}", file=sys.stderr)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "golden.safetensors"))
+    (out_dir / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    print(f"wrote {out_dir}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------
 # --pair mode
 # ---------------------------------------------------------------------------
 
@@ -425,7 +614,7 @@ def make_pair(pair_dir: Path, prompts_file: Path, out: Path, drafter_sub: str, m
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", nargs="?", default="tiny", choices=["tiny"], help="tiny (default) unless --pair is given")
+    ap.add_argument("mode", nargs="?", default="tiny", choices=["tiny", "dflash2"], help="tiny (default) unless --pair is given; dflash2 needs tiny first")
     ap.add_argument("--out", type=Path, default=None, help="output folder (tiny: the fixture folder)")
     ap.add_argument("--train-steps", type=int, default=400, help="tiny: drafter training steps (0 = random drafters)")
     ap.add_argument("--pair", type=Path, default=None, help="DIR with DIR/target (HF + tokenizer) and DIR/drafter")
@@ -438,6 +627,8 @@ def main(argv=None) -> None:
         if a.prompts is None or a.out is None:
             ap.error("--pair needs --prompts and --out")
         make_pair(a.pair, a.prompts, a.out, a.drafter, a.max_new_tokens, a.dtype)
+    elif a.mode == "dflash2":
+        make_dflash2(a.out or DFLASH2_DIR, a.train_steps)
     else:
         make_tiny(a.out or TINY_DIR, a.train_steps)
 

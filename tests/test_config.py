@@ -59,7 +59,8 @@ def test_missing_layer_types_means_full_attention():
         (lambda r: r.pop("hidden_size"), "hidden_size"),
         (lambda r: r.update(block_size=1), "block_size"),
         (lambda r: r.update(layer_types=["full_attention"]), "layer_types"),
-        (lambda r: r["dflash_config"].update(conv_kernel_size=4), "DFlash2"),
+        (lambda r: r["dflash_config"].update(conv_kernel_size=4), "DFlash2 drafter but lacks conv_group_size"),
+        (lambda r: r.update(architectures=["DFlash2DraftModel"]), "lacks conv_kernel_size"),
     ],
 )
 def test_bad_configs(edit, message):
@@ -74,3 +75,50 @@ def test_roundtrip_through_to_dict():
     cfg = parse_draft_config(drafter_raw_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6))
     again = parse_draft_config(cfg.to_dict())
     assert again.target_layer_ids == cfg.target_layer_ids and again.sliding_window == 6 and again.block_size == cfg.block_size
+
+
+def _v2(**nested) -> dict:
+    from tiny import dflash2_raw_config
+
+    raw = dflash2_raw_config()
+    raw["dflash_config"] = {**raw["dflash_config"], **nested}
+    return raw
+
+
+def test_dflash2_keys_nested_or_top_level():
+    from tiny import dflash2_raw_config
+
+    cfg = parse_draft_config(dflash2_raw_config())
+    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (2, 16, 8, 4)
+    assert cfg.attention_kind(0) == (False, 16) and cfg.attention_kind(1) == (False, 16)
+    raw = dflash2_raw_config()
+    nested = raw["dflash_config"]
+    flat = {**raw, **{k: nested[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}}
+    flat["dflash_config"] = {"mask_token_id": 2, "target_layer_ids": [0, 2]}
+    flat["architectures"] = ["DFlashDraftModel"]  # the keys alone make it DFlash2
+    again = parse_draft_config(flat)
+    assert again.is_dflash2 and again.selector_top_k == 4 and again.architectures == ["DFlash2DraftModel"]
+    assert not parse_draft_config(drafter_raw_config()).is_dflash2
+
+
+def test_dflash2_saves_keys_in_dflash_config_and_round_trips():
+    cfg = parse_draft_config(_v2())
+    saved = cfg.to_dict()
+    assert saved["dflash_config"]["selector_top_k"] == 4 and saved["dflash_config"]["conv_group_size"] == 16
+    again = parse_draft_config(saved)
+    assert again.is_dflash2 and again.conv_kernel_size == 2 and again.is_causal is False
+
+
+@pytest.mark.parametrize(
+    "nested, message",
+    [
+        ({"conv_group_size": 24}, "not divisible by conv_group_size"),
+        ({"selector_top_k": 1000}, "exceeds vocab_size"),
+        ({"selector_rank": 0}, "selector_rank is 0; it must be a positive integer"),
+        ({"conv_kernel_size": 2.5}, "conv_kernel_size is 2.5"),
+        ({"selector_top_k": True}, "selector_top_k is True"),
+    ],
+)
+def test_bad_dflash2_configs(nested, message):
+    with pytest.raises(DFlashQuantError, match=message):
+        parse_draft_config(_v2(**nested))

@@ -3,7 +3,7 @@ import torch
 
 from dflash_quant.decode import rejection_step, speculative_generate, target_generate
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.model import DraftCache
+from dflash_quant.model import DFlashDrafter, DraftCache
 from tiny import save_drafter
 
 
@@ -42,6 +42,8 @@ class _Oracle(torch.nn.Module):
 
     def compute_logits(self, hidden, head):
         return torch.nn.functional.one_hot(hidden[..., 0], 123).float()
+
+    propose = DFlashDrafter.propose  # drafting from compute_logits, as the v1 drafter does
 
 
 def test_drafter_that_copies_target_is_fully_accepted(pair):

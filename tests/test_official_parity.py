@@ -185,3 +185,65 @@ def test_reference_pair_matches_official_generate():
 )
 def test_pair_golden_from_env():
     check_pair_golden(Path(os.environ["DFLASH_OFFICIAL_PAIR_DIR"]), Path(os.environ["DFLASH_OFFICIAL_PAIR_GOLDEN"]))
+
+
+# --- DFlash2 (tests/fixtures/official/tiny/dflash2, `make_official_golden.py dflash2`) ---
+
+DFLASH2 = TINY / "dflash2"
+
+
+@pytest.fixture(scope="module")
+def dflash2():
+    golden = json.loads((DFLASH2 / "golden.json").read_text())
+    return load_drafter(DFLASH2 / "drafter", device="cpu", dtype=torch.float32), golden, load_file(str(DFLASH2 / "golden.safetensors"))
+
+
+def test_dflash2_release_layout_loads(dflash2):
+    d, golden, _ = dflash2
+    from safetensors import safe_open
+
+    with safe_open(str(DFLASH2 / "drafter" / "model.safetensors"), framework="pt") as fh:
+        keys = set(fh.keys())
+    assert "candidate_selector.predecessor_codebook" in keys and "candidate_selector.successor_codebook.weight" not in keys
+    cfg = d.config
+    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (3, 16, 16, 8)
+    assert all(cfg.attention_kind(i) == (False, 6) for i in range(cfg.num_hidden_layers))
+    assert d.model.block_size == golden["drafter"]["block_size"] == 8
+    assert list(d.model.target_layer_ids) == golden["drafter"]["target_layer_ids"]
+
+
+@torch.no_grad()
+def test_dflash2_forward_and_selector_match_official(dflash2, target):
+    d, golden, t = dflash2
+    p, c = "dflash2/forward/", "dflash2/cached/"
+    h = d.model(t[p + "noise_embedding"], t[p + "target_hidden"], t[p + "position_ids"])
+    _assert_close(h, t[p + "hidden"], "dflash2 forward hidden")
+    head = target.model.get_output_embeddings()
+    _assert_close(d.model.compute_logits(h, head), t[p + "logits"], "dflash2 forward logits")
+    anchor = torch.tensor([golden["drafter"]["forward"]["sequence"][12]])
+    tokens, proposal = d.model.propose(h[:, 1:], anchor, head, 0.0)
+    assert proposal is None
+    assert tokens.tolist() == t["dflash2/propose/tokens"][0].tolist()
+    assert golden["drafter"]["propose_differs_from_argmax"] > 0  # the selector's walk is not just the head's argmax
+
+    cache = DraftCache()
+    h1 = d.model(t[p + "noise_embedding"], t[p + "target_hidden"], t[p + "position_ids"], cache=cache)
+    _assert_close(h1, t[c + "call1/hidden"], "dflash2 cached call 1")
+    h2 = d.model(t[c + "call2/noise_embedding"], t[c + "call2/target_hidden"], t[c + "call2/position_ids"], cache=cache)
+    _assert_close(h2, t[c + "call2/hidden"], "dflash2 cached call 2")
+    _assert_close(d.model.compute_logits(h2, head), t[c + "call2/logits"], "dflash2 cached call 2 logits")
+
+
+def test_dflash2_greedy_generate_matches_official(dflash2, target):
+    d, golden, _ = dflash2
+    g = golden["drafter"]
+    for j, prompt in enumerate(golden["prompts"]):
+        r = _check_generate(d, target, prompt, golden["max_new_tokens"], None, g["generate"][j], f"dflash2 prompt {j}")
+        assert r.tokens == golden["target_greedy"][j], f"dflash2 prompt {j}: not lossless vs the target's greedy output"
+    assert max(max(r["acceptance_lengths"]) for r in g["generate"]) == g["block_size"]  # full blocks accepted
+    stop = golden["stop"]
+    r = _check_generate(
+        d, target, golden["prompts"][stop["prompt_index"]], golden["max_new_tokens"], stop["stop_token_ids"],
+        g["generate_stop"], "dflash2 stop run",
+    )
+    assert r.tokens == golden["target_greedy_stop"] and r.tokens[-1] in stop["stop_token_ids"]

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_quant.config import parse_draft_config
 from dflash_quant.model import DFlashDrafter
+from dflash_quant.model2 import DFlash2Drafter
 
 WORDS = [f"w{i}" for i in range(120)]
 VOCAB = ["<unk>", "<eos>", "<|MASK|>"] + WORDS  # 123 tokens
@@ -101,4 +102,44 @@ def save_hybrid_target(path: Path, family: str = "qwen3_5", seed: int = 0, **ove
     model = AutoModelForCausalLM.from_config(hybrid_target_config(family, **over)).eval()
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
+    return path
+
+
+def dflash2_raw_config(**over) -> dict:
+    """A tiny DFlash2 drafter config in the release layout: DFlash2 keys in `dflash_config`, all layers
+    sliding-window with `is_causal: false` (as Qwen3.8-27B-DFlash2)."""
+    raw = drafter_raw_config(
+        architectures=["DFlash2DraftModel"], layer_types=["sliding_attention", "sliding_attention"],
+        sliding_window=16, use_sliding_window=True, is_causal=False,
+        dflash_config={
+            "mask_token_id": 2, "target_layer_ids": [0, 2], "conv_kernel_size": 2, "conv_group_size": 16,
+            "selector_rank": 8, "selector_top_k": 4,
+        },
+    )
+    raw.update(over)
+    return raw
+
+
+def dflash2_state_dict(cfg, seed: int = 1, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random DFlash2 weights with a non-trivial convolution (our init makes it the identity)."""
+    torch.manual_seed(seed)
+    cfg.initializer_range = std
+    model = DFlash2Drafter(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(torch.randn_like(conv.base_kernel) * 0.2)
+                conv.kernel_projection.weight.normal_(std=0.1)
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+def save_dflash2_drafter(path: Path, seed: int = 1, prefix: str = "", std: float = 0.02, **over) -> Path:
+    """Save a DFlash2 drafter in the official layout (codebook keys without `.weight`)."""
+    raw = dflash2_raw_config(**over)
+    state = dflash2_state_dict(parse_draft_config(raw), seed=seed, std=std)
+    path.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file({prefix + k: v for k, v in state.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path

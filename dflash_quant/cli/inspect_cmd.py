@@ -28,9 +28,13 @@ def describe(src: str) -> dict:
         params[mod] += t.numel()
         nbytes[mod] += t.numel() * t.element_size()
         dtypes[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
+    config = {"variant": "DFlash2" if cfg.is_dflash2 else "DFlash"}
+    if cfg.is_dflash2:
+        config.update({k: getattr(cfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
     return {
         "source": source.id,
         "config": {
+            **config,
             "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "block_size": cfg.block_size,
@@ -44,6 +48,20 @@ def describe(src: str) -> dict:
         "bytes": sum(nbytes.values()),
         "by_module": {m: {"elements": params[m], "bytes": nbytes[m]} for m in sorted(params)},
         "by_dtype": dict(dtypes),
+        "dflash2_parts": _dflash2_parts(params, nbytes) if cfg.is_dflash2 else None,
+    }
+
+
+def _dflash2_parts(params: dict[str, int], nbytes: dict[str, int]) -> dict:
+    """Totals of the DFlash2-only parts (kept bf16 by default) over all layers."""
+    kinds = {
+        "conv": lambda m: m.endswith(("attention_conv", "mlp_conv")),
+        "selector_codebooks": lambda m: m.endswith("_codebook"),
+        "selector_projection": lambda m: m.endswith("hidden_projection"),
+    }
+    return {
+        kind: {"elements": sum(params[m] for m in params if test(m)), "bytes": sum(nbytes[m] for m in nbytes if test(m))}
+        for kind, test in kinds.items()
     }
 
 
@@ -72,6 +90,13 @@ def inspect(
         mods.add_row(m, f"{v['elements']:,}", f"{v['bytes']:,}")
     mods.add_row("total", f"{info['stored_elements']:,}", f"{info['bytes']:,}")
     out_console.print(mods)
+    if info["dflash2_parts"]:
+        parts = Table(title="DFlash2 parts (all layers)")
+        for col in ("part", "elements", "bytes"):
+            parts.add_column(col, justify="left" if col == "part" else "right")
+        for name, v in info["dflash2_parts"].items():
+            parts.add_row(name, f"{v['elements']:,}", f"{v['bytes']:,}")
+        out_console.print(parts)
 
 
 def register(app: typer.Typer) -> None:

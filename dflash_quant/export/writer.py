@@ -79,7 +79,9 @@ def export_gptq(
     for key, t in state.items():
         tensors[key] = t.to(torch.bfloat16).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"})
-    qcfg = quantization_config(settings, outcome.kept, source.config.num_hidden_layers)
+    # bf16 Linears outside the backbone (DFlash2 conv/selector) must be skipped by GPTQ loaders too
+    kept = outcome.kept + source.model.other_linear_names()
+    qcfg = quantization_config(settings, kept, source.config.num_hidden_layers)
     config = dict(source.raw_config)
     config["quantization_config"] = qcfg
     config["torch_dtype"] = "bfloat16"

@@ -63,6 +63,8 @@ def module_of(name: str) -> str:
     m = _LAYER_RE.match(name)
     if m:
         return m.group(1)
+    if name.endswith("_codebook"):  # DFlash2 selector codebooks are stored without `.weight`
+        return name
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
@@ -234,8 +236,25 @@ def count_params(shape: ModelShape) -> ParamCount:
         elif not (kind == MAMBA and "hybrid_override_pattern" in shape.raw):  # NemotronH: mamba layers have no MLP
             pc.linears += [("mlp", h, 2 * inter), ("mlp", inter, h)]
         other["norms"] += 2 * h
+    _dflash2_params(shape, other)
     pc.other = dict(other)
     return pc
+
+
+def _dflash2_params(shape: ModelShape, other: dict[str, int]) -> None:
+    """DFlash2 parts, kept bf16: the convolutions around every sublayer and the candidate selector."""
+    if not shape.is_drafter:
+        return
+    nested = shape.raw.get("dflash_config") if isinstance(shape.raw.get("dflash_config"), dict) else {}
+    keys = {k: nested.get(k, shape.raw.get(k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")}
+    if any(not isinstance(v, int) or v < 1 for v in keys.values()):
+        return
+    h, kernel, rank = shape.hidden_size, keys["conv_kernel_size"], keys["selector_rank"]
+    groups = h // keys["conv_group_size"]
+    # per layer: attention_conv + mlp_conv, each base_kernel [2, K, H] + kernel_projection H -> 2*K*groups
+    other["dflash2_conv"] += shape.num_layers * 2 * (2 * kernel * h + h * 2 * kernel * groups)
+    other["dflash2_selector_codebooks"] += 2 * shape.vocab_size * rank
+    other["dflash2_selector_projection"] += h * rank
 
 
 WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4")
