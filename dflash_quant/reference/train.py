@@ -138,6 +138,7 @@ def dflash2_recipe() -> Recipe:
         pair="dflash2",
         target_layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
         target_intermediate=512,
+        target_steps=1500,
         tokenizer_file=REFERENCE_TOKENIZER,
         draft_stop_step=None,
         draft_window=256,
