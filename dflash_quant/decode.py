@@ -6,15 +6,14 @@ accepted drafts plus the target's bonus token (clipped at max_new_tokens and sto
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from dflash_quant.model import DFlashDrafter, DraftCache
+from dflash_quant.target_cache import TargetCache, cache_kw, make_cache
 
 
 @dataclass
@@ -23,9 +22,14 @@ class SpecResult:
     acceptance_lengths: list[int]  # per step: committed tokens (accepted drafts + bonus), clipped
     accepted: list[int]  # per step: accepted drafts before clipping
     drafted: list[int]  # per step: number of drafted positions (block - 1, fewer near the end)
-    target_forwards: int = 0
+    target_forwards: int = 0  # prefill + verify forwards
     drafter_forwards: int = 0
     seconds: float = 0.0
+    # Extra target work to roll back linear-attention state (hybrid targets): forwards that replay the
+    # committed tokens of a partially accepted block, those tokens, and their time (inside `seconds`).
+    replay_forwards: int = 0
+    replayed_tokens: int = 0
+    replay_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -52,25 +56,6 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-def _cache_kw(model: torch.nn.Module) -> str:
-    # transformers renamed `past_key_values` to `cache` (5.2x); accept both.
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _make_cache(config) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()  # sliding-window layers must be able to roll back rejected rows
-    return cache
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -137,8 +122,8 @@ def speculative_generate(
 
     ids = torch.full((max_len + 1,), drafter.mask_token_id, dtype=torch.long, device=device)
     ids[:n] = input_ids[0]
-    t_cache = _make_cache(target.config)
-    kw = _cache_kw(target)
+    t_state = TargetCache(target)  # refuses (one line) a cache it cannot roll back, before any compute
+    t_cache, kw = t_state.cache, t_state.kw
     d_cache = DraftCache()
     result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])
 
@@ -161,6 +146,7 @@ def speculative_generate(
             hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache)[:, 1:]
             result.drafter_forwards += 1
             blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
+        saved = t_state.save(start, size)
         out = target(
             blk[None],
             position_ids=torch.arange(start, start + size, device=device)[None],
@@ -194,12 +180,14 @@ def speculative_generate(
         result.drafted.append(size - 1)
         result.acceptance_lengths.append(produced)
         start += produced
-        _crop(t_cache, start)
+        t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)
         if size > 1:
             ctx = _taps(out.hidden_states, drafter.target_layer_ids)[:, :produced]
 
     end = min(start + 1, max_len)
     result.tokens = ids[n:end].tolist()
+    result.replay_forwards, result.replayed_tokens = t_state.replay_forwards, t_state.replayed_tokens
+    result.replay_seconds = t_state.replay_seconds
     result.seconds = _sync(device) - t0
     return result
 
@@ -214,8 +202,8 @@ def target_generate(
     """Plain greedy decoding, one token per forward: the lossless reference and the speed baseline."""
     device = input_ids.device
     stops = set(stop_token_ids or [])
-    cache = _make_cache(target.config)
-    kw = _cache_kw(target)
+    cache = make_cache(target.config, rollback=False)  # never rolled back: the model's own decode path
+    kw = cache_kw(target)
     t0 = _sync(device)
     out = target(input_ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     forwards = 1

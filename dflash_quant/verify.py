@@ -103,6 +103,10 @@ def summarize(
         "steps": len(lengths),
         "target_forwards": sum(r.target_forwards for r in runs),
         "drafter_forwards": sum(r.drafter_forwards for r in runs),
+        # hybrid targets: extra forwards that roll linear-attention state back to the committed tokens
+        "target_replay_forwards": sum(r.replay_forwards for r in runs),
+        "replayed_tokens": sum(r.replayed_tokens for r in runs),
+        "replay_seconds": round(sum(r.replay_seconds for r in runs), 4),
         "new_tokens": new_tokens,
         "spec_seconds": round(spec_s, 4),
         "spec_tokens_per_s": round(new_tokens / spec_s, 2) if spec_s > 0 else None,

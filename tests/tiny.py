@@ -106,3 +106,40 @@ def save_dflash2_drafter(path: Path, seed: int = 1, prefix: str = "", std: float
     save_file({prefix + k: v for k, v in state.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
+
+
+HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def hybrid_target_config(family: str = "qwen3_5", **over):
+    """A tiny hybrid (Gated-DeltaNet + full attention) text config: `qwen3_5` or `qwen3_next` (a small MoE).
+
+    initializer_range 0.1 (not 0.02) makes the output depend clearly on the recurrent state, so a wrong state
+    after a rejected draft changes the greedy tokens (with 0.02 half the prompts hid the bug).
+    """
+    kw = dict(
+        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, tie_word_embeddings=False, eos_token_id=1, max_position_embeddings=512,
+        layer_types=list(HYBRID_LAYERS), linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, initializer_range=0.1,
+    )
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        kw.update(over)
+        return Qwen3NextConfig(**kw)
+    from transformers import Qwen3_5TextConfig
+
+    kw.update(over)
+    return Qwen3_5TextConfig(**kw)
+
+
+def save_hybrid_target(path: Path, family: str = "qwen3_5", seed: int = 0, **over) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hybrid_target_config(family, **over)).eval()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path

@@ -26,6 +26,9 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
         ("target-only tok/s", "baseline_tokens_per_s"),
         ("speedup", "speedup"),
     ]
+    if any(s.get("target_replay_forwards") for s in summaries):  # hybrid target: show the rollback cost
+        rows += [("target replay forwards", "target_replay_forwards"), ("replayed tokens", "replayed_tokens"),
+                 ("replay seconds", "replay_seconds")]
     for label, key in rows:
         table.add_row(label, *[str(s.get(key)) for s in summaries])
     n_pos = len(summaries[0]["per_position_acceptance"])
