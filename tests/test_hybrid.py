@@ -21,6 +21,7 @@ from dflash_quant.calibration.capture import capture
 from dflash_quant.decode import speculative_generate, target_generate
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.model import DFlashDrafter
 
 FAMILIES = ["qwen3_5", "qwen3_next"]
 # Where the scripted drafter goes wrong, by anchor index: a fixed pseudo-random mix of 0..3.
@@ -83,6 +84,8 @@ class _Scripted(torch.nn.Module):
 
     def compute_logits(self, hidden, head):
         return torch.nn.functional.one_hot(hidden[..., 0], self.vocab).float()
+
+    propose = DFlashDrafter.propose  # the v1 drafting rule over compute_logits (decode calls propose)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -233,6 +236,8 @@ class _FixedDraft(torch.nn.Module):
 
     def compute_logits(self, hidden, head):
         return self.logits.expand(*hidden.shape[:2], -1)
+
+    propose = DFlashDrafter.propose
 
 
 @pytest.mark.slow
