@@ -51,13 +51,16 @@ class LoadedTarget:
 
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
-    """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
+    """A local directory, a shipped pair's name (`reference`, `reference-dflash2`, ...: see
+    dflash_quant.reference), or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
     text = str(src)
-    if text in ("reference", "reference/drafter", "reference/target"):
-        from dflash_quant.reference import pair_dir
+    from dflash_quant.reference import pair_dir, parse_shortcut
 
-        sub = "target" if text.endswith("target") else "drafter"
-        return Source(id=f"reference/{sub}", path=pair_dir() / sub)
+    shortcut = parse_shortcut(text)
+    if shortcut is not None:
+        pair, sub = shortcut
+        name = f"reference/{sub}" if pair == "reference" else f"{pair}:{sub}"
+        return Source(id=name, path=pair_dir(pair) / sub)
     path = Path(text).expanduser()
     if path.is_dir():
         return Source(id=text, path=path, revision=revision)

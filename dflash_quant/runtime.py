@@ -45,9 +45,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_target(drafter_src: str) -> str:
-    """The target a drafter was made for: the reference pair's, or the one recorded in an artifact."""
-    if drafter_src.startswith("reference"):
-        return "reference/target"
+    """The target a drafter was made for: a shipped pair's, or the one recorded in an artifact."""
+    from dflash_quant.reference import parse_shortcut, shortcut_name
+
+    shortcut = parse_shortcut(drafter_src)
+    if shortcut is not None:
+        return shortcut_name(shortcut[0], "target")
     prov = Path(drafter_src) / "provenance.json"
     if prov.is_file():
         target = json.loads(prov.read_text()).get("target", {})
@@ -71,18 +74,27 @@ def load_pair(
     return drafter, target
 
 
-def is_reference_target(target: LoadedTarget) -> bool:
-    from dflash_quant.reference import pair_dir
+def reference_pair_of(target: LoadedTarget) -> str | None:
+    """The name of the shipped pair whose target this is (`reference`, `reference-dflash2`), else None."""
+    from dflash_quant.reference import PAIRS, pair_dir
 
-    try:
-        return target.source.path.resolve() == (pair_dir() / "target").resolve()
-    except DFlashQuantError:
-        return False
+    for name in PAIRS:
+        try:
+            if target.source.path.resolve() == (pair_dir(name) / "target").resolve():
+                return name
+        except DFlashQuantError:
+            continue
+    return None
+
+
+def is_reference_target(target: LoadedTarget) -> bool:
+    return reference_pair_of(target) is not None
 
 
 def default_prompt_spec(target: LoadedTarget, split: str) -> str:
-    """Reference pair: its own held-out/calibration code prompts; any other pair: the built-in mix."""
-    return f"reference:{split}" if is_reference_target(target) else f"builtin:{split}"
+    """A shipped pair: its own held-out/calibration code prompts; any other pair: the built-in mix."""
+    pair = reference_pair_of(target)
+    return f"{pair}:{split}" if pair else f"builtin:{split}"
 
 
 def encode_prompts(target: LoadedTarget, spec: str, limit: int | None, chat_template: bool) -> list[list[int]]:

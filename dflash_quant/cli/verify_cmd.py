@@ -43,7 +43,7 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
 
 @handle_errors
 def verify(
-    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or 'reference'."),
+    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
     prompts: Optional[str] = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
     num_prompts: Optional[int] = typer.Option(None, help="Use only the first N prompts."),
