@@ -142,6 +142,4 @@ def save_dflash2_drafter(path: Path, seed: int = 1, prefix: str = "", std: float
 
     save_file({prefix + k: v for k, v in state.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(raw, indent=2))
-<<<<<<< HEAD
-=======
     return path
