@@ -17,22 +17,23 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_quant import __version__
-from dflash_quant.errors import DFlashQuantError
+from dflash_quant.errors import DFlashQuantError, UsageError
 
 FORMAT = "pack-quantized"
+ACT_ORDER_PROBLEM = ("compressed-tensors >= 0.20 removed group act-order (a column permutation in weight_g_idx); "
+                     "quantize with `gptq --no-desc-act` or `--desc-act --static-groups`")
+
+
+def grid_problem(desc_act: bool) -> str | None:
+    return ACT_ORDER_PROBLEM if desc_act else None
 
 
 def _scheme_args(art) -> dict[str, Any]:
-    actorder = None
-    if any(not _in_order(qw) for qw in art.quantized.values()):
-        actorder = "group"
     args: dict[str, Any] = {"num_bits": art.bits, "type": "int", "symmetric": art.sym, "dynamic": False}
     if art.group_size == -1:
         args["strategy"] = "channel"
     else:
         args.update(strategy="group", group_size=art.group_size)
-    if actorder:
-        args["actorder"] = actorder
     return args
 
 
@@ -111,7 +112,7 @@ def pack_weight(qw) -> dict[str, torch.Tensor]:
     elif not torch.all(qw.zeros == offset):
         raise DFlashQuantError(f"{qw.name}: symmetric GPTQ zero points are not {offset}; re-export the artifact")
     if not _in_order(qw):
-        out["weight_g_idx"] = qw.g_idx.to(torch.int32).contiguous()
+        raise UsageError(f"{qw.name}: {ACT_ORDER_PROBLEM}")
     return out
 
 
@@ -155,27 +156,10 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
             out[key] = value
     for base in sorted(bases):
         state = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == base}
-        g_idx = state.pop("weight_g_idx", None)
+        if "weight_g_idx" in state:
+            raise DFlashQuantError(f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads")
         state["weight_scale"] = state["weight_scale"].float()
-        if g_idx is not None:
-            # The library's dequantize takes g_idx as an argument; the module-level decompressor does not
-            # pass it, so spread the per-group scales and zero points to columns before decompressing.
-            weight = _decompress_act_order(state, scheme, g_idx)
-        else:
-            weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
         out[f"{base}.weight"] = weight.float()
     return out
 
-
-def _decompress_act_order(state: dict[str, torch.Tensor], scheme, g_idx: torch.Tensor) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-    args = scheme.weights
-    shape = torch.Size(state["weight_shape"].tolist())
-    x_q = unpack_from_int32(state["weight_packed"], args.num_bits, shape)
-    zp = None
-    if "weight_zero_point" in state:
-        zp = unpack_from_int32(state["weight_zero_point"], args.num_bits,
-                               torch.Size([shape[0], state["weight_scale"].shape[1]]), packed_dim=0)
-    return dequantize(x_q=x_q, scale=state["weight_scale"], zero_point=zp, args=args, g_idx=g_idx.long())

@@ -91,9 +91,15 @@ def columns_in_order(qw: QuantizedWeight) -> bool:
 
 
 def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
-    """Why `gptq` settings cannot be written in `fmt` without requantizing (None: they can). Checked before calibrating."""
+    """Why `gptq` settings cannot be written in `fmt` without requantizing (None: they can). Checked before calibrating.
+
+    desc_act means a permuted g_idx: act-order *with* static groups keeps groups in column order and maps."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if fmt == "compressed-tensors":
+        from dflash_quant.export.compressed_tensors import grid_problem
+
+        return grid_problem(desc_act)
     if fmt == "gguf":
         from dflash_quant.export.gguf import grid_problem
 
@@ -117,7 +123,8 @@ def convert_artifact(
         raise UsageError(f"--format {fmt!r} cannot be converted to; use one of {', '.join(FORMATS[1:])}")
     src, dst = Path(src), Path(dst)
     art = read_gptq_artifact(src)
-    problem = format_problem(fmt, art.bits, art.group_size, art.sym, bool(art.qcfg.get("desc_act")), requantize)
+    permuted = bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")
+    problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
     if problem:
         raise UsageError(problem)
     reports = {}
@@ -149,7 +156,7 @@ def convert_artifact(
         if name == "provenance.json":
             data = dict(data)
             data["export"] = {
-                "format": fmt, "from": str(src), "from_quant_method": "gptq", "tool_version": __version__,
+                "format": fmt, "from": None if src.resolve() == dst.resolve() else str(src), "from_quant_method": "gptq", "tool_version": __version__,
                 "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
             }

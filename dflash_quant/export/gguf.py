@@ -58,7 +58,7 @@ KEYS = (
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
 MAPPING_HINT = ("use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
-                "or `--bits 4 --group-size 32 --asym` (Q4_1), or pass --requantize")
+                "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0")
 
 
 def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
@@ -72,7 +72,7 @@ def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requanti
     if group_size != BLOCK:
         why.append(f"group size {group_size}")
     if desc_act:
-        why.append("act-order")
+        why.append("act-order without static groups")
     if why:
         return f"GPTQ with {', '.join(why)} has no GGUF type that holds it exactly; {MAPPING_HINT}"
     return None

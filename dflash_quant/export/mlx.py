@@ -31,9 +31,9 @@ def grid_problem(bits: int, group_size: int, desc_act: bool) -> str | None:
     if bits not in BITS:
         why.append(f"{bits}-bit")
     if desc_act:
-        why.append("act-order (MLX has no column permutation)")
+        why.append("act-order without static groups (MLX has no column permutation)")
     if why:
-        return f"GPTQ with {', '.join(why)} cannot be written as MLX affine; quantize with `gptq --group-size 64 --no-desc-act` (or 32/128)"
+        return f"GPTQ with {', '.join(why)} cannot be written as MLX affine; quantize with `gptq --group-size 64 --no-desc-act` (or group 32/128, or --desc-act --static-groups)"
     return None
 
 
@@ -53,7 +53,7 @@ def pack_weight(qw) -> dict[str, torch.Tensor]:
 
 
 def write_mlx(dst: Path, art) -> dict[str, Any]:
-    problem = grid_problem(art.bits, art.group_size, bool(art.qcfg.get("desc_act")))
+    problem = grid_problem(art.bits, art.group_size, bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups"))
     if problem:
         raise UsageError(problem)
     tensors: dict[str, torch.Tensor] = {}
