@@ -119,8 +119,9 @@ def convert_artifact(
 
     Returns the format's summary (what was written, what is exact). Card and manifest are the caller's.
     """
-    if fmt not in FORMATS or fmt == "gptq":
-        raise UsageError(f"--format {fmt!r} cannot be converted to; use one of {', '.join(FORMATS[1:])}")
+    if fmt not in FORMATS[1:]:
+        what = "is the source format already" if fmt == "gptq" else "is unknown"
+        raise UsageError(f"--format {fmt!r} {what}; use one of {', '.join(FORMATS[1:])}")
     src, dst = Path(src), Path(dst)
     art = read_gptq_artifact(src)
     permuted = bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")

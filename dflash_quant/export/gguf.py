@@ -52,7 +52,7 @@ KEYS = (
     "general.architecture", "general.type", "general.name", "general.file_type", "general.quantization_version",
     "dflash.block_count", "dflash.context_length", "dflash.embedding_length", "dflash.feed_forward_length",
     "dflash.attention.head_count", "dflash.attention.head_count_kv", "dflash.rope.freq_base",
-    "dflash.attention.layer_norm_rms_eps", "dflash.attention.key_length", "dflash.attention.value_length",
+    "dflash.attention.layer_norm_rms_epsilon", "dflash.attention.key_length", "dflash.attention.value_length",
     "dflash.block_size", "dflash.target_layers", "tokenizer.ggml.mask_token_id",
 )
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
