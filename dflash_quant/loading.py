@@ -175,6 +175,32 @@ def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> 
     return out
 
 
+def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Dense weights of a drafter dir, each quantized format dequantized through its own reader."""
+    qcfg = raw.get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    if method == "gguf":
+        from dflash_quant.export.gguf import read_gguf
+
+        return read_gguf(source.path)
+    tensors = read_safetensors(source.path)
+    if method == "gptq":
+        return _dequantize_gptq(tensors, qcfg)
+    if method == "compressed-tensors":
+        from dflash_quant.export.compressed_tensors import read_compressed_tensors
+
+        return read_compressed_tensors(tensors, qcfg)
+    if method is not None:
+        raise DFlashQuantError(
+            f"{source.id} uses quant_method={method!r}; dflash-quant loads gptq, compressed-tensors, gguf and mlx artifacts"
+        )
+    if isinstance(raw.get("quantization"), dict):  # MLX affine (mlx-lm's config key)
+        from dflash_quant.export.mlx import read_mlx
+
+        return read_mlx(tensors, raw["quantization"])
+    return tensors
+
+
 def load_drafter(
     src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
 ) -> LoadedDrafter:
@@ -182,14 +208,8 @@ def load_drafter(
     source = resolve(src, revision)
     raw = read_config_json(confined(source.path, "config.json"))
     config = parse_draft_config(raw, source=str(source.path / "config.json"))
-    tensors = read_safetensors(source.path)
-    qcfg = raw.get("quantization_config")
-    if qcfg:
-        if qcfg.get("quant_method") != "gptq":
-            raise DFlashQuantError(
-                f"{source.id} uses quant_method={qcfg.get('quant_method')!r}; only GPTQ artifacts can be loaded here"
-            )
-        tensors = _dequantize_gptq(tensors, qcfg)
+    qcfg = raw.get("quantization_config") or raw.get("quantization")
+    tensors = _read_weights(source, raw)
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
     for key, value in tensors.items():
         if value.is_floating_point() and not torch.isfinite(value).all():

@@ -50,6 +50,7 @@ class GptqJob:
     seed: int = 0
     write_card: bool = True
     command: list[str] = field(default_factory=list)
+    format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
 
 
 @dataclass
@@ -101,6 +102,12 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
+    if job.format != "gptq":
+        from dflash_quant.export.convert import format_problem
+
+        permuted = job.quant.desc_act and not job.quant.static_groups
+        if problem := format_problem(job.format, job.quant.bits, job.quant.group_size, job.quant.sym, permuted):
+            raise UsageError(problem)
     # Output, inputs and cache are checked and the output locked before anything is loaded or computed.
     specs = (job.calib_prompts, job.eval_prompts)
     with guard_run(job.output, job.overwrite, job.drafter, job.target, specs, job.calib_cache) as final:
@@ -155,6 +162,11 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report=quant_report, timings=timings)
     with staging(final, job.overwrite) as tmp:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+        _memory(tmp, drafter.source.path, target.source.path, device)  # of the GPTQ tensors, before any conversion
+        if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
+            from dflash_quant.export.convert import convert_artifact
+
+            convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)
         if job.verify:
             t = time.perf_counter()
             result.parity = _parity(job, drafter.source.id, tmp, target, eval_spec, eval_ids, device, dtype, progress)
@@ -162,7 +174,6 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             result.passed = result.parity["passed"]
             result.reasons = result.parity["reasons"]
             (tmp / "parity.json").write_text(json.dumps(result.parity, indent=2) + "\n")
-        _memory(tmp, drafter.source.path, target.source.path, device)
         if job.write_card:
             from dflash_quant.model_cards.card import write_card
 

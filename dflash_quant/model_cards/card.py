@@ -467,6 +467,12 @@ def _section_serving(ctx: dict) -> str:
     if repo == PLACEHOLDER_REPO:
         out.append(f"Replace `{PLACEHOLDER_REPO}` with this repository's id (or a local path to it).")
         out.append("")
+    fmt = _get(cfg, "quantization_config", "quant_method") or ("mlx" if isinstance(_get(cfg, "quantization"), dict) else "gptq")
+    if fmt in ("gguf", "mlx"):
+        return "\n".join(out + _serving_lines(fmt, cfg, target, repo))
+    if fmt == "compressed-tensors":
+        out += ["This artifact is compressed-tensors `pack-quantized` (converted from dflash-quant's GPTQ codes); "
+                "vLLM and SGLang read its `quantization_config` directly.", ""]
     out += ["### vLLM", "", "```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec_cfg}'", "```", ""]
     out.append("- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
                "group -1/32/64/128, otherwise the slower `gptq` path).")
@@ -493,6 +499,22 @@ def _section_serving(ctx: dict) -> str:
                "these tensors. The path this card's numbers come from is dflash-quant's own reference loop, "
                "`dflash-quant verify` (see `dflash-quant verify --help`).")
     return "\n".join(out)
+
+
+def _serving_lines(fmt: str, cfg: dict | None, target: str, repo: str) -> list[str]:
+    """Serving commands for the GGUF (llama.cpp) and MLX (dflash-mlx) exports."""
+    if fmt == "gguf":
+        gguf_file = _get(cfg, "quantization_config", "file") or "drafter.gguf"
+        return ["### llama.cpp", "", "```bash",
+                f"python convert_hf_to_gguf.py {target} --outfile target.gguf   # the target, once",
+                f"llama-server -m target.gguf -md {repo}/{gguf_file} --spec-type draft-dflash", "```", "",
+                "- The GGUF follows llama.cpp's own DFlash conversion (arch `dflash`, no token embedding or output "
+                "tensors: the target's are used; target layer ids stored +1) and carries the target's vocabulary.",
+                "- Check the `draft acceptance ... mean len` that llama-server logs against the tau above."]
+    return ["### MLX (dflash-mlx)", "", "```bash",
+            f"dflash generate --model {target} --draft {repo} --prompt \"...\"", "```", "",
+            "- MLX affine layout (`weight`/`scales`/`biases`, `quantization` in config.json) as `mx.quantize` writes it; "
+            "mlx-lm loads it pre-quantized, so no on-load quantization (which needs Metal) is involved."]
 
 
 def _section_limitations(ctx: dict) -> str:
