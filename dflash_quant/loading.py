@@ -5,7 +5,6 @@ Safetensors only, no remote code. The pairing is validated before any compute.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,11 +25,12 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "token
 
 @dataclass
 class Source:
-    """Where a model came from, for provenance."""
+    """Where a model came from, for provenance. kind: `hub`, `shipped` (inside dflash_quant/reference/) or `local`."""
 
     id: str
     path: Path
     revision: str | None = None
+    kind: str = "local"
 
 
 @dataclass
@@ -51,15 +51,16 @@ class LoadedTarget:
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
     """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
-    text = str(src)
-    if text in ("reference", "reference/drafter", "reference/target"):
-        from dflash_quant.reference import pair_dir
+    from dflash_quant.reference import is_shipped, pair_dir, parse_shipped, shipped_id
 
-        sub = "target" if text.endswith("target") else "drafter"
-        return Source(id=f"reference/{sub}", path=pair_dir() / sub)
+    text = str(src)
+    shipped = parse_shipped(text)
+    if shipped:
+        name, part = shipped
+        return Source(id=shipped_id(name, part), path=pair_dir(name) / part, kind="shipped")
     path = Path(text).expanduser()
     if path.is_dir():
-        return Source(id=text, path=path, revision=revision)
+        return Source(id=text, path=path, revision=revision, kind="shipped" if is_shipped(path) else "local")
     if path.exists():
         raise DFlashQuantError(f"{path} is a file; pass the model directory that contains config.json")
     if not HUB_ID.match(text):
@@ -77,7 +78,7 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
         raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
     except HfHubHTTPError as exc:
         raise DFlashQuantError(f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token") from exc
-    return Source(id=text, path=Path(local), revision=revision)
+    return Source(id=text, path=Path(local), revision=revision, kind="hub")
 
 
 def _cache_repo(root: Path) -> Path | None:
@@ -143,12 +144,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def weights_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in weight_files(path):
-        with open(file, "rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
+    """sha256 of a model's safetensors files, concatenated in index order."""
+    from dflash_quant.artifact.files import sha256_files
+
+    return sha256_files(weight_files(path))
 
 
 def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -45,16 +45,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_target(drafter_src: str) -> str:
-    """The target a drafter was made for: the reference pair's, or the one recorded in an artifact."""
-    if drafter_src.startswith("reference"):
-        return "reference/target"
-    prov = Path(drafter_src) / "provenance.json"
-    if prov.is_file():
-        target = json.loads(prov.read_text()).get("target", {})
-        if target.get("path") and Path(target["path"]).is_dir():
-            return target["path"]
-        if target.get("id"):
-            return target["id"]
+    """The target a drafter was made for: a shipped pair's, or the one recorded in an artifact."""
+    from dflash_quant.artifact.reports import Provenance
+    from dflash_quant.reference import default_target as shipped_target
+
+    shipped = shipped_target(drafter_src)
+    if shipped:
+        return shipped
+    if (Path(drafter_src) / Provenance.FILE).is_file():
+        target = Provenance.read(Path(drafter_src)).target
+        if target is not None:
+            recorded = target.recorded_spec()
+            if recorded:
+                return recorded
     raise UsageError(f"no --target given and {drafter_src} does not record one; pass --target TARGET")
 
 
