@@ -58,6 +58,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own message names the deepest bad key
+            return _convert(value, real[0], where)
         for arg in args:
             if arg is type(None):
                 continue
