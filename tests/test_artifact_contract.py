@@ -13,7 +13,13 @@ import pytest
 
 from dflash_quant.artifact import docgen
 from dflash_quant.artifact.files import portable_path
-from dflash_quant.artifact.reports import REPORT_FILES, Check, MemoryReport, Parity, Provenance
+from dflash_quant.artifact.reports import (
+    REPORT_FILES,
+    Check,
+    MemoryReport,
+    Parity,
+    Provenance,
+)
 from dflash_quant.artifact.sources import portable_command, source_ref
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import Source, resolve

@@ -7,13 +7,13 @@ import re
 import shutil
 
 import pytest
+from hub_fixtures import SOURCE_ID, TARGET_ID, make_artifact
 from huggingface_hub import ModelCard
 
 from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import load_manifest, verify_manifest
 from dflash_quant.model_cards.card import NOT_MEASURED, fmt_bytes, fmt_float, write_card
-from hub_fixtures import SOURCE_ID, TARGET_ID, make_artifact
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -34,11 +34,11 @@ def test_budget_section_shows_the_24gb_budget(reference_artifact):
     section = _section(text, "### 24 GB budget")
     assert NOT_MEASURED not in section and "not determined" not in section and "{'" not in section
     assert "Target `reference:target`" in section and budget.gpu.name in section
-    fits = re.search(r"^\| fits \| (yes|\*\*no\*\*) \| (yes|\*\*no\*\*) \|$", section, re.M)
+    fits = re.search(r"^\| fits \| (yes|\*\*no\*\*) \| (yes|\*\*no\*\*) \|$", section, re.MULTILINE)
     assert fits, section
     for form, shown in zip(("bf16", "int4"), fits.groups()):
         assert shown == ("yes" if budget.budgets[form].fits else "**no**")
-    headroom = re.search(r"^\| headroom \| (.+) \| (.+) \|$", section, re.M)
+    headroom = re.search(r"^\| headroom \| (.+) \| (.+) \|$", section, re.MULTILINE)
     assert headroom and all("GiB" in h for h in headroom.groups()), section
     assert headroom.groups() == tuple(fmt_bytes(budget.budgets[f].headroom_bytes) for f in ("bf16", "int4"))
     assert f"{budget.budgets['int4'].max_context:,} tokens" in section

@@ -4,7 +4,12 @@ Every stage that writes or reads provenance.json, quant_report.json, parity.json
 budget inside it) or manifest.json goes through this package; nothing else parses those files.
 """
 
-from dflash_quant.artifact.files import portable_path, sha256_file, sha256_files, write_json_atomic
+from dflash_quant.artifact.files import (
+    portable_path,
+    sha256_file,
+    sha256_files,
+    write_json_atomic,
+)
 from dflash_quant.artifact.reports import (
     Budget,
     BudgetForm,

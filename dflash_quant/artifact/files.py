@@ -6,8 +6,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

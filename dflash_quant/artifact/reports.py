@@ -1,3 +1,4 @@
+# ruff: noqa: RUF009  (doc() returns a dataclasses.field, which ruff cannot see)
 """The artifact's reports (docs/artifact.md is generated from these classes: dflash_quant.artifact.docgen)."""
 
 from __future__ import annotations
