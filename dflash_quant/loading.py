@@ -5,7 +5,6 @@ Safetensors only, no remote code. The pairing is validated before any compute.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,11 +26,12 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "token
 
 @dataclass
 class Source:
-    """Where a model came from, for provenance."""
+    """Where a model came from, for provenance. kind: `hub`, `shipped` (inside dflash_quant/reference/) or `local`."""
 
     id: str
     path: Path
     revision: str | None = None
+    kind: str = "local"
 
 
 @dataclass
@@ -51,19 +51,17 @@ class LoadedTarget:
 
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
-    """A local directory, a shipped pair's name (`reference`, `reference-dflash2`, ...: see
-    dflash_quant.reference), or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
-    text = str(src)
-    from dflash_quant.reference import pair_dir, parse_shortcut
+    """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
+    from dflash_quant.reference import is_shipped, pair_dir, parse_shipped, shipped_id
 
-    shortcut = parse_shortcut(text)
-    if shortcut is not None:
-        pair, sub = shortcut
-        name = f"reference/{sub}" if pair == "reference" else f"{pair}:{sub}"
-        return Source(id=name, path=pair_dir(pair) / sub)
+    text = str(src)
+    shipped = parse_shipped(text)
+    if shipped:
+        name, part = shipped
+        return Source(id=shipped_id(name, part), path=pair_dir(name) / part, kind="shipped")
     path = Path(text).expanduser()
     if path.is_dir():
-        return Source(id=text, path=path, revision=revision)
+        return Source(id=text, path=path, revision=revision, kind="shipped" if is_shipped(path) else "local")
     if path.exists():
         raise DFlashQuantError(f"{path} is a file; pass the model directory that contains config.json")
     if not HUB_ID.match(text):
@@ -81,7 +79,7 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
         raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
     except HfHubHTTPError as exc:
         raise DFlashQuantError(f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token") from exc
-    return Source(id=text, path=Path(local), revision=revision)
+    return Source(id=text, path=Path(local), revision=revision, kind="hub")
 
 
 def _cache_repo(root: Path) -> Path | None:
@@ -147,12 +145,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def weights_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in weight_files(path):
-        with open(file, "rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
+    """sha256 of a model's safetensors files, concatenated in index order."""
+    from dflash_quant.artifact.files import sha256_files
+
+    return sha256_files(weight_files(path))
 
 
 def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:

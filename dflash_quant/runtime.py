@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -46,18 +45,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def default_target(drafter_src: str) -> str:
     """The target a drafter was made for: a shipped pair's, or the one recorded in an artifact."""
-    from dflash_quant.reference import parse_shortcut, shortcut_name
+    from dflash_quant.artifact.reports import Provenance
+    from dflash_quant.reference import default_target as shipped_target
 
-    shortcut = parse_shortcut(drafter_src)
-    if shortcut is not None:
-        return shortcut_name(shortcut[0], "target")
-    prov = Path(drafter_src) / "provenance.json"
-    if prov.is_file():
-        target = json.loads(prov.read_text()).get("target", {})
-        if target.get("path") and Path(target["path"]).is_dir():
-            return target["path"]
-        if target.get("id"):
-            return target["id"]
+    shipped = shipped_target(drafter_src)
+    if shipped:
+        return shipped
+    if (Path(drafter_src) / Provenance.FILE).is_file():
+        target = Provenance.read(Path(drafter_src)).target
+        if target is not None:
+            recorded = target.recorded_spec()
+            if recorded:
+                return recorded
     raise UsageError(f"no --target given and {drafter_src} does not record one; pass --target TARGET")
 
 

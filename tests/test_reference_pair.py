@@ -194,7 +194,7 @@ def test_dflash2_names_and_prompt_sets():
     assert resolve("reference/target").path.resolve() == (PAIR / "target").resolve()
     assert not HUB_ID.match("reference-dflash2:target") and not HUB_ID.match("reference-dflash2")
     assert default_target("reference-dflash2") == "reference-dflash2:target"
-    assert default_target("reference") == "reference/target"
+    assert default_target("reference") == "reference:target"
     held = load_prompts("reference-dflash2:heldout")
     calib = load_prompts("reference-dflash2:calib")
     assert len(held) == len(_rows2("heldout_prompts.jsonl")) and len(calib) == len(_rows2("calibration_prompts.jsonl"))

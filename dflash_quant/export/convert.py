@@ -8,7 +8,6 @@ maps it exactly onto the format's grid or refuses, naming the `gptq` settings th
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,14 @@ from typing import Any
 import torch
 
 from dflash_quant import __version__
+from dflash_quant.artifact.files import portable_path
+from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.gptq_v1 import _unpack_dim0
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
 
 FORMATS = ("gptq", "compressed-tensors", "gguf", "mlx")
-REPORTS = ("provenance.json", "quant_report.json", "parity.json", "memory.json")
+REPORT_CLASSES = (Provenance, QuantReport, Parity, MemoryReport)
 GPTQ_FILES = ("model.safetensors", "quantize_config.json")
 
 
@@ -128,14 +129,12 @@ def convert_artifact(
     problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
     if problem:
         raise UsageError(problem)
+    # the source's reports, through their typed readers (one-line errors when malformed)
     reports = {}
-    for name in REPORTS:
-        p = src / name
-        if p.is_file():
-            try:
-                reports[name] = json.loads(p.read_text())
-            except json.JSONDecodeError as exc:
-                raise DFlashQuantError(f"{p} is not valid JSON ({exc}); re-export the source artifact") from exc
+    for cls in REPORT_CLASSES:
+        report = cls.read(src, optional=True)
+        if report is not None:
+            reports[cls.FILE] = report.to_dict()
     dst.mkdir(parents=True, exist_ok=True)
     if src.resolve() == dst.resolve():
         for name in GPTQ_FILES:
@@ -157,7 +156,7 @@ def convert_artifact(
         if name == "provenance.json":
             data = dict(data)
             data["export"] = {
-                "format": fmt, "from": None if src.resolve() == dst.resolve() else str(src), "from_quant_method": "gptq", "tool_version": __version__,
+                "format": fmt, "from": None if src.resolve() == dst.resolve() else portable_path(src), "from_quant_method": "gptq", "tool_version": __version__,
                 "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
             }
@@ -173,7 +172,7 @@ def convert_artifact(
                          "`dflash-quant verify` on this directory measures these exact weights")
             data["notes"] = notes
             data["measured_on"] = "gptq"
-        (dst / name).write_text(json.dumps(data, indent=2) + "\n")
+        next(c for c in REPORT_CLASSES if c.FILE == name).from_dict(data).write(dst)
     return summary
 
 
