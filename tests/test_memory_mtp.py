@@ -219,3 +219,18 @@ def test_cli_no_mtp_head_is_a_one_line_error(tmp_path):
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
     res = subprocess.run(cmd[:-1] + ["--mtp-tokens", "2"], capture_output=True, text=True)
     assert res.returncode != 0 and "--compare-mtp" in res.stderr
+
+
+def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
+    from dflash_quant.memory.plan import embedded_budget
+    from dflash_quant.model_cards.card import _mtp_comparison, _section_mtp_comparison
+
+    with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
+    cmp = with_head["compare_mtp"]
+    assert cmp["methods"]["mtp-k1"]["components"]["draft_kv"] == 4 * KiB * 8192
+    ctx = {"memory": {"budget_24gb": with_head}}
+    text = _section_mtp_comparison(ctx)
+    assert "MTP or DFlash" in text and "| state slots (1 + K) | 1 | 2 | 3 | 4 | 16 | 16 |" in text
+    assert "810.05 MiB" in text and "kv group padding" in text
+    without = embedded_budget("qwen3-8b", "qwen3-8b-dflash-b16")
+    assert "compare_mtp" not in without and _mtp_comparison({"memory": {"budget_24gb": without}}) is None
