@@ -284,6 +284,9 @@ class Budget(Record):
     drafter: DrafterSummary | None = doc("drafter")
     caches: Caches | None = doc("per-token and per-request cache bytes")
     budgets: dict[str, BudgetForm] = doc("`bf16` and the quantized form (e.g. `int4`)", factory=dict)
+    compare_mtp: dict[str, Any] | None = doc(
+        "targets with an MTP head: no speculation, MTP (K = 1..3) and DFlash side by side (`budget --compare-mtp`)",
+        omit_none=True)
     extra: E = doc("", factory=dict)
 
     def quantized_form(self) -> str | None:

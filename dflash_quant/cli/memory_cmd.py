@@ -11,7 +11,7 @@ from rich.table import Table
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
 from dflash_quant.errors import UsageError
 from dflash_quant.memory.plan import budget_objects as _budget_objects
-from dflash_quant.memory.plan import budget_report
+from dflash_quant.memory.plan import budget_report, mtp_comparison, parse_mtp_tokens, with_mtp_comparison
 
 
 def _print_budget(rep) -> None:
@@ -58,6 +58,61 @@ def _print_budget(rep) -> None:
         for note in x.notes or []:
             if note not in lines:
                 lines.append(note)
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)
+
+
+def _print_mtp_comparison(rep: dict) -> None:
+    from dflash_quant.memory.gpus import fmt_bytes
+
+    cmp = rep["compare_mtp"]
+    methods = cmp["methods"]
+    names = list(methods)
+    title = (f"{rep['gpu']['name']} ({fmt_bytes(rep['gpu']['total_bytes'])}), engine {cmp['engine']}: "
+             "MTP vs DFlash")  # fmt: skip
+    caption = f"context {cmp['context']}, concurrency {cmp['concurrency']}, DFlash K={cmp['dflash_spec_tokens']}"
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("term")
+    for n in names:
+        table.add_column(methods[n]["label"], justify="right")
+    table.add_row("state slots (1 + K)", *[str(methods[n]["state_slots"]) for n in names])
+    for term in methods[names[0]]["components"]:
+        table.add_row(term.replace("_", " "), *[fmt_bytes(methods[n]["components"][term]) for n in names])
+    table.add_section()
+    table.add_row("required", *[fmt_bytes(methods[n]["required_bytes"]) for n in names])
+    table.add_row("usable", *[fmt_bytes(methods[n]["usable_bytes"]) for n in names])
+    table.add_row("headroom", *[fmt_bytes(methods[n]["headroom_bytes"]) for n in names])
+    table.add_row("fits", *["yes" if methods[n]["fits"] else "NO" for n in names])
+    table.add_row(f"max context (C={cmp['concurrency']})",
+                  *[str(methods[n]["max_context"]) if methods[n]["max_context"] is not None else "none" for n in names])
+    table.add_row(f"max concurrency (ctx {cmp['context']})", *[str(methods[n]["max_concurrency"]) for n in names])
+    table.add_section()
+    table.add_row("per request", *[fmt_bytes(methods[n]["per_request_bytes"]) for n in names])
+    table.add_row("per request, speculation", *[fmt_bytes(methods[n]["per_request_speculation_bytes"]) for n in names])
+    out_console.print(table)
+    m = cmp["mtp"]
+    lines = [f"MTP head: {m['layers']} layer(s), weights {fmt_bytes(m['weight_bytes'])} ({m['weights_from']}), "
+             f"KV {fmt_bytes(m['kv_bytes_per_token'])}/token"]  # fmt: skip
+    for n in names:
+        pads = methods[n]["kv_padding_layers"]
+        if pads:
+            lines.append(f"{methods[n]['label']}: vLLM pads KV-cache groups with "
+                         + ", ".join(f"{v} x {k}" for k, v in pads.items()) + " layer(s)")
+    for pair, c in cmp["crossover"].items():
+        a, b = pair.split(" vs ")
+        line = (f"{methods[a]['label']} vs {methods[b]['label']}: {methods[c['cheaper_at_1']]['label']} needs "
+                f"{fmt_bytes(abs(c['difference_at_1_bytes']))} less at C=1; max concurrency "
+                f"{c['max_concurrency'][a]} vs {c['max_concurrency'][b]}")  # fmt: skip
+        if c["only_first_fits"]:
+            lo, hi = c["only_first_fits"]
+            line += f"; only {methods[a]['label']} fits at C={lo}" + (f"..{hi}" if hi > lo else "")
+        if c["only_second_fits"]:
+            lo, hi = c["only_second_fits"]
+            line += f"; only {methods[b]['label']} fits at C={lo}" + (f"..{hi}" if hi > lo else "")
+        line += (f"; cheaper method changes at C={c['order_changes_at']}" if c["order_changes_at"]
+                 else "; the order never changes up to C=256")  # fmt: skip
+        lines.append(line)
+    lines += cmp["notes"]
     for line in lines:
         out_console.print(line, highlight=False, soft_wrap=True)
 
@@ -143,7 +198,10 @@ def register(app: typer.Typer) -> None:
             )  # fmt: skip
             from dflash_quant.artifact.sources import model_label
 
-            budget = budget_report(t, d, settings, target_label=model_label(budget_target), drafter_label=model_label(artifact))
+            budget = with_mtp_comparison(
+                budget_report(t, d, settings, target_label=model_label(budget_target), drafter_label=model_label(artifact)),
+                budget_target, t, d, settings,
+            )
         err_console.print(f"measuring {artifact} ...", highlight=False)
         rep = build_memory_report(artifact, baseline=baseline, device=dev, budget_24gb=budget)
         if not no_write:
@@ -182,6 +240,13 @@ def register(app: typer.Typer) -> None:
         activation: Optional[str] = typer.Option(None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
+        compare_mtp: bool = typer.Option(
+            False, "--compare-mtp", help="Side by side: no speculation, the target's MTP head (K=1..3), DFlash bf16/int4."
+        ),
+        mtp_tokens: Optional[str] = typer.Option(None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."),
+        mtp_weights: Optional[str] = typer.Option(
+            None, "--mtp-weights", help="MTP weight format bf16|fp8|int8|int4 (default: mtp.* in the files, else bf16)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
     ) -> None:
         """Will the target + drafter fit on this card? Headroom, max context, max concurrency; bf16 vs int4 drafter."""
@@ -190,6 +255,16 @@ def register(app: typer.Typer) -> None:
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,
             activation, new_tokens, group_size,
         )  # fmt: skip
+        if compare_mtp or mtp_tokens is not None or mtp_weights is not None:
+            if not compare_mtp:
+                raise UsageError("--mtp-tokens and --mtp-weights only apply with --compare-mtp; add --compare-mtp")
+            cmp = mtp_comparison(target, t, d, settings, parse_mtp_tokens(mtp_tokens), mtp_weights)
+            rep = {**budget_report(t, d, settings).to_dict(), "compare_mtp": cmp}
+            if as_json:
+                print_json(rep)
+            else:
+                _print_mtp_comparison(rep)
+            return
         rep = budget_report(t, d, settings)
         if as_json:
             print_json(rep.to_dict())

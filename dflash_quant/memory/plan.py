@@ -113,6 +113,40 @@ def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: in
     t, d, settings = budget_objects(
         target, drafter, gpu, context, 1, None, target_weights, None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
     )  # fmt: skip
-    return budget_report(t, d, settings, target_label=target_label or model_label(target),
-                         drafter_label=drafter_label or model_label(drafter))
+    budget = budget_report(t, d, settings, target_label=target_label or model_label(target),
+                           drafter_label=drafter_label or model_label(drafter))
+    return with_mtp_comparison(budget, target, t, d, settings)
 
+
+
+def parse_mtp_tokens(text: Optional[str]) -> tuple[int, ...]:
+    """'1,2,3' -> (1, 2, 3); None -> the default K = 1..3."""
+    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS
+
+    if text is None:
+        return DEFAULT_MTP_TOKENS
+    try:
+        ks = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"cannot read --mtp-tokens {text!r}; write K values such as 1 or 1,2,3") from None
+    if not ks or any(k < 1 for k in ks):
+        raise UsageError(f"--mtp-tokens needs K values >= 1 (got {text!r})")
+    return tuple(dict.fromkeys(ks))
+
+
+def mtp_comparison(target: str, t, d, settings, mtp_tokens=None, mtp_weights: Optional[str] = None) -> dict:
+    """`budget --compare-mtp`: no speculation, MTP (each K), DFlash bf16 / quantized, side by side."""
+    from dflash_quant.memory.budget import _load_config
+    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS, compare_mtp
+
+    _, root, _ = _load_config(target)
+    return compare_mtp(t, d, settings, root=root, mtp_tokens=mtp_tokens or DEFAULT_MTP_TOKENS, mtp_weights=mtp_weights)
+
+
+def with_mtp_comparison(rep: Budget, target: str, t, d, settings) -> Budget:
+    """Add the MTP comparison to a budget report when the target ships an MTP head (memory.json, the card)."""
+    from dflash_quant.memory.mtp import mtp_head
+
+    if settings.engine == "vllm" and mtp_head(t.shape) is not None:
+        rep.compare_mtp = mtp_comparison(target, t, d, settings)
+    return rep

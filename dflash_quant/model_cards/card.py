@@ -483,6 +483,39 @@ def _budget_lines(budget: Budget | None) -> list[str]:
     return lines
 
 
+def _mtp_comparison(ctx: dict) -> dict | None:
+    mem: MemoryReport | None = ctx.get("memory")
+    budget = mem.budget_24gb if mem is not None else None
+    cmp = budget.compare_mtp if budget is not None else None
+    return cmp if isinstance(cmp, dict) and isinstance(cmp.get("methods"), dict) and cmp["methods"] else None
+
+
+def _section_mtp_comparison(ctx: dict) -> str:
+    """The target ships an MTP head: this drafter against it, from memory.json's budget (`budget --compare-mtp`)."""
+    cmp = _mtp_comparison(ctx)
+    budget = ctx["memory"].budget_24gb
+    gpu = budget.gpu.name if budget.gpu else None
+    methods = cmp["methods"]
+    names = list(methods)
+    out = ["### MTP or DFlash on this card", "",
+           f"The target ships an MTP head. Budget on {_fmt_any(gpu)} at {_fmt_any(cmp.get('context'))} tokens, "
+           f"engine {_fmt_any(cmp.get('engine'))} (from `memory.json`, as `dflash-quant budget --compare-mtp` prints it):",
+           ""]  # fmt: skip
+    first = methods[names[0]]
+    terms = list(first.get("components", {}))
+    rows = [["state slots (1 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
+    rows += [[t.replace("_", " "), *[fmt_bytes(methods[n]["components"].get(t)) for n in names]] for t in terms]
+    rows += [["headroom", *[fmt_bytes(methods[n].get("headroom_bytes")) for n in names]],
+             ["fits", *[{True: "yes", False: "no"}.get(methods[n].get("fits"), "?") for n in names]],
+             ["max context (1 request)", *[_fmt_any(methods[n].get("max_context")) for n in names]],
+             [f"max concurrency at {_fmt_any(cmp.get('context'))}", *[_fmt_any(methods[n].get("max_concurrency")) for n in names]],
+             ["per request, speculation", *[fmt_bytes(methods[n].get("per_request_speculation_bytes")) for n in names]]]  # fmt: skip
+    out.append(_table(["", *[methods[n].get("label", n) for n in names]], rows))
+    out += ["", "The per-request speculation cost is what each concurrent request adds over no speculation: "
+            "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model."]
+    return "\n".join(out)
+
+
 def _section_serving(ctx: dict) -> str:
     cfg, prov, qr = ctx["config"], ctx["provenance"], ctx["quant_report"]
     repo = ctx["repo_id"] or PLACEHOLDER_REPO
@@ -644,6 +677,7 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
         _section_parity(ctx),
         _section_recipe(ctx),
         _section_memory(ctx),
+        *([_section_mtp_comparison(ctx)] if _mtp_comparison(ctx) else []),
         _section_serving(ctx),
         _section_limitations(ctx),
         _section_reproduce(ctx),
