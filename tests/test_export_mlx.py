@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from dflash_quant.export.convert import convert_artifact, read_gptq_artifact
 from dflash_quant.pipeline import GptqJob, run_gptq

@@ -225,12 +225,15 @@ def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
     from dflash_quant.memory.plan import embedded_budget
     from dflash_quant.model_cards.card import _mtp_comparison, _section_mtp_comparison
 
+    from dflash_quant.artifact.reports import MemoryReport
+
     with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
-    cmp = with_head["compare_mtp"]
+    cmp = with_head.compare_mtp
     assert cmp["methods"]["mtp-k1"]["components"]["draft_kv"] == 4 * KiB * 8192
-    ctx = {"memory": {"budget_24gb": with_head}}
+    ctx = {"memory": MemoryReport.from_dict({"budget_24gb": with_head.to_dict()})}
     text = _section_mtp_comparison(ctx)
     assert "MTP or DFlash" in text and "| state slots (1 + K) | 1 | 2 | 3 | 4 | 16 | 16 |" in text
     assert "810.05 MiB" in text and "kv group padding" in text
     without = embedded_budget("qwen3-8b", "qwen3-8b-dflash-b16")
-    assert "compare_mtp" not in without and _mtp_comparison({"memory": {"budget_24gb": without}}) is None
+    assert without.compare_mtp is None and "compare_mtp" not in without.to_dict()
+    assert _mtp_comparison({"memory": MemoryReport.from_dict({"budget_24gb": without.to_dict()})}) is None

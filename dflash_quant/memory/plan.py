@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from dflash_quant.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflash_quant.artifact.reports import Budget
 
 
 def budget_objects(
