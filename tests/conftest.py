@@ -17,3 +17,15 @@ def tiny_pair(tmp_path_factory):
     """(drafter_dir, target_dir) of a tiny random pair in the official layout."""
     root = tmp_path_factory.mktemp("tiny_pair")
     return tiny.save_drafter(root / "drafter"), tiny.save_target(root / "target")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_check_cache(tmp_path_factory):
+    """The parity check's run cache (default ~/.cache/dflash-quant/check) goes to a per-session temp dir."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
