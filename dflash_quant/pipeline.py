@@ -50,6 +50,7 @@ class GptqJob:
     dtype: str = "auto"
     chat_template: bool = True
     seed: int = 0
+    check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -197,10 +198,19 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     block = base.config.block_size
     settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
     warm_up(base.model, target.model, eval_ids[0], settings)
-    adv = progress("parity: target-only baseline", len(eval_ids))
-    reference = baseline_runs(target.model, eval_ids, settings, adv)
-    adv = progress("parity: bf16 drafter", len(eval_ids))
-    s_base = summarize(source_id, spec_runs(base.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
+    from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity
+    from dflash_quant.decode import GreedyResult, SpecResult
+
+    cache = CheckCache(job.check_cache)
+    tkey = check_key(target=model_identity(target.source.path), prompts=eval_ids, settings=settings, device=device, dtype=dtype)
+    dkey = check_key(target=tkey["target"], prompts=eval_ids, settings=settings, device=device, dtype=dtype,
+                     drafter=weights_sha256(base.source.path))
+    reference = cached_runs(cache, "baseline", tkey, GreedyResult, lambda: baseline_runs(
+        target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))))
+    base_runs = cached_runs(cache, "spec", dkey, SpecResult, lambda: spec_runs(
+        base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))))
+    s_base = summarize(source_id, base_runs, reference, settings, block)
     adv = progress("parity: quantized drafter", len(eval_ids))
     s_quant = summarize(portable_path(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
     verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
@@ -211,6 +221,8 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
         "temperature": 0.0, "prompt_set": prompt_label(spec), "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
         "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "baseline": s_base, "quantized": s_quant,
+        # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
+        "cache": {"target_only": cache.events.get("baseline", "off"), "bf16_drafter": cache.events.get("spec", "off")},
     })
 
 

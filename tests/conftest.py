@@ -32,3 +32,15 @@ def reference_artifact(tmp_path_factory):
                   eval_max_new_tokens=16, device="cpu", command=["dflash-quant", "gptq", "--output", str(out)])
     run_gptq(job)
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_check_cache(tmp_path_factory):
+    """The parity check's run cache (default ~/.cache/dflash-quant/check) goes to a per-session temp dir."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

@@ -176,6 +176,9 @@ class Parity(ReportFile):
     notes: list[str] | None = doc("reported, not gated")
     lossless_gated: bool | None = doc("fp32: any divergence fails; reduced precision: a `diverged` status fails")
     lossless_status: str | None = doc("the quantized drafter's Check.lossless_status")
+    cache: dict[str, str] | None = doc(
+        "`{target_only, bf16_drafter}`: `hit` (runs and timings reused from an earlier run's check cache), `miss` or `off`",
+        omit_none=True)
     temperature: float | None = doc("0 (greedy)")
     prompt_set: str | None = doc("held-out prompt set")
     num_prompts: int | None = doc("prompts")
