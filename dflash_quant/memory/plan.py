@@ -95,7 +95,8 @@ def budget_report(t, d, settings) -> dict:
         "target": {"source": t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
                    "weights_from": t.weight_source},  # fmt: skip
         "drafter": {"source": d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
-                    "quantized_format": d.quantized_format, "weights_from": d.source},  # fmt: skip
+                    "quantized_format": d.quantized_format, "weights_from": d.source,
+                    "bf16_by_part": d.bf16_parts, "quantized_by_part": d.quantized_parts},  # fmt: skip
         "caches": kv_summary(t, d, settings),
         "budgets": {k: b.as_dict() for k, b in budgets.items()},
     }
