@@ -245,3 +245,20 @@ def test_budget_preset_counts_the_dflash2_parts():
     assert d.quantized_bytes == sum(d.quantized_parts.values())
     share = codebooks / d.quantized_bytes
     assert 0.19 < share < 0.20  # 19.7 % of the int4 drafter
+
+
+def test_cli_flag_on_v1_drafter_exits_2_with_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "art"
+    res = subprocess.run(
+        [sys.executable, "-m", "dflash_quant.cli.app", "gptq", "reference", "--quantize-selector", "--no-verify",
+         "--output", str(out)],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+    )
+    assert res.returncode == 2, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "--quantize-selector only apply to a DFlash2 drafter" in lines[0], res.stderr
+    assert not out.exists()

@@ -28,13 +28,13 @@ def _summary(result) -> Table:
     table.add_row("their quantized bytes", _fmt_bytes(rep["quantized_bytes"]))
     if rep["original_bytes"]:
         table.add_row("quantized / bf16", f"{rep['quantized_bytes'] / rep['original_bytes']:.3f}")
-    if rep.get("drafter_bytes_bf16"):
+    if rep.get("drafter_bytes_bf16") and rep.get("drafter_bytes_quantized"):
         table.add_row("whole drafter bf16", _fmt_bytes(rep["drafter_bytes_bf16"]))
         table.add_row("whole drafter quantized", _fmt_bytes(rep["drafter_bytes_quantized"]))
         table.add_row("whole drafter quantized / bf16", f"{rep['drafter_bytes_quantized'] / rep['drafter_bytes_bf16']:.3f}")
         bf16_parts = rep["by_part"]["bf16"]
         for part in ("conv", "selector_codebooks", "selector_projection"):
-            if bf16_parts.get(part):
+            if bf16_parts.get(part) and rep["by_part"].get("quantized"):
                 table.add_row(f"  of which {part.replace('_', ' ')}", _fmt_bytes(rep["by_part"]["quantized"][part]))
     if par:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
