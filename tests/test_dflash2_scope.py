@@ -262,3 +262,11 @@ def test_cli_flag_on_v1_drafter_exits_2_with_one_line(tmp_path):
     lines = [l for l in res.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "--quantize-selector only apply to a DFlash2 drafter" in lines[0], res.stderr
     assert not out.exists()
+
+
+def test_sequential_gptq_replays_the_extras(pair):
+    # replay never proposes, so the selector's rows must come from the drafter's forward output
+    res = run_gptq(_job(pair, "sequential", sequential=True, quantize_conv=True, quantize_selector=True))
+    rows = {l["name"]: l["hessian_rows"] for l in res.quant_report["layers"]}
+    assert rows["candidate_selector.hidden_projection"] > 0
+    assert rows["layers.1.mlp_conv.kernel_projection"] == rows["layers.1.self_attn.o_proj"]  # block rows, same count
