@@ -22,7 +22,7 @@ from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
 from dflash_quant.loading import load_drafter, weights_sha256
 from dflash_quant.preflight import guard_run
-from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
+from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
 from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
 from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
 
@@ -78,6 +78,9 @@ def _calibrate(
         "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian,
         "chat_template": job.chat_template, "dtype": str(next(drafter.model.parameters()).dtype),
     }
+    extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
+    if extra:  # keyed only then, so caches of the default recipe stay valid
+        key["extra_linears"] = extra
     info = {"prompts": spec, "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian, "cached": False}
     if job.calib_cache is not None:
         stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, device)
@@ -87,7 +90,7 @@ def _calibrate(
     advance = progress("calibrating (drafter speculating with its target)", len(prompts))
     stats = capture(
         drafter.model, target.model, prompts, job.calib_max_new_tokens, job.kv_hessian,
-        stop_token_ids=stop_tokens(target), keep_replay=job.quant.sequential, progress=advance,
+        stop_token_ids=stop_tokens(target), keep_replay=job.quant.sequential, progress=advance, extra=extra,
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
@@ -124,6 +127,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     t0 = time.perf_counter()
     drafter, target = load_pair(job.drafter, job.target, device, dtype)
     timings["load_s"] = time.perf_counter() - t0
+    candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 
     drafter_sha = weights_sha256(drafter.source.path)
     stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
@@ -140,7 +144,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         timings["calibrate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(drafter.model.linear_names()))
+    advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(candidates))
     outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 

@@ -123,6 +123,11 @@ class QuantReport(ReportFile):
     original_bytes: int | None = doc("bf16 bytes of the quantized Linears")
     quantized_bytes: int | None = doc("their packed bytes in model.safetensors")
     seconds: float | None = doc("quantization time")
+    drafter_bytes_bf16: int | None = doc("every tensor of the source drafter at bf16", omit_none=True)
+    drafter_bytes_quantized: int | None = doc("every tensor in the written weights file", omit_none=True)
+    by_part: dict[str, dict[str, int]] | None = doc(
+        "`{bf16, quantized}`: bytes by part (backbone Linears, fc, norms, conv, selector codebooks, selector projection)",
+        omit_none=True)
     extra: E = doc("", factory=dict)
 
 
@@ -232,6 +237,8 @@ class DrafterSummary(Record):
     quantized_bytes: int | None = doc("quantized weight bytes")
     quantized_format: str | None = doc("int4, ...")
     weights_from: str | None = doc("how the bytes were found")
+    bf16_by_part: dict[str, int] | None = doc("bf16 drafter bytes by part", omit_none=True)
+    quantized_by_part: dict[str, int] | None = doc("quantized drafter bytes by part", omit_none=True)
     extra: E = doc("", factory=dict)
 
 
@@ -309,6 +316,7 @@ class Weights(Record):
     quantized_linears: int | None = doc("GPTQ Linears")
     packed_quantized_bytes: int | None = doc("their packed bytes")
     dequantized_bf16_bytes: int | None = doc("bytes once dequantized to bf16")
+    by_part: dict[str, int] | None = doc("bytes by drafter part (conv, selector, ...)", omit_none=True)
     extra: E = doc("", factory=dict)
 
 
@@ -319,6 +327,7 @@ class Baseline(Record):
     disk_bytes: int | None = doc("its bytes on disk")
     ratio: float | None = doc("quantized / bf16 weight bytes")
     saved_bytes: int | None = doc("bytes saved")
+    by_part: dict[str, int] | None = doc("baseline bytes by drafter part", omit_none=True)
     extra: E = doc("", factory=dict)
 
 

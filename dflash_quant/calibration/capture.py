@@ -5,6 +5,9 @@ Linears that read the same tensor share one Hessian (input group):
   layers.i.self_attn.qkv   <- block rows (q, and k/v unless kv_hessian = block+context)
   layers.i.self_attn.kv    <- block rows + context-feature rows (only with kv_hessian = block+context)
   layers.i.self_attn.o_proj, layers.i.mlp.gate_up, layers.i.mlp.down_proj
+DFlash2 extras, hooked only when they are to be quantized (`extra`):
+  layers.i.{attention,mlp}_conv.kernel_projection  <- the sublayer's normed input (block rows)
+  candidate_selector.hidden_projection             <- the drafter's final normed rows after the anchor
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class _Hooks:
     groups: set[str] | None  # None: every group
     kv_hessian: str
     device: torch.device
+    extra: tuple[str, ...] = ()  # DFlash2 Linears outside the backbone to collect (kernel_projection, hidden_projection)
     hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
     handles: list = field(default_factory=list)
 
@@ -105,6 +109,19 @@ class _Hooks:
             self.handles.append(layer.self_attn.o_proj.register_forward_pre_hook(add(f"{p}.self_attn.o_proj")))
             self.handles.append(layer.mlp.gate_proj.register_forward_pre_hook(add(f"{p}.mlp.gate_up")))
             self.handles.append(layer.mlp.down_proj.register_forward_pre_hook(add(f"{p}.mlp.down_proj")))
+        for name in self.extra:
+            if name.endswith(".hidden_projection"):
+                # the selector projects the rows `propose` gets: the drafter's output after the anchor row
+                # (hooked on the forward so that replay, which never proposes, sees them too)
+                def rows_hook(module, args, output, key=name):
+                    if self._wanted(key):
+                        self._acc(key, output.shape[-1]).add(output[:, 1:])
+
+                self.handles.append(m.register_forward_hook(rows_hook))
+            elif name.endswith(".kernel_projection"):
+                self.handles.append(m.get_submodule(name).register_forward_pre_hook(add(name)))
+            else:
+                raise UsageError(f"cannot collect calibration rows for {name}; only conv and selector projections are extra")
         return self
 
     def detach(self) -> None:
@@ -122,12 +139,13 @@ def capture(
     stop_token_ids: list[int] | None = None,
     keep_replay: bool = False,
     progress: Callable[[], None] | None = None,
+    extra: Sequence[str] = (),
 ) -> CalibrationStats:
-    """Greedy speculative decoding over the prompts with hooks on the drafter's Linears."""
+    """Greedy speculative decoding over the prompts with hooks on the drafter's Linears (and `extra` ones)."""
     if kv_hessian not in KV_MODES:
         raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")
     device = next(drafter.parameters()).device
-    hooks = _Hooks(drafter, None, kv_hessian, device).attach()
+    hooks = _Hooks(drafter, None, kv_hessian, device, tuple(extra)).attach()
     replay: list[list[DraftCall]] = []
     record: list[DraftCall] = []
 
@@ -169,7 +187,8 @@ def replay_capture(
     """Re-run the drafter alone on recorded inputs (with its current weights) and collect the given groups."""
     device = next(drafter.parameters()).device
     dtype = next(drafter.parameters()).dtype
-    hooks = _Hooks(drafter, set(groups), kv_hessian, device).attach()
+    extra = tuple(sorted(g for g in groups if g.endswith((".kernel_projection", ".hidden_projection"))))
+    hooks = _Hooks(drafter, set(groups), kv_hessian, device, extra).attach()
     try:
         for calls in replay:
             cache = DraftCache()

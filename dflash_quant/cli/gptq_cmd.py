@@ -28,6 +28,14 @@ def _summary(result) -> Table:
     table.add_row("their quantized bytes", _fmt_bytes(rep["quantized_bytes"]))
     if rep["original_bytes"]:
         table.add_row("quantized / bf16", f"{rep['quantized_bytes'] / rep['original_bytes']:.3f}")
+    if rep.get("drafter_bytes_bf16") and rep.get("drafter_bytes_quantized"):
+        table.add_row("whole drafter bf16", _fmt_bytes(rep["drafter_bytes_bf16"]))
+        table.add_row("whole drafter quantized", _fmt_bytes(rep["drafter_bytes_quantized"]))
+        table.add_row("whole drafter quantized / bf16", f"{rep['drafter_bytes_quantized'] / rep['drafter_bytes_bf16']:.3f}")
+        bf16_parts = rep["by_part"]["bf16"]
+        for part in ("conv", "selector_codebooks", "selector_projection"):
+            if bf16_parts.get(part) and rep["by_part"].get("quantized"):
+                table.add_row(f"  of which {part.replace('_', ' ')}", _fmt_bytes(rep["by_part"]["quantized"][part]))
     if par:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
         table.add_row("tau quantized (T=0)", f"{par['quantized']['tau']:.3f}")
@@ -54,7 +62,9 @@ def gptq(
     damp: float = typer.Option(0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."),
     method: str = typer.Option("gptq", help="gptq, or rtn (round-to-nearest baseline)."),
     sequential: bool = typer.Option(False, "--sequential/--no-sequential", help="Quantize stage by stage, feeding later stages the quantized outputs."),
-    profile: str = typer.Option("full", help="full | vllm | sglang (vllm/sglang keep q/k/v in bf16)."),
+    profile: str = typer.Option("full", help="full | vllm (keeps q/k/v bf16) | sglang (keeps q/k/v and fc bf16)."),
+    quantize_conv: bool = typer.Option(False, "--quantize-conv", help="DFlash2: also quantize the convolutions' kernel_projection Linears (engines keep them bf16; base_kernel always stays bf16)."),
+    quantize_selector: bool = typer.Option(False, "--quantize-selector", help="DFlash2: also quantize the selector's hidden_projection (engines keep it bf16; the codebooks always stay bf16)."),
     skip: List[str] = typer.Option([], "--skip", help="Regex of Linear names to keep in bf16 (repeatable)."),
     output: Path = typer.Option(Path("out/drafter-gptq"), "--output", "-o", help="Artifact directory to create."),
     overwrite: bool = typer.Option(False, help="Replace a previous dflash-quant artifact (one with manifest.json) at --output; never a directory that overlaps an input."),
@@ -91,6 +101,7 @@ def gptq(
             quant = QuantSettings(
                 method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, static_groups=static_groups,
                 damp=damp, sequential=sequential, profile=profile, skip=tuple(skip),
+                quantize_conv=quantize_conv, quantize_selector=quantize_selector,
             )
             job = GptqJob(
                 output=output, drafter=drafter, target=target, quant=quant, overwrite=overwrite, calib_prompts=calib_prompts,

@@ -14,6 +14,22 @@ from dflash_quant.memory.plan import budget_objects as _budget_objects
 from dflash_quant.memory.plan import budget_report, mtp_comparison, parse_mtp_tokens, with_mtp_comparison
 
 
+def _dflash2_lines(drafter: dict) -> list[str]:
+    """A DFlash2 drafter's conv and selector bytes, which every engine keeps bf16, and their share."""
+    from dflash_quant.memory.gpus import fmt_bytes
+
+    q = drafter.get("quantized_by_part") or {}
+    if not (q.get("conv") or q.get("selector_codebooks")):
+        return []
+    total = sum(q.values()) or 1
+    fmt = drafter["quantized_format"]
+    return [
+        f"DFlash2 parts in the {fmt} drafter: conv {fmt_bytes(q['conv'])}, selector codebooks "
+        f"{fmt_bytes(q['selector_codebooks'])} ({q['selector_codebooks'] / total:.1%} of the {fmt} drafter), "
+        f"selector projection {fmt_bytes(q['selector_projection'])}, norms {fmt_bytes(q['norms'])}"
+    ]
+
+
 def _print_budget(rep) -> None:
     """rep: artifact.reports.Budget."""
     from dflash_quant.memory.gpus import fmt_bytes
@@ -54,6 +70,7 @@ def _print_budget(rep) -> None:
         f"drafter context KV {fmt_bytes(c.drafter_kv_bytes_per_token)}/token"
         + (f", sliding layers capped at {c.drafter_sliding_window}" if c.drafter_sliding_window else ""),
     ]
+    lines += _dflash2_lines(rep.drafter.to_dict() if rep.drafter else {})
     for x in b:
         for note in x.notes or []:
             if note not in lines:
@@ -127,6 +144,12 @@ def _print_memory(rep) -> None:
     table.add_column("bytes", justify="right")
     for name, n in w.by_module.items():
         table.add_row(name, fmt_bytes(n))
+    table.add_section()
+    base_parts = (rep.baseline.to_dict() if rep.baseline else {}).get("by_part") or {}
+    for part, n in (w.to_dict().get("by_part") or {}).items():
+        if n or base_parts.get(part):
+            vs = f" (bf16 {fmt_bytes(base_parts[part])})" if part in base_parts else ""
+            table.add_row(f"part: {part.replace('_', ' ')}", fmt_bytes(n) + vs)
     table.add_section()
     for dt, n in w.by_dtype.items():
         table.add_row(f"[{dt}]", fmt_bytes(n))

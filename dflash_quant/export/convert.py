@@ -165,6 +165,7 @@ def convert_artifact(
             data["gptq_quantized_bytes"] = data.get("gptq_quantized_bytes", data.get("quantized_bytes"))
             data["quantized_bytes"] = summary["quantized_bytes"]
             data["format"] = fmt
+            _whole_drafter_bytes(data, dst, fmt)
         if name == "parity.json" and src.resolve() != dst.resolve():
             data = dict(data)
             notes = list(data.get("notes") or [])
@@ -174,6 +175,26 @@ def convert_artifact(
             data["measured_on"] = "gptq"
         next(c for c in REPORT_CLASSES if c.FILE == name).from_dict(data).write(dst)
     return summary
+
+
+def _whole_drafter_bytes(data: dict, dst: Path, fmt: str) -> None:
+    """Whole-drafter bytes of the converted file (safetensors formats); the GPTQ figures are kept beside them."""
+    if "drafter_bytes_quantized" not in data:
+        return
+    data.setdefault("gptq_drafter_bytes_quantized", data["drafter_bytes_quantized"])
+    by_part = dict(data.get("by_part") or {})
+    by_part.setdefault("gptq", by_part.get("quantized"))
+    written = dst / "model.safetensors"
+    if fmt in ("compressed-tensors", "mlx") and written.is_file():
+        from dflash_quant.memory.weights import bytes_by_part, read_header
+
+        sizes = {n: int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for n, i in read_header(written).items()}
+        data["drafter_bytes_quantized"] = sum(sizes.values())
+        by_part["quantized"] = bytes_by_part(sizes)
+    else:  # GGUF renames tensors into llama.cpp's layout: no per-part count from its file here
+        data["drafter_bytes_quantized"] = None
+        by_part["quantized"] = None
+    data["by_part"] = by_part
 
 
 def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | None:

@@ -43,7 +43,10 @@ def _skip_rules(kept: list[str], n_layers: int) -> dict[str, dict]:
 
 def quantization_config(settings: QuantSettings, kept: list[str], n_layers: int) -> dict[str, Any]:
     """GPTQ v1 config; Linears kept in bf16 are listed as negative `dynamic` rules (vLLM/GPTQModel skip them)."""
-    extra: dict[str, Any] = {"quantizer": [f"dflash-quant:{__version__}"], "dflash_quant": {"method": settings.method, "profile": settings.profile}}
+    ours = {"method": settings.method, "profile": settings.profile}
+    if settings.quantize_conv or settings.quantize_selector:
+        ours.update(quantize_conv=settings.quantize_conv, quantize_selector=settings.quantize_selector)
+    extra: dict[str, Any] = {"quantizer": [f"dflash-quant:{__version__}"], "dflash_quant": ours}
     if kept:
         extra["dynamic"] = _skip_rules(kept, n_layers)
     return gptq_quantization_config(
@@ -52,13 +55,24 @@ def quantization_config(settings: QuantSettings, kept: list[str], n_layers: int)
     )
 
 
-def _packed_bytes(path: Path, names) -> int:
-    """Bytes the quantized Linears take in the written file (qweight + qzeros + scales + g_idx)."""
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of every tensor in the written file, from its header."""
     from dflash_quant.memory.weights import read_header
 
-    header = read_header(path)
-    parts = ("qweight", "qzeros", "scales", "g_idx")
-    return sum(header[f"{n}.{p}"]["data_offsets"][1] - header[f"{n}.{p}"]["data_offsets"][0] for n in names for p in parts)
+    return {name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()}
+
+
+def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]) -> dict[str, Any]:
+    """Every tensor of the source at bf16 vs every tensor of the written file, in total and by drafter part
+    (backbone Linears, fc, norms, conv, selector codebooks, selector projection)."""
+    from dflash_quant.memory.weights import bytes_by_part
+
+    bf16 = {name: t.numel() * 2 for name, t in state.items()}
+    return {
+        "drafter_bytes_bf16": sum(bf16.values()),
+        "drafter_bytes_quantized": sum(written.values()),
+        "by_part": {"bf16": bytes_by_part(bf16), "quantized": bytes_by_part(written)},
+    }
 
 
 def export_gptq(
@@ -68,6 +82,7 @@ def export_gptq(
     """Fill `out` (an empty temp dir); returns the quantization_config written."""
     out = Path(out)
     state = {k: v.detach().cpu() for k, v in source.model.state_dict().items() if not k.startswith("rotary_emb.")}
+    source_state = dict(state)
     tensors: dict[str, torch.Tensor] = {}
     for name, qw in outcome.weights.items():
         state.pop(f"{name}.weight")
@@ -76,8 +91,9 @@ def export_gptq(
     for key, t in state.items():
         tensors[key] = t.to(torch.bfloat16).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"})
-    # bf16 Linears outside the backbone (DFlash2 conv/selector) must be skipped by GPTQ loaders too
-    kept = outcome.kept + source.model.other_linear_names()
+    # bf16 Linears outside the backbone (DFlash2 conv/selector, unless quantized on request) must be skipped by
+    # GPTQ loaders too; base_kernel and the codebooks are not Linears, so no loader expects qweight for them
+    kept = outcome.kept + [n for n in source.model.other_linear_names() if n not in outcome.weights]
     qcfg = quantization_config(settings, kept, source.config.num_hidden_layers)
     config = dict(source.raw_config)
     config["quantization_config"] = qcfg
@@ -85,6 +101,10 @@ def export_gptq(
     write_json_atomic(out / "config.json", config)
     write_json_atomic(out / "quantize_config.json", qcfg)
     provenance.write(out)
-    quant_report.quantized_bytes = _packed_bytes(out / "model.safetensors", outcome.weights)
+    written = _tensor_bytes(out / "model.safetensors")
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+    quant_report.quantized_bytes = sum(written[f"{n}.{p}"] for n in outcome.weights for p in parts)
+    for key, value in _whole_drafter_bytes(source_state, written).items():
+        setattr(quant_report, key, value)
     quant_report.write(out)
     return qcfg

@@ -62,6 +62,7 @@ from dflash_quant.memory.weights import (
     WEIGHT_FORMATS,
     count_params,
     priced_bytes,
+    priced_drafter_parts,
     weight_files,
     weights_from_files,
 )
@@ -106,6 +107,8 @@ class DrafterSpec:
     quantized_format: str  # "int4" (GPTQ g128), or what the artifact holds
     source: str
     is_quantized_artifact: bool = False
+    bf16_parts: dict = field(default_factory=dict)  # bytes per drafter part (weights.DRAFTER_PARTS)
+    quantized_parts: dict = field(default_factory=dict)
 
     def as_model(self, form: str) -> ModelSpec:
         if form == "bf16":
@@ -234,14 +237,18 @@ def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> Drafte
     pc = count_params(shape)
     est_int4 = priced_bytes(pc, "int4", group_size)
     est_bf16 = priced_bytes(pc, "bf16")
+    # by part (backbone, fc, norms, DFlash2 conv / codebooks / selector projection): files where we have them
+    parts_bf16, parts_int4 = priced_drafter_parts(pc, "bf16"), priced_drafter_parts(pc, "int4", group_size)
     if root is not None and weight_files(root):
         rep = weights_from_files(root)
         if rep.quantized_linears:
             bits = int((shape.quantization or {}).get("bits", 4))
             return DrafterSpec(label, shape, rep.dequantized_bf16_bytes, rep.total_bytes, f"int{bits}",
-                               "safetensors headers (quantized artifact)", True)  # fmt: skip
-        return DrafterSpec(label, shape, rep.total_bytes, est_int4, "int4", "safetensors headers; int4 = GPTQ g128 estimate")
-    return DrafterSpec(label, shape, est_bf16, est_int4, "int4", "counted from config; int4 = GPTQ g128 estimate")
+                               "safetensors headers (quantized artifact)", True, parts_bf16, rep.by_part)  # fmt: skip
+        return DrafterSpec(label, shape, rep.total_bytes, est_int4, "int4", "safetensors headers; int4 = GPTQ g128 estimate",
+                           False, rep.by_part, parts_int4)  # fmt: skip
+    return DrafterSpec(label, shape, est_bf16, est_int4, "int4", "counted from config; int4 = GPTQ g128 estimate",
+                       False, parts_bf16, parts_int4)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- caches

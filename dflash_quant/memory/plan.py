@@ -101,7 +101,8 @@ def budget_report(t, d, settings, *, target_label: str | None = None, drafter_la
         "target": {"source": target_label or t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
                    "weights_from": t.weight_source},  # fmt: skip
         "drafter": {"source": drafter_label or d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
-                    "quantized_format": d.quantized_format, "weights_from": d.source},  # fmt: skip
+                    "quantized_format": d.quantized_format, "weights_from": d.source,
+                    "bf16_by_part": d.bf16_parts, "quantized_by_part": d.quantized_parts},  # fmt: skip
         "caches": kv_summary(t, d, settings),
         "budgets": {k: b.as_dict() for k, b in budgets.items()},
     })

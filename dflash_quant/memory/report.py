@@ -80,6 +80,7 @@ def build_memory_report(
             "quantized_linears": rep.quantized_linears,
             "packed_quantized_bytes": rep.packed_quantized_bytes,
             "dequantized_bf16_bytes": rep.dequantized_bf16_bytes,
+            "by_part": rep.by_part,
         },
         "disk_bytes": disk_bytes(artifact),
         "baseline": None,
@@ -102,6 +103,7 @@ def build_memory_report(
             "disk_bytes": disk_bytes(Path(baseline)),
             "ratio": round(rep.total_bytes / base.total_bytes, 4) if base.total_bytes else None,
             "saved_bytes": base.total_bytes - rep.total_bytes,
+            "by_part": base.by_part,
         }
     if device:
         res = measure_resident(artifact, device)

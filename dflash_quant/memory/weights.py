@@ -33,6 +33,37 @@ ST_DTYPE_NAMES = {
 }  # fmt: skip
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 _LAYER_RE = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)")
+# What a drafter is made of, for whole-drafter byte counts (quant_report.json, memory.json, budget).
+DRAFTER_PARTS = ("backbone_linears", "fc", "norms", "conv", "selector_codebooks", "selector_projection")
+
+
+def part_of(name: str) -> str:
+    """The drafter part a tensor belongs to (one of DRAFTER_PARTS, else 'other').
+
+    'layers.0.attention_conv.base_kernel' -> conv; 'candidate_selector.successor_codebook' -> selector_codebooks;
+    'layers.1.self_attn.q_norm.weight' -> norms; 'layers.1.mlp.down_proj.qweight' -> backbone_linears.
+    """
+    parts = name.split(".")
+    if any(p.endswith("_conv") for p in parts):
+        return "conv"
+    if "candidate_selector" in parts:
+        return "selector_codebooks" if parts[-1].endswith("_codebook") else "selector_projection"
+    if any(p == "norm" or p.endswith("_norm") or p.endswith("layernorm") for p in parts):
+        return "norms"
+    if "fc" in parts:
+        return "fc"
+    if "self_attn" in parts or "mlp" in parts:
+        return "backbone_linears"
+    return "other"
+
+
+def bytes_by_part(sizes: dict[str, int]) -> dict[str, int]:
+    """{tensor name: bytes} -> bytes per drafter part (every part listed, 'other' only when non-zero)."""
+    out = dict.fromkeys(DRAFTER_PARTS, 0)
+    for name, nbytes in sizes.items():
+        part = part_of(name)
+        out[part] = out.get(part, 0) + nbytes
+    return out
 
 
 def read_header(path: Path) -> dict:
@@ -79,6 +110,7 @@ class WeightReport:
     dequantized_bf16_bytes: int = 0  # all weights with quantized Linears expanded to bf16
     quantized_linears: int = 0
     params: int = 0  # logical parameters (a packed int4 weight counts out*in)
+    by_part: dict[str, int] = field(default_factory=dict)  # drafter parts (DRAFTER_PARTS); meaningful for drafters
 
     def as_dict(self) -> dict:
         return {
@@ -90,6 +122,7 @@ class WeightReport:
             "dequantized_bf16_bytes": self.dequantized_bf16_bytes,
             "quantized_linears": self.quantized_linears,
             "params": self.params,
+            "by_part": self.by_part,
         }
 
 
@@ -147,6 +180,7 @@ def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
         dequantized_bf16_bytes=dequant,
         quantized_linears=nq,
         params=params,
+        by_part=bytes_by_part({name: e[2] for name, e in entries.items()}),
     )
 
 
@@ -282,3 +316,25 @@ def priced_bytes(pc: ParamCount, fmt: str, group_size: int = 128) -> int:
         return sum(i * o + 4 * o for _, i, o in pc.linears) + rest
     bits = 8 if fmt == "int8" else 4
     return sum(gptq_matrix_bytes(i, o, bits, group_size) for _, i, o in pc.linears) + rest
+
+
+# count_params groups -> drafter parts (the DFlash2 parts are never quantized by the config-based estimate,
+# as every engine keeps them bf16: field-notes section 3)
+_PART_OF_GROUP = {
+    "fc": "fc", "attention": "backbone_linears", "mlp": "backbone_linears", "norms": "norms",
+    "dflash2_conv": "conv", "dflash2_selector_codebooks": "selector_codebooks",
+    "dflash2_selector_projection": "selector_projection",
+}  # fmt: skip
+
+
+def priced_drafter_parts(pc: ParamCount, fmt: str, group_size: int = 128) -> dict[str, int]:
+    """A drafter's bytes per part (DRAFTER_PARTS) with its Linears in `fmt`; sums to priced_bytes(pc, fmt)."""
+    out = dict.fromkeys(DRAFTER_PARTS, 0)
+    for group, n_in, n_out in pc.linears:
+        one = ParamCount(linears=[(group, n_in, n_out)])
+        part = _PART_OF_GROUP.get(group, "other")
+        out[part] = out.get(part, 0) + priced_bytes(one, fmt, group_size)
+    for group, n in pc.other.items():
+        part = _PART_OF_GROUP.get(group, "other")
+        out[part] = out.get(part, 0) + 2 * n
+    return out

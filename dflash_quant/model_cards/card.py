@@ -235,6 +235,30 @@ def _qkv_state(provenance: dict | None, quant_report: dict | None) -> str:
     return "unknown"
 
 
+def _is_dflash2(config: dict | None) -> bool:
+    archs = _get(config, "architectures", default=[]) or []
+    return any("DFlash2" in str(a) for a in archs) or _get(config, "dflash_config", "conv_kernel_size") is not None
+
+
+def _layout(ctx: dict) -> dict[str, Any]:
+    """What this artifact quantized, for the serving notes: variant, profile, and fc / conv / selector state."""
+    names = _quantized_modules(ctx["quant_report"])
+    known = bool(names)
+
+    def state(pattern: str) -> str:
+        if not known:
+            return "unknown"
+        return "quantized" if any(re.search(pattern, n) for n in names) else "bf16"
+
+    return {
+        "dflash2": _is_dflash2(ctx["config"]),
+        "profile": _get(ctx["provenance"], "quantization", "profile"),
+        "fc": state(r"^fc$"),
+        "conv": state(r"kernel_projection$"),
+        "selector": state(r"hidden_projection$"),
+    }
+
+
 def _section_summary(ctx: dict) -> str:
     src, prov, cfg = ctx["source"], ctx["provenance"], ctx["config"]
     bits = _get(prov, "quantization", "bits") or _get(cfg, "quantization_config", "bits")
@@ -443,6 +467,7 @@ def _section_memory(ctx: dict) -> str:
         out.append(f"- Drafter context K/V cache: {fmt_bytes(mem.context_kv_bytes_per_token)} per committed token")
     if weights and weights.by_dtype:
         out += ["", _table(["dtype", "bytes"], [[k, fmt_bytes(v)] for k, v in weights.by_dtype.items()])]
+    out += _parts_table(ctx, weights.to_dict() if weights else {}, baseline.to_dict() if baseline else None)
     out += ["", "### 24 GB budget", ""]
     out += _budget_lines(mem.budget_24gb)
     return "\n".join(out)
@@ -516,6 +541,90 @@ def _section_mtp_comparison(ctx: dict) -> str:
     return "\n".join(out)
 
 
+_PART_LABELS = {
+    "backbone_linears": "backbone Linears (attention, MLP)", "fc": "fc (target taps -> hidden)", "norms": "norms",
+    "conv": "convolutions (base_kernel, kernel_projection)", "selector_codebooks": "selector codebooks",
+    "selector_projection": "selector hidden_projection", "other": "other",
+}  # fmt: skip
+
+
+def _parts_table(ctx: dict, weights: dict, baseline: dict | None) -> list[str]:
+    """Whole-drafter bytes by part: quant_report's (every source tensor at bf16 vs every written tensor),
+    else memory.json's file-based counts."""
+    qr_parts = _get(ctx["quant_report"], "by_part", default=None)
+    if isinstance(qr_parts, dict) and isinstance(qr_parts.get("bf16"), dict):
+        bf16, quant = qr_parts["bf16"], qr_parts.get("quantized") or {}
+        totals = [_get(ctx["quant_report"], "drafter_bytes_bf16"), _get(ctx["quant_report"], "drafter_bytes_quantized")]
+    else:
+        bf16 = (baseline or {}).get("by_part") or {}
+        quant = weights.get("by_part") or {}
+        totals = [(baseline or {}).get("total_bytes"), weights.get("total_bytes")]
+    if not isinstance(quant, dict) or not any(quant.values()):
+        return []
+    rows = [[_PART_LABELS.get(k, k), fmt_bytes(bf16.get(k)) if bf16 else NOT_MEASURED, fmt_bytes(v)]
+            for k, v in quant.items() if v or bf16.get(k)]
+    rows.append(["**whole drafter**", fmt_bytes(totals[0]) if totals[0] else NOT_MEASURED, fmt_bytes(totals[1])])
+    out = ["", "Whole drafter by part (every tensor of the source at bf16 vs every tensor written):", ""]
+    out.append(_table(["part", "bf16", "this artifact"], rows))
+    codebooks, total = quant.get("selector_codebooks"), totals[1]
+    if codebooks and isinstance(total, (int, float)) and total:
+        out += ["", f"- The selector codebooks (vocab x rank x 2, bf16 in every engine) are "
+                    f"{fmt_pct(codebooks / total)} of this artifact's weights."]
+    return out
+
+
+def _serving_notes(lay: dict, qkv: str) -> tuple[list[str], list[str], list[str]]:
+    """(general, vLLM, SGLang) notes for this artifact's variant and profile (field-notes sections 3, 5, 10)."""
+    general: list[str] = []
+    profile = lay["profile"]
+    if profile == "vllm":
+        general.append("- Made with `--profile vllm`: q/k/v kept bf16 for vLLM's fused context-KV precompute.")
+    elif profile == "sglang":
+        general.append("- Made with `--profile sglang`: q/k/v and `fc` kept bf16 (SGLang builds `qkv_proj` "
+                       "unquantized and mis-loads a packed `fc`).")
+    elif profile == "full":
+        general.append("- Made with `--profile full` (every backbone Linear and `fc` quantized): stock vLLM needs "
+                       "`--profile vllm`, SGLang needs `--profile sglang`.")
+    if lay["dflash2"]:
+        general.append("- **DFlash2:** every engine (vLLM, SGLang, MLX) keeps the convolutions (`base_kernel`, "
+                       "`kernel_projection`), the candidate selector (`predecessor_codebook`, `successor_codebook`, "
+                       "`hidden_projection`) and the norms in bf16. `base_kernel` and the codebooks are bf16 in this "
+                       "file whatever the flags (GPTQ applies to Linears, not to per-channel kernels or gathers).")
+        extras = [f"`{n}`" for n, k in (("kernel_projection", "conv"), ("hidden_projection", "selector")) if lay[k] == "quantized"]
+        if extras:
+            general.append(f"- **Caveat:** this artifact packs {' and '.join(extras)} as GPTQ (`--quantize-conv` / "
+                           "`--quantize-selector`, for the smallest file). Engines build these layers unquantized and "
+                           "will not load them; dflash-quant's loader does. For an engine, re-quantize without those flags.")
+        elif lay["conv"] == "bf16":
+            general.append("- `kernel_projection` and `hidden_projection` are bf16 here, as every engine expects "
+                           "(negative `dynamic` rules in `quantization_config` tell GPTQ loaders so).")
+        general.append("- **DFlash2 needs a dense target `lm_head`:** the selector scores the top-k of the target "
+                       "head's logits over the full vocabulary (the codebooks' `vocab_size`), so serve the target "
+                       "with its dense, full-vocabulary head (no pruned or draft-vocabulary head).")
+    vllm: list[str] = []
+    if qkv == "quantized":
+        vllm.append("- **Caveat:** this artifact quantizes the attention q/k/v projections. vLLM's fused context-KV "
+                    "precompute reads `qkv_proj.weight` directly, so stock vLLM crashes (`no attribute 'weight'`) or "
+                    "silently corrupts acceptance until upstream fixes land. Re-quantize with `--profile vllm` "
+                    "(q/k/v kept in bf16) for stock vLLM.")
+    elif qkv == "bf16":
+        vllm.append("- q/k/v are kept in bf16 in this artifact, as stock vLLM's fused context-KV precompute requires.")
+    else:
+        vllm.append("- Whether q/k/v are quantized is not recorded here; stock vLLM needs them in bf16.")
+    sglang = ["- SGLang keeps `qkv_proj` unquantized; o_proj, MLP and fc follow this drafter's quant config."
+              + (" This artifact's quantized q/k/v do not match that expectation: use `--profile sglang`."
+                 if qkv == "quantized" else "")]
+    if lay["fc"] == "quantized":
+        sglang.append("- **Caveat:** `fc` is packed in this artifact. SGLang mis-loads a packed `fc` (open issue "
+                      "#39087: a W4A16 DFlash2 drafter accepted ~1.05 tokens per step instead of 5.25); for SGLang "
+                      "re-quantize with `--profile sglang`, which keeps `fc` bf16.")
+    elif lay["fc"] == "bf16":
+        sglang.append("- `fc` is bf16 here, which avoids SGLang's packed-`fc` mis-load (issue #39087).")
+    sglang.append("- Check that the acceptance length SGLang reports is close to the tau above before trusting a "
+                  "deployment (a quantized DFlash drafter has been seen at ~1.0 there).")
+    return general, vllm, sglang
+
+
 def _section_serving(ctx: dict) -> str:
     cfg, prov, qr = ctx["config"], ctx["provenance"], ctx["quant_report"]
     repo = ctx["repo_id"] or PLACEHOLDER_REPO
@@ -534,26 +643,18 @@ def _section_serving(ctx: dict) -> str:
     if fmt == "compressed-tensors":
         out += ["This artifact is compressed-tensors `pack-quantized` (converted from dflash-quant's GPTQ codes); "
                 "vLLM and SGLang read its `quantization_config` directly.", ""]
+    general, vllm_notes, sglang_notes = _serving_notes(_layout(ctx), qkv)
+    if general:
+        out += general + [""]
     out += ["### vLLM", "", "```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec_cfg}'", "```", ""]
     out.append("- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
                "group -1/32/64/128, otherwise the slower `gptq` path).")
-    if qkv == "quantized":
-        out.append("- **Caveat:** this artifact quantizes the attention q/k/v projections. vLLM's fused context-KV "
-                   "precompute reads `qkv_proj.weight` directly, so stock vLLM crashes (`no attribute 'weight'`) or "
-                   "silently corrupts acceptance until upstream fixes land. Re-quantize with q/k/v kept in bf16 for "
-                   "stock vLLM.")
-    elif qkv == "bf16":
-        out.append("- q/k/v are kept in bf16 in this artifact, as stock vLLM's fused context-KV precompute requires.")
-    else:
-        out.append("- Whether q/k/v are quantized is not recorded here; stock vLLM needs them in bf16.")
+    out += vllm_notes
     out.append("- Draft-layer names are offset by the target's layer count inside vLLM: use regexes, not exact "
                "names, in any ignore list.")
     out += ["", "### SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {target} \\",
             "  --speculative-algorithm DFLASH \\", f"  --speculative-draft-model-path {repo}", "```", ""]
-    out.append("- SGLang keeps `qkv_proj` unquantized; o_proj, MLP and fc follow this drafter's quant config."
-               + (" This artifact's quantized q/k/v do not match that expectation." if qkv == "quantized" else ""))
-    out.append("- A quantized DFlash drafter has been seen to give acceptance ~1.0 in SGLang (a bug): check that "
-               "the reported acceptance length is close to the tau above before trusting a deployment.")
+    out += sglang_notes
     out += ["", "### transformers / reference loop", ""]
     out.append("The DFlash forward is not part of transformers; the drafter needs the DFlash modeling code "
                "(the source drafter's remote code or the `dflash` package) and a GPTQ kernel (GPTQModel) to run "

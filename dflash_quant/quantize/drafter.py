@@ -20,11 +20,14 @@ from dflash_quant.quantize.gptq_batched import gptq_quantize_groups
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
-# Engines that cannot run int4 q/k/v in a drafter yet keep them in bf16 (field-notes section 5).
+# Linears each engine needs in bf16 (field-notes sections 5 and 10): vLLM's fused context-KV precompute reads
+# qkv_proj.weight; SGLang builds qkv_proj unquantized and mis-loads a packed `fc` (SGLang issue #39087: a
+# W4A16 DFlash2 drafter accepted ~1.05 instead of 5.25), so its profile keeps fc bf16 too.
+QKV_PATTERN = r"(^|\.)self_attn\.(q|k|v)_proj$"
 PROFILES: dict[str, list[str]] = {
     "full": [],
-    "vllm": [r"(^|\.)self_attn\.(q|k|v)_proj$"],
-    "sglang": [r"(^|\.)self_attn\.(q|k|v)_proj$"],
+    "vllm": [QKV_PATTERN],
+    "sglang": [QKV_PATTERN, r"^fc$"],
 }
 METHODS = ("gptq", "rtn")
 
@@ -43,6 +46,9 @@ class QuantSettings:
     profile: str = "full"
     skip: tuple[str, ...] = ()
     min_rows: int = 64
+    # DFlash2 extras, off by default because every engine keeps them bf16 (field-notes section 3):
+    quantize_conv: bool = False  # the convolutions' kernel_projection Linears (base_kernel always stays bf16)
+    quantize_selector: bool = False  # the selector's hidden_projection Linear (the codebooks always stay bf16)
 
     def normalized(self) -> "QuantSettings":
         """RTN has no column order: act-order flags would only mislabel the checkpoint."""
@@ -74,16 +80,59 @@ class QuantOutcome:
     seconds: float = 0.0
 
 
+def check_variant(model: DFlashDrafter, settings: QuantSettings) -> None:
+    """The DFlash2-only flags on a v1 drafter are a usage error, caught before any compute."""
+    flags = [f for f, on in (("--quantize-conv", settings.quantize_conv), ("--quantize-selector", settings.quantize_selector)) if on]
+    if flags and not model.config.is_dflash2:
+        raise UsageError(f"{' and '.join(flags)} only apply to a DFlash2 drafter (conv/selector); this is a DFlash v1 drafter, drop the flag")
+
+
+def extra_linears(model: DFlashDrafter, settings: QuantSettings) -> list[str]:
+    """The DFlash2 Linears outside the backbone that the flags ask to quantize, in execution order."""
+    check_variant(model, settings)
+    names = []
+    for name in model.other_linear_names():
+        leaf = name.rsplit(".", 1)[-1]
+        if (leaf == "kernel_projection" and settings.quantize_conv) or (leaf == "hidden_projection" and settings.quantize_selector):
+            names.append(name)
+    return names
+
+
+_SUBLAYER_ORDER = {"attention_conv": 0, "self_attn": 1, "mlp_conv": 2, "mlp": 3}
+
+
+def _execution_key(name: str) -> tuple[float, int]:
+    """fc first, then per layer: attention conv, attention, MLP conv, MLP; the selector last."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return int(parts[1]), _SUBLAYER_ORDER.get(parts[2], 4)
+    return (-1, 0) if name == "fc" else (float("inf"), 0)
+
+
+def candidate_linears(model: DFlashDrafter, settings: QuantSettings) -> list[str]:
+    """Every Linear the settings may quantize (before profile/--skip), in execution order (sequential GPTQ
+    quantizes a conv's kernel_projection before the sublayer it wraps)."""
+    return sorted(model.linear_names() + extra_linears(model, settings), key=_execution_key)
+
+
 def select_linears(model: DFlashDrafter, settings: QuantSettings) -> tuple[list[str], list[str]]:
     """(to quantize, kept in bf16), in execution order; norms are never Linears, so never quantized."""
     patterns = [re.compile(p) for p in PROFILES[settings.profile] + list(settings.skip)]
     chosen, kept = [], []
-    for name in model.linear_names():
+    for name in candidate_linears(model, settings):
         (kept if any(p.search(name) for p in patterns) else chosen).append(name)
     if not chosen:
         raise UsageError("the profile and --skip patterns leave no Linear to quantize; loosen --skip")
     for name in chosen:
-        settings.spec().group_width(model.get_submodule(name).in_features, name)  # group size must divide the width
+        module = model.get_submodule(name)
+        settings.spec().group_width(module.in_features, name)  # group size must divide the width
+        if (module.in_features * settings.bits) % 32 or (module.out_features * settings.bits) % 32:
+            # GPTQ v1 packs qweight along the inputs and qzeros along the outputs into whole int32 words
+            raise UsageError(
+                f"{name} [{module.out_features}, {module.in_features}] cannot be packed at {settings.bits} bits by GPTQ v1 "
+                "(in*bits and out*bits must be multiples of 32); keep it bf16 (--skip, or drop --quantize-conv / "
+                "--quantize-selector) or change --bits"
+            )
     return chosen, kept
 
 
