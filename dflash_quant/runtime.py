@@ -61,10 +61,9 @@ def default_target(drafter_src: str) -> str:
 def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype
 ) -> tuple[LoadedDrafter, LoadedTarget]:
-    from dflash_quant.config import load_draft_config
-    from dflash_quant.loading import resolve
+    from dflash_quant.loading import read_draft_config, resolve
 
-    load_draft_config(resolve(drafter_src).path)  # cheap config errors before the target loads
+    read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype)
     drafter = load_drafter(drafter_src, device=device, dtype=dtype)
     check_pair(drafter.config, target.model)
