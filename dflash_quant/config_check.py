@@ -68,11 +68,11 @@ class DraftFields:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int | None  # None only for a shape-only (budget) config
     vocab_size: int | None
     block_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
+    mask_token_id: int | None  # None only for a shape-only (budget) config
+    target_layer_ids: list[int]  # [] only for a shape-only config without taps
     dflash2: dict[str, int] = field(default_factory=dict)  # the DFlash2 keys; {} for a v1 drafter
 
 
@@ -101,8 +101,11 @@ def _dflash2(raw: dict[str, Any], nested: dict[str, Any], archs: list[str], sour
     return out
 
 
-def draft_fields(raw: dict[str, Any], source: str = "config") -> DraftFields:
-    """Check a drafter config.json dict; raises DFlashQuantError (one line, with the fix) on the first problem."""
+def draft_fields(raw: dict[str, Any], source: str = "config", shape_only: bool = False) -> DraftFields:
+    """Check a drafter config.json dict; raises DFlashQuantError (one line, with the fix) on the first problem.
+
+    shape_only (the memory budget): the attention/cache numbers are checked the same way, but a config that
+    only describes the shapes (no mask_token_id, intermediate_size or taps) is accepted."""
     require_object(raw, source)
     nested = raw.get("dflash_config") or {}
     if not isinstance(nested, dict):
@@ -115,31 +118,32 @@ def draft_fields(raw: dict[str, Any], source: str = "config") -> DraftFields:
         return nested.get(name, raw.get(name))
 
     v2 = _dflash2(raw, nested, archs, source)
-    if not (any("DFlash" in str(a) for a in archs) or pick("mask_token_id") is not None):
+    if not shape_only and not (any("DFlash" in str(a) for a in archs) or pick("mask_token_id") is not None):
         raise DFlashQuantError(
             f"{source} is not a DFlash drafter config (no `mask_token_id` top-level or in `dflash_config`, "
             "no DFlash architecture); pass the drafter directory, not the target"
         )
-    missing = [k for k in REQUIRED_KEYS if raw.get(k) is None]
+    needed = REQUIRED_KEYS[:3] if shape_only else REQUIRED_KEYS
+    missing = [k for k in needed if raw.get(k) is None]
     if missing:
         raise DFlashQuantError(f"{source} lacks {', '.join(missing)}; the drafter config must define them")
-    if pick("mask_token_id") is None:
+    if pick("mask_token_id") is None and not shape_only:
         raise DFlashQuantError(f"{source} has no `mask_token_id` (top-level or in `dflash_config`)")
     check_model_fields(raw, source)
     hidden, layers = raw["hidden_size"], raw["num_hidden_layers"]
     heads = raw["num_attention_heads"]
     kv = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
-    mask = positive_int(pick("mask_token_id"), "mask_token_id", source, minimum=0)
+    mask = None if pick("mask_token_id") is None else positive_int(pick("mask_token_id"), "mask_token_id", source, minimum=0)
     # Absent block_size means the official default 16; present, it must be a real block (never silently 16).
     block = 16 if pick("block_size") is None else positive_int(pick("block_size"), "block_size", source, minimum=2)
     taps = pick("target_layer_ids")
     if taps is None:
         n_target = raw.get("num_target_layers")
-        if n_target is None:
+        if n_target is None and not shape_only:
             raise DFlashQuantError(f"{source} has neither `target_layer_ids` nor `num_target_layers`; add one of them")
-        taps = default_target_layer_ids(positive_int(n_target, "num_target_layers", source), layers)
-    if not isinstance(taps, list) or not taps or not all(_is_int(t) and t >= 0 for t in taps):
+        taps = [] if n_target is None else default_target_layer_ids(positive_int(n_target, "num_target_layers", source), layers)
+    if not isinstance(taps, list) or not (taps or shape_only) or not all(_is_int(t) and t >= 0 for t in taps):
         raise DFlashQuantError(f"{source}: target_layer_ids is {taps!r}; it must be a non-empty list of layer "
                                "indices (integers >= 0); fix the config")
     if v2 and hidden % v2["conv_group_size"]:
@@ -153,7 +157,7 @@ def draft_fields(raw: dict[str, Any], source: str = "config") -> DraftFields:
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
         n = len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__
         raise DFlashQuantError(f"{source}: layer_types has {n} entries for {layers} layers; fix the config")
-    return DraftFields(hidden, layers, heads, kv, head_dim, raw["intermediate_size"], vocab, block, mask, list(taps), v2)
+    return DraftFields(hidden, layers, heads, kv, head_dim, raw.get("intermediate_size"), vocab, block, mask, list(taps), v2)
 
 
 def layers_in_headers(names: list[str]) -> int | None:
