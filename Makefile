@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast interop clean
+.PHONY: setup quickstart test test-fast interop mlx-check clean
 
 $(BIN)/dflash-quant: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,11 +22,15 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not interop"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not interop and not mlx"
 
 # GPTQModel cross-check in its own environment (heavy; needs torch>=2.14.1).
 interop:
 	bash scripts/interop_env.sh
+
+# Our MLX export read back by mlx[cpu] itself, in .venv-mlx (MLX_VENV=... to place it elsewhere).
+mlx-check:
+	bash scripts/mlx_env.sh
 
 clean:
 	rm -rf $(VENV) out

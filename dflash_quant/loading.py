@@ -5,7 +5,6 @@ Safetensors only, no remote code. The pairing is validated before any compute.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,11 +27,12 @@ WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "token
 
 @dataclass
 class Source:
-    """Where a model came from, for provenance."""
+    """Where a model came from, for provenance. kind: `hub`, `shipped` (inside dflash_quant/reference/) or `local`."""
 
     id: str
     path: Path
     revision: str | None = None
+    kind: str = "local"
 
 
 @dataclass
@@ -53,15 +53,16 @@ class LoadedTarget:
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
     """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
-    text = str(src)
-    if text in ("reference", "reference/drafter", "reference/target"):
-        from dflash_quant.reference import pair_dir
+    from dflash_quant.reference import is_shipped, pair_dir, parse_shipped, shipped_id
 
-        sub = "target" if text.endswith("target") else "drafter"
-        return Source(id=f"reference/{sub}", path=pair_dir() / sub)
+    text = str(src)
+    shipped = parse_shipped(text)
+    if shipped:
+        name, part = shipped
+        return Source(id=shipped_id(name, part), path=pair_dir(name) / part, kind="shipped")
     path = Path(text).expanduser()
     if path.is_dir():
-        return Source(id=text, path=path, revision=revision)
+        return Source(id=text, path=path, revision=revision, kind="shipped" if is_shipped(path) else "local")
     if path.exists():
         raise DFlashQuantError(f"{path} is a file; pass the model directory that contains config.json")
     if not HUB_ID.match(text):
@@ -79,7 +80,7 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
         raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
     except HfHubHTTPError as exc:
         raise DFlashQuantError(f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token") from exc
-    return Source(id=text, path=Path(local), revision=revision)
+    return Source(id=text, path=Path(local), revision=revision, kind="hub")
 
 
 def _cache_repo(root: Path) -> Path | None:
@@ -167,15 +168,17 @@ def _expected_shapes(f: DraftFields) -> dict[str, tuple[int, int]]:
             "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
 
 
-def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str) -> None:
+def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
     """The drafter config against its safetensors headers, before any model is built: layer count and the
     shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
     names = [k[len("model."):] if k.startswith("model.") else k for k in headers]
     check_layers_present(fields.num_hidden_layers, names, source)
-    shapes = dict(zip(names, (h.get("shape") for h in headers.values())))
+    if not shapes:
+        return
+    stored = dict(zip(names, (h.get("shape") for h in headers.values())))
     for part, (n_out, n_in) in _expected_shapes(fields).items():
         base = part if part == "fc" else f"layers.0.{part}"
-        weight, qweight = shapes.get(f"{base}.weight"), shapes.get(f"{base}.qweight")
+        weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
         if weight is not None and list(weight) != [n_out, n_in]:
             raise DFlashQuantError(f"{source}: {base}.weight is {list(weight)} but config.json implies "
                                    f"[{n_out}, {n_in}]; fix the config or re-download the weights")
@@ -190,7 +193,11 @@ def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig
     file = confined(source.path, "config.json")
     raw = read_config_json(file)
     fields = draft_fields(raw, str(file))
-    check_draft_weights(fields, read_headers(source.path), str(file))
+    dense = not raw.get("quantization_config") and not raw.get("quantization")
+    gptq = (raw.get("quantization_config") or {}).get("quant_method") == "gptq"
+    # GGUF artifacts have no safetensors; MLX / compressed-tensors pack their weights under other shapes,
+    # so only the layer count is compared for them
+    check_draft_weights(fields, read_headers(source.path, required=False), str(file), shapes=dense or gptq)
     return raw, parse_draft_config(raw, source=str(file))
 
 
@@ -207,12 +214,10 @@ def check_target_config(source: Source, raw: dict[str, Any]) -> None:
 
 
 def weights_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in weight_files(path):
-        with open(file, "rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-    return digest.hexdigest()
+    """sha256 of a model's safetensors files, concatenated in index order."""
+    from dflash_quant.artifact.files import sha256_files
+
+    return sha256_files(weight_files(path))
 
 
 def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -235,20 +240,40 @@ def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> 
     return out
 
 
+def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Dense weights of a drafter dir, each quantized format dequantized through its own reader."""
+    qcfg = raw.get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    if method == "gguf":
+        from dflash_quant.export.gguf import read_gguf
+
+        return read_gguf(source.path)
+    tensors = read_safetensors(source.path)
+    if method == "gptq":
+        return _dequantize_gptq(tensors, qcfg)
+    if method == "compressed-tensors":
+        from dflash_quant.export.compressed_tensors import read_compressed_tensors
+
+        return read_compressed_tensors(tensors, qcfg)
+    if method is not None:
+        raise DFlashQuantError(
+            f"{source.id} uses quant_method={method!r}; dflash-quant loads gptq, compressed-tensors, gguf and mlx artifacts"
+        )
+    if isinstance(raw.get("quantization"), dict):  # MLX affine (mlx-lm's config key)
+        from dflash_quant.export.mlx import read_mlx
+
+        return read_mlx(tensors, raw["quantization"])
+    return tensors
+
+
 def load_drafter(
     src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
 ) -> LoadedDrafter:
     """Build a DFlashDrafter from a bf16 drafter dir / Hub id, or from a quantized artifact (dequantized)."""
     source = resolve(src, revision)
     raw, config = read_draft_config(source)
-    tensors = read_safetensors(source.path)
-    qcfg = raw.get("quantization_config")
-    if qcfg:
-        if qcfg.get("quant_method") != "gptq":
-            raise DFlashQuantError(
-                f"{source.id} uses quant_method={qcfg.get('quant_method')!r}; only GPTQ artifacts can be loaded here"
-            )
-        tensors = _dequantize_gptq(tensors, qcfg)
+    qcfg = raw.get("quantization_config") or raw.get("quantization")
+    tensors = _read_weights(source, raw)
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
     for key, value in tensors.items():
         if value.is_floating_point() and not torch.isfinite(value).all():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,9 +11,12 @@ from typing import Any, Callable
 import torch
 
 from dflash_quant import __version__
+from dflash_quant.artifact.files import portable_path
+from dflash_quant.artifact.reports import Calibration, Parity, Provenance, Quantization, QuantReport
+from dflash_quant.artifact.sources import portable_command, prompt_label, source_ref
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats, capture
-from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.errors import UsageError
 from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
@@ -48,8 +50,10 @@ class GptqJob:
     dtype: str = "auto"
     chat_template: bool = True
     seed: int = 0
+    check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     write_card: bool = True
     command: list[str] = field(default_factory=list)
+    format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
 
 
 @dataclass
@@ -102,6 +106,12 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
+    if job.format != "gptq":
+        from dflash_quant.export.convert import format_problem
+
+        permuted = job.quant.desc_act and not job.quant.static_groups
+        if problem := format_problem(job.format, job.quant.bits, job.quant.group_size, job.quant.sym, permuted):
+            raise UsageError(problem)
     # Output, inputs and cache are checked and the output locked before anything is loaded or computed.
     specs = (job.calib_prompts, job.eval_prompts)
     with guard_run(job.output, job.overwrite, job.drafter, job.target, specs, job.calib_cache) as final:
@@ -135,35 +145,44 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 
-    quant_report = {
+    quant_report = QuantReport.from_dict({
         "layers": outcome.layers,
         "kept_bf16": outcome.kept,
         "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
         "quantized_bytes": None,  # export fills it from the written file
         "seconds": round(outcome.seconds, 3),
-    }
-    provenance = {
-        "tool": "dflash-quant", "tool_version": __version__,
-        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": job.command,
-        "source_drafter": {"id": drafter.source.id, "revision": drafter.source.revision, "sha256": drafter_sha},
-        "target": {"id": target.source.id, "revision": target.source.revision, "path": str(target.source.path)},
-        "calibration": {**calib_info, "seed": job.seed, "chat_template": job.chat_template},
-        "quantization": {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept},
-        "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-    }
+    })
+    source = source_ref(drafter.source, drafter_sha)
+    provenance = Provenance(
+        tool="dflash-quant", tool_version=__version__,
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        command=portable_command(job.command),
+        source_drafter=source,
+        target=source_ref(target.source, weights_sha256(target.source.path)),
+        calibration=Calibration.from_dict({**calib_info, "prompts": prompt_label(calib_info["prompts"]),
+                                           "seed": job.seed, "chat_template": job.chat_template}),
+        quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}),
+        device=str(device), dtype=str(dtype).replace("torch.", ""),
+    )
 
-    result = GptqResult(output=job.output, passed=None, parity=None, quant_report=quant_report, timings=timings)
+    result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
     with staging(final, job.overwrite) as tmp:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+        result.quant_report = quant_report.to_dict()
+        # memory of the GPTQ tensors, before any conversion
+        _memory(tmp, final, drafter.source, provenance.target.id, target.source.path, device)
+        if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
+            from dflash_quant.export.convert import convert_artifact
+
+            convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)
         if job.verify:
             t = time.perf_counter()
-            result.parity = _parity(job, drafter.source.id, tmp, target, eval_spec, eval_ids, device, dtype, progress)
+            report = _parity(job, source.id, tmp, target, eval_spec, eval_ids, device, dtype, progress)
             timings["verify_s"] = time.perf_counter() - t
-            result.passed = result.parity["passed"]
-            result.reasons = result.parity["reasons"]
-            (tmp / "parity.json").write_text(json.dumps(result.parity, indent=2) + "\n")
-        _memory(tmp, drafter.source.path, target.source.path, device)
+            report.write(tmp)
+            result.parity = report.to_dict()
+            result.passed = report.passed
+            result.reasons = report.reasons
         if job.write_card:
             from dflash_quant.model_cards.card import write_card
 
@@ -173,35 +192,50 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     return result
 
 
-def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtype, progress) -> dict[str, Any]:
+def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtype, progress) -> Parity:
     """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
     base = load_drafter(job.drafter, device=device, dtype=dtype)
     quant = load_drafter(artifact, device=device, dtype=dtype)
     block = base.config.block_size
     settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
     warm_up(base.model, target.model, eval_ids[0], settings)
-    adv = progress("parity: target-only baseline", len(eval_ids))
-    reference = baseline_runs(target.model, eval_ids, settings, adv)
-    adv = progress("parity: bf16 drafter", len(eval_ids))
-    s_base = summarize(source_id, spec_runs(base.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
+    from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity
+    from dflash_quant.decode import GreedyResult, SpecResult
+
+    cache = CheckCache(job.check_cache)
+    tkey = check_key(target=model_identity(target.source.path), prompts=eval_ids, settings=settings, device=device, dtype=dtype)
+    dkey = check_key(target=tkey["target"], prompts=eval_ids, settings=settings, device=device, dtype=dtype,
+                     drafter=weights_sha256(base.source.path))
+    reference = cached_runs(cache, "baseline", tkey, GreedyResult, lambda: baseline_runs(
+        target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))))
+    base_runs = cached_runs(cache, "spec", dkey, SpecResult, lambda: spec_runs(
+        base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))))
+    s_base = summarize(source_id, base_runs, reference, settings, block)
     adv = progress("parity: quantized drafter", len(eval_ids))
-    s_quant = summarize(str(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    s_quant = summarize(portable_path(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
     verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
-    return {
+    return Parity.from_dict({
         "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
         "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],
         "notes": verdict["notes"], "lossless_gated": verdict["lossless_gated"], "lossless_status": verdict["lossless_status"],
-        "temperature": 0.0, "prompt_set": spec, "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
+        "temperature": 0.0, "prompt_set": prompt_label(spec), "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
         "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "baseline": s_base, "quantized": s_quant,
-    }
+        # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
+        "cache": {"target_only": cache.events.get("baseline", "off"), "bf16_drafter": cache.events.get("spec", "off")},
+    })
 
 
-def _memory(artifact: Path, baseline: Path, target: Path, device: torch.device) -> None:
-    """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults)."""
+def _memory(artifact: Path, final: Path, source, target_name: str, target: Path, device: torch.device) -> None:
+    """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults).
+
+    Measured in the temp dir, recorded under the names the artifact will have (never the temp dir's)."""
     from dflash_quant.memory.plan import embedded_budget
     from dflash_quant.memory.report import build_memory_report, write_memory_json
 
-    budget = embedded_budget(str(target), str(artifact))
-    report = build_memory_report(artifact, baseline=baseline, device=device.type, budget_24gb=budget)
+    name = portable_path(final)
+    budget = embedded_budget(str(target), str(artifact), target_label=target_name, drafter_label=name)
+    report = build_memory_report(artifact, baseline=source.path, device=device.type, budget_24gb=budget,
+                                 artifact_name=name, baseline_name=source_ref(source).id)
     write_memory_json(report, artifact)

@@ -6,7 +6,6 @@ Kept free of torch/transformers imports so the CLI can refuse a bad --output or 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
@@ -16,16 +15,16 @@ from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.atomic import check_writable_dir, guard_output
 
 KV_MODES = ("block", "block+context")  # calibration.capture.KV_MODES, repeated here to stay free of torch
-REFERENCE_NAMES = {"reference": "drafter", "reference/drafter": "drafter", "reference/target": "target"}
 
 
 def _model_paths(src: str) -> list[Path]:
     """Local files behind a drafter/target argument: its directory, the reference pair, or its Hub cache folder."""
-    if src in REFERENCE_NAMES:
-        from dflash_quant.reference import pair_dir
+    from dflash_quant.reference import pair_dir, parse_shipped
 
+    shipped = parse_shipped(src)
+    if shipped:
         try:
-            return [pair_dir() / REFERENCE_NAMES[src]]
+            return [pair_dir(shipped[0]) / shipped[1]]
         except DFlashQuantError:
             return []  # not installed: the loader reports it
     path = Path(src).expanduser()
@@ -40,12 +39,14 @@ def _model_paths(src: str) -> list[Path]:
 
 def _default_target(drafter: str) -> str | None:
     """The target recorded by an artifact used as the drafter (mirrors runtime.default_target, without loading)."""
-    if drafter.startswith("reference"):
-        return "reference/target"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        target = json.loads((Path(drafter) / "provenance.json").read_text()).get("target", {})
-        return target.get("path") or target.get("id")
-    return None
+    from dflash_quant.artifact.reports import Provenance
+    from dflash_quant.reference import default_target
+
+    shipped = default_target(drafter)
+    if shipped:
+        return shipped
+    provenance, _ = Provenance.problem(Path(drafter))
+    return provenance.target.recorded_spec() if provenance and provenance.target else None
 
 
 def input_paths(drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None) -> list[Path]:

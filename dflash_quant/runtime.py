@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -46,16 +45,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_target(drafter_src: str) -> str:
-    """The target a drafter was made for: the reference pair's, or the one recorded in an artifact."""
-    if drafter_src.startswith("reference"):
-        return "reference/target"
-    prov = Path(drafter_src) / "provenance.json"
-    if prov.is_file():
-        target = json.loads(prov.read_text()).get("target", {})
-        if target.get("path") and Path(target["path"]).is_dir():
-            return target["path"]
-        if target.get("id"):
-            return target["id"]
+    """The target a drafter was made for: a shipped pair's, or the one recorded in an artifact."""
+    from dflash_quant.artifact.reports import Provenance
+    from dflash_quant.reference import default_target as shipped_target
+
+    shipped = shipped_target(drafter_src)
+    if shipped:
+        return shipped
+    if (Path(drafter_src) / Provenance.FILE).is_file():
+        target = Provenance.read(Path(drafter_src)).target
+        if target is not None:
+            recorded = target.recorded_spec()
+            if recorded:
+                return recorded
     raise UsageError(f"no --target given and {drafter_src} does not record one; pass --target TARGET")
 
 
@@ -71,18 +73,27 @@ def load_pair(
     return drafter, target
 
 
-def is_reference_target(target: LoadedTarget) -> bool:
-    from dflash_quant.reference import pair_dir
+def reference_pair_of(target: LoadedTarget) -> str | None:
+    """The name of the shipped pair whose target this is (`reference`, `reference-dflash2`), else None."""
+    from dflash_quant.reference import PAIRS, pair_dir
 
-    try:
-        return target.source.path.resolve() == (pair_dir() / "target").resolve()
-    except DFlashQuantError:
-        return False
+    for name in PAIRS:
+        try:
+            if target.source.path.resolve() == (pair_dir(name) / "target").resolve():
+                return name
+        except DFlashQuantError:
+            continue
+    return None
+
+
+def is_reference_target(target: LoadedTarget) -> bool:
+    return reference_pair_of(target) is not None
 
 
 def default_prompt_spec(target: LoadedTarget, split: str) -> str:
-    """Reference pair: its own held-out/calibration code prompts; any other pair: the built-in mix."""
-    return f"reference:{split}" if is_reference_target(target) else f"builtin:{split}"
+    """A shipped pair: its own held-out/calibration code prompts; any other pair: the built-in mix."""
+    pair = reference_pair_of(target)
+    return f"{pair}:{split}" if pair else f"builtin:{split}"
 
 
 def encode_prompts(

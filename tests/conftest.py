@@ -17,3 +17,30 @@ def tiny_pair(tmp_path_factory):
     """(drafter_dir, target_dir) of a tiny random pair in the official layout."""
     root = tmp_path_factory.mktemp("tiny_pair")
     return tiny.save_drafter(root / "drafter"), tiny.save_target(root / "target")
+
+
+@pytest.fixture(scope="session")
+def reference_artifact(tmp_path_factory):
+    """One real artifact: `run_gptq` on the shipped reference pair with tiny settings (about 10 s on 2 cores).
+
+    The output lies outside the working directory and the command line names it by its absolute path, as a
+    user's would, so tests can check that no machine path reaches any file of the artifact."""
+    from dflash_quant.pipeline import GptqJob, run_gptq
+
+    out = tmp_path_factory.mktemp("reference_run") / "reference-int4"
+    job = GptqJob(output=out, calib_num_prompts=4, calib_max_new_tokens=16, eval_num_prompts=2,
+                  eval_max_new_tokens=16, device="cpu", command=["dflash-quant", "gptq", "--output", str(out)])
+    run_gptq(job)
+    return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_check_cache(tmp_path_factory):
+    """The parity check's run cache (default ~/.cache/dflash-quant/check) goes to a per-session temp dir."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

@@ -95,7 +95,7 @@ def make_artifact(
         "source_drafter": {"id": source_id, "revision": "0123456789abcdef0123456789abcdef01234567", "sha256": "ab" * 32},
         "target": {"id": TARGET_ID, "revision": "fedcba9876543210fedcba9876543210fedcba98"},
         "calibration": {"prompts": "builtin:calibration", "num_prompts": 64, "max_new_tokens": 128,
-                        "rows": {n: 4096 + 16 * i for i, n in enumerate(names)}, "kv_hessian": False, "seed": 0},
+                        "rows": {n: 4096 + 16 * i for i, n in enumerate(names)}, "kv_hessian": "block", "seed": 0},
         "quantization": {"method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
                          "static_groups": False, "damp": 0.01, "sequential": True, "profile": "vllm",
                          "skipped": [f"layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("q_proj", "k_proj", "v_proj")]},
@@ -133,8 +133,16 @@ def make_artifact(
             "baseline": {"path": source_id, "total_bytes": 5_242_880, "disk_bytes": 5_243_392, "ratio": 0.2928},
             "resident": {"device": "cpu", "bytes": 1_540_096, "method": "tensor bytes"},
             "context_kv_bytes_per_token": 20_480,
-            "budget_24gb": {"gpu": "RTX 4090 (24 GB)", "target": "Qwen/Qwen3-8B-GPTQ-Int4", "fits": True,
-                            "headroom_bytes": 3_221_225_472, "max_context": 32768},
+            "budget_24gb": {  # the shape of memory/plan.budget_report (artifact.reports.Budget)
+                "gpu": {"name": "rtx4090", "total_bytes": 25_769_803_776}, "engine": "vllm",
+                "settings": {"context": 8192, "concurrency": 1, "spec_tokens": 7},
+                "target": {"source": "Qwen/Qwen3-8B", "weight_bytes": 5_800_000_000, "weight_format": "int4"},
+                "budgets": {form: {"drafter_form": form, "usable_bytes": 23_192_823_398, "required_bytes": req,
+                                   "headroom_bytes": 23_192_823_398 - req, "fits": req <= 23_192_823_398,
+                                   "max_context": ctx, "max_context_limited_by": "memory",
+                                   "components": {"drafter_weights": w}, "notes": []}
+                            for form, req, ctx, w in (("bf16", 19_971_597_926, 30_000, 5_242_880),
+                                                      ("int4", 16_750_372_454, 32_768, 1_534_976))}},
         }, indent=2))
     if card:  # as the export does: the card inside the export, then the manifest over everything
         from dflash_quant.model_cards.card import write_card

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +41,8 @@ def gptq(setup, *extra, out="art", timeout=600):
             "--eval-prompts", str(s["root"] / "eval.txt"), "--max-new-tokens", "16", "--eval-max-new-tokens", "12",
             "--group-size", "32", "--output", str(s["root"] / out), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(CLI + args, capture_output=True, text=True, env=env, timeout=timeout)
+    # Run where the models are, as a user would: local sources are recorded relative to the working directory.
+    return subprocess.run(CLI + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=s["root"])
 
 
 def test_default_run_writes_a_complete_verified_artifact(setup):
@@ -70,6 +70,8 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
     assert len(report["layers"]) == 15 and all(l["hessian_rows"] > 0 and l["rel_output_error"] < 0.5 for l in report["layers"])
     prov = json.loads((art / "provenance.json").read_text())
     assert prov["source_drafter"]["sha256"] and prov["calibration"]["num_prompts"] == 6
+    assert prov["target"]["id"] == prov["target"]["path"] == "target" and prov["target"]["kind"] == "local"
+    assert prov["calibration"]["prompts"] == "calib.txt" and str(setup["root"]) not in json.dumps(prov)
     parity = json.loads((art / "parity.json").read_text())
     assert parity["lossless"] is True and parity["num_prompts"] == 3
     assert out["parity"]["tau_ratio"] == parity["tau_ratio"]
@@ -91,7 +93,7 @@ def test_verify_and_inspect_accept_the_artifact(setup):
     res = subprocess.run(CLI + ["inspect", str(art), "--json"], capture_output=True, text=True)
     assert res.returncode == 0 and json.loads(res.stdout)["quantization_config"]["bits"] == 4
     res = subprocess.run(CLI + ["verify", str(art), "--prompts", str(setup["root"] / "eval.txt"), "--max-new-tokens", "6", "--json"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, cwd=setup["root"])
     assert res.returncode == 0, res.stderr  # the target is taken from provenance.json
     assert json.loads(res.stdout)["summary"]["lossless"] is True
 

@@ -15,6 +15,7 @@ from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import (check_artifact_files, name_problem, record_files, require_intact,
                                           verify_manifest, write_manifest)
 from dflash_quant.hub.push import check_artifact, plan_push, push_artifact
+from dflash_quant.artifact.reports import MemoryReport
 from dflash_quant.memory.report import write_memory_json
 from dflash_quant.model_cards.card import write_card
 from hub_fixtures import FAKE_TOKEN, make_artifact
@@ -167,7 +168,7 @@ def test_memory_refuses_flipped_weights(art):
     memory = (art / "memory.json").read_bytes()
     _flip_byte(art / "model.safetensors")
     with pytest.raises(DFlashQuantError, match="memory: .*model.safetensors does not match"):
-        write_memory_json({"artifact": "x"}, art)
+        write_memory_json(MemoryReport(artifact="x"), art)
     assert (art / "manifest.json").read_bytes() == before and (art / "memory.json").read_bytes() == memory
 
 
@@ -185,7 +186,7 @@ def test_card_updates_only_its_own_entries(art):
 
 def test_memory_updates_only_its_own_entry(art):
     before = _manifest(art)
-    write_memory_json({"artifact": str(art), "weights": {"total_bytes": 1}}, art)
+    write_memory_json(MemoryReport.from_dict({"artifact": art.name, "weights": {"total_bytes": 1}}), art)
     after = _manifest(art)
     assert after["memory.json"] != before["memory.json"]
     assert {k: v for k, v in after.items() if k != "memory.json"} == {

@@ -140,3 +140,117 @@ def test_reference_tau_and_sensitivity(pair):
     tau2, lossless2 = _tau(q, target.model, prompts, 64)
     assert lossless2  # greedy decoding stays exact whatever the drafter proposes
     assert tau2 <= 0.8 * tau, (tau, tau2)
+
+
+# ---------------------------------------------------------------------------------------------- the DFlash2 pair
+
+PAIR2 = PAIR.parent / "dflash2_pair"
+
+
+def test_dflash2_files_present_and_small():
+    for rel in (
+        "target/config.json",
+        "target/model.safetensors",
+        "target/tokenizer.json",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "calibration_prompts.jsonl",
+        "heldout_prompts.jsonl",
+        "README.md",
+        "train_log.json",
+    ):
+        assert (PAIR2 / rel).is_file(), rel
+    total = sum(p.stat().st_size for p in PAIR2.rglob("*") if p.is_file())
+    assert total <= MAX_BYTES, total
+
+
+def test_dflash2_configs():
+    from dflash_quant.config import load_draft_config
+
+    cfg = load_draft_config(PAIR2 / "drafter")
+    raw = json.loads((PAIR2 / "drafter" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"] and cfg.is_dflash2
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        assert key in raw["dflash_config"] and key not in raw  # release layout: inside dflash_config only
+    assert raw["is_causal"] is False and set(raw["layer_types"]) == {"sliding_attention"}
+    tcfg = json.loads((PAIR2 / "target" / "config.json").read_text())
+    assert tcfg["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert {"linear_attention", "full_attention"} == set(tcfg["layer_types"])
+    assert max(cfg.target_layer_ids) < tcfg["num_hidden_layers"] - 1  # llama.cpp cannot tap the last layer
+    assert cfg.hidden_size == tcfg["hidden_size"] and cfg.vocab_size == tcfg["vocab_size"]
+
+
+def test_dflash2_names_and_prompt_sets():
+    from dflash_quant.loading import HUB_ID, resolve
+    from dflash_quant.prompts import load_prompts
+    from dflash_quant.reference import pair_dir
+    from dflash_quant.runtime import default_target
+
+    assert pair_dir("reference-dflash2").resolve() == PAIR2.resolve()
+    assert resolve("reference-dflash2").path.resolve() == (PAIR2 / "drafter").resolve()
+    assert resolve("reference-dflash2:drafter").path.resolve() == (PAIR2 / "drafter").resolve()
+    assert resolve("reference-dflash2:target").path.resolve() == (PAIR2 / "target").resolve()
+    assert resolve("reference").path.resolve() == (PAIR / "drafter").resolve()  # the first pair keeps its names
+    assert resolve("reference/target").path.resolve() == (PAIR / "target").resolve()
+    assert not HUB_ID.match("reference-dflash2:target") and not HUB_ID.match("reference-dflash2")
+    assert default_target("reference-dflash2") == "reference-dflash2:target"
+    assert default_target("reference") == "reference:target"
+    held = load_prompts("reference-dflash2:heldout")
+    calib = load_prompts("reference-dflash2:calib")
+    assert len(held) == len(_rows2("heldout_prompts.jsonl")) and len(calib) == len(_rows2("calibration_prompts.jsonl"))
+    assert {p.split for p in held} == {"heldout"} and not {p.text for p in held} & {p.text for p in calib}
+
+
+def _rows2(name: str) -> list[dict]:
+    return [json.loads(line) for line in (PAIR2 / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_dflash2_pair_lossless_and_tau():
+    """The shipped DFlash2 pair through the real loop (selector drafting, hybrid target restored and replayed)."""
+    from dflash_quant.decode import speculative_generate, target_generate
+    from dflash_quant.model2 import DFlash2Drafter
+    from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    drafter, target = load_pair("reference-dflash2", None, torch.device("cpu"), torch.float32)
+    assert isinstance(drafter.model, DFlash2Drafter)
+    assert default_prompt_spec(target, "heldout") == "reference-dflash2:heldout"
+    prompts = encode_prompts(target, "reference-dflash2:heldout", 8, chat_template=False)
+    lengths, replays = [], 0
+    for ids in prompts:
+        x = torch.tensor([ids])
+        spec = speculative_generate(drafter.model, target.model, x, 64, temperature=0.0)
+        assert spec.tokens == target_generate(target.model, x, 64).tokens  # lossless
+        lengths += spec.acceptance_lengths
+        replays += spec.replay_forwards
+    assert replays > 0  # partial acceptances happened and the linear-attention state was rolled back
+    tau = sum(lengths) / len(lengths)
+    assert tau >= 3.0, tau
+
+
+@pytest.mark.slow
+def test_dflash2_training_smoke(tmp_path):
+    """`train --pair dflash2 --smoke` runs end to end on CPU and writes a pair the loaders accept."""
+    import subprocess
+    import sys
+
+    from dflash_quant.loading import check_pair, load_drafter, load_target
+    from dflash_quant.model2 import DFlash2Drafter
+
+    out = tmp_path / "pair2"
+    cmd = [
+        sys.executable, "-m", "dflash_quant.reference.train", "--pair", "dflash2", "--smoke", "--device", "cpu",
+        "--threads", "2", "--out", str(out), "--set", "max_docs=30", "target_steps=12", "target_eval_every=6",
+        "target_batch=4", "gen_sequences=8", "gen_batch=8", "gen_new=24", "draft_steps=12", "draft_batch=4",
+        "eval_prompts=2", "eval_new_tokens=16",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["recipe"]["pair"] == "dflash2" and log["recipe"]["selector_top_k"] == 8
+    assert 1.0 <= log["eval"]["tau"] <= 8.0
+    drafter, target = load_drafter(out / "drafter"), load_target(out / "target")
+    check_pair(drafter.config, target.model)
+    assert isinstance(drafter.model, DFlash2Drafter)
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_quant.artifact.files import write_json_atomic
 from dflash_quant.calibration.capture import CalibrationStats, DraftCall
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.atomic import check_writable_dir, current_umask
@@ -41,9 +42,7 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
                 rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"] = call.noise, call.ctx, call.positions
         _atomic_save({k: v.contiguous() for k, v in rep.items()}, directory / REPLAY)
     meta = {"key": key, "kv_hessian": stats.kv_hessian, "prompts": stats.prompts, "steps": stats.steps, "mean_tau": stats.mean_tau}
-    tmp = directory / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(directory / META)
+    write_json_atomic(directory / META, meta)
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:

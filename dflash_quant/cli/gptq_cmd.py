@@ -71,8 +71,11 @@ def gptq(
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
+    check_cache: Optional[Path] = typer.Option(None, help="Where the parity check's target-only and bf16 drafter runs are cached (default ~/.cache/dflash-quant/check)."),
+    no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    fmt: str = typer.Option("gptq", "--format", help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128)."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -82,6 +85,7 @@ def gptq(
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
+            from dflash_quant.check_cache import default_dir
             from dflash_quant.pipeline import GptqJob, run_gptq
             from dflash_quant.quantize.drafter import QuantSettings
 
@@ -94,7 +98,8 @@ def gptq(
                 calib_num_prompts=num_prompts, calib_max_new_tokens=max_new_tokens, kv_hessian=kv_hessian,
                 calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
                 eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
-                chat_template=chat_template, write_card=card, command=["dflash-quant", *sys.argv[1:]],
+                chat_template=chat_template, write_card=card, format=fmt,
+                check_cache=None if no_check_cache else (check_cache or default_dir()), command=["dflash-quant", *sys.argv[1:]],
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

@@ -65,7 +65,7 @@ def _dflash2_parts(params: dict[str, int], nbytes: dict[str, int]) -> dict:
 
 @handle_errors
 def inspect(
-    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or 'reference'."),
+    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """Print a drafter's parsed config and its parameters and bytes by module."""

@@ -11,95 +11,145 @@ from rich.table import Table
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
 from dflash_quant.errors import UsageError
 from dflash_quant.memory.plan import budget_objects as _budget_objects
-from dflash_quant.memory.plan import budget_report
+from dflash_quant.memory.plan import budget_report, mtp_comparison, parse_mtp_tokens, with_mtp_comparison
 
 
-def _print_budget(rep: dict) -> None:
+def _print_budget(rep) -> None:
+    """rep: artifact.reports.Budget."""
     from dflash_quant.memory.gpus import fmt_bytes
 
-    forms = list(rep["budgets"])
-    s = rep["settings"]
-    title = f"{rep['gpu']['name']} ({fmt_bytes(rep['gpu']['total_bytes'])}), engine {rep['engine']}"
-    caption = f"context {s['context']}, concurrency {s['concurrency']}, K={s['spec_tokens']}"
+    forms = list(rep.budgets)
+    s = rep.settings
+    title = f"{rep.gpu.name} ({fmt_bytes(rep.gpu.total_bytes)}), engine {rep.engine}"
+    caption = f"context {s.context}, concurrency {s.concurrency}, K={s.spec_tokens}"
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
     table.add_column("component")
     for f in forms:
         table.add_column(f"{f} drafter", justify="right")
-    first = rep["budgets"][forms[0]]
-    for name in first["components"]:
-        table.add_row(name.replace("_", " "), *[fmt_bytes(rep["budgets"][f]["components"][name]) for f in forms])
+    b = [rep.budgets[f] for f in forms]
+    for name in b[0].components:
+        table.add_row(name.replace("_", " "), *[fmt_bytes(x.components[name]) for x in b])
     table.add_section()
-    table.add_row("allocator peak", *[fmt_bytes(rep["budgets"][f]["allocator_peak_bytes"]) for f in forms])
-    table.add_row("required", *[fmt_bytes(rep["budgets"][f]["required_bytes"]) for f in forms])
-    table.add_row(
-        f"usable (x{first['utilization']:.2f})", *[fmt_bytes(rep["budgets"][f]["usable_bytes"]) for f in forms]
-    )
-    table.add_row("headroom", *[fmt_bytes(rep["budgets"][f]["headroom_bytes"]) for f in forms])
-    table.add_row("fits", *["yes" if rep["budgets"][f]["fits"] else "NO" for f in forms])
-    table.add_row(
-        f"max context (C={s['concurrency']})",
-        *[str(rep["budgets"][f]["max_context"]) if rep["budgets"][f]["max_context"] is not None else "none"
-          for f in forms],  # fmt: skip
-    )
-    table.add_row(f"max concurrency (ctx {s['context']})", *[str(rep["budgets"][f]["max_concurrency"]) for f in forms])
+    table.add_row("allocator peak", *[fmt_bytes(x.allocator_peak_bytes) for x in b])
+    table.add_row("required", *[fmt_bytes(x.required_bytes) for x in b])
+    table.add_row(f"usable (x{b[0].utilization:.2f})", *[fmt_bytes(x.usable_bytes) for x in b])
+    table.add_row("headroom", *[fmt_bytes(x.headroom_bytes) for x in b])
+    table.add_row("fits", *["yes" if x.fits else "NO" for x in b])
+    table.add_row(f"max context (C={s.concurrency})", *[str(x.max_context) if x.max_context is not None else "none" for x in b])
+    table.add_row(f"max concurrency (ctx {s.context})", *[str(x.max_concurrency) for x in b])
     out_console.print(table)
-    c = rep["caches"]
+    c, t, d = rep.caches, rep.target, rep.drafter
     lines = [
-        f"target: {rep['target']['source']} weights {fmt_bytes(rep['target']['weight_bytes'])} "
-        f"({rep['target']['weight_format']}, {rep['target']['weights_from']})",
-        f"drafter: {rep['drafter']['source']} bf16 {fmt_bytes(rep['drafter']['bf16_bytes'])}, "
-        f"{rep['drafter']['quantized_format']} {fmt_bytes(rep['drafter']['quantized_bytes'])} ({rep['drafter']['weights_from']})",
-        f"target KV {fmt_bytes(c['target_kv_bytes_per_token'])}/token ({c['kv_dtype']})"
-        + (f", sliding layers capped at {c['target_sliding_window']}" if c["target_sliding_window"] else "")
+        f"target: {t.source} weights {fmt_bytes(t.weight_bytes)} ({t.weight_format}, {t.weights_from})",
+        f"drafter: {d.source} bf16 {fmt_bytes(d.bf16_bytes)}, "
+        f"{d.quantized_format} {fmt_bytes(d.quantized_bytes)} ({d.weights_from})",
+        f"target KV {fmt_bytes(c.target_kv_bytes_per_token)}/token ({c.kv_dtype})"
+        + (f", sliding layers capped at {c.target_sliding_window}" if c.target_sliding_window else "")
         + (
-            f"; recurrent state {fmt_bytes(c['target_state_bytes_per_request'])}/request "
-            f"({c['target_state_slots']} slots, {c['target_state_dtype']})"
-            if c["target_state_slots"]
+            f"; recurrent state {fmt_bytes(c.target_state_bytes_per_request)}/request "
+            f"({c.target_state_slots} slots, {c.target_state_dtype})"
+            if c.target_state_slots
             else ""
         ),
-        f"drafter context KV {fmt_bytes(c['drafter_kv_bytes_per_token'])}/token"
-        + (f", sliding layers capped at {c['drafter_sliding_window']}" if c["drafter_sliding_window"] else ""),
+        f"drafter context KV {fmt_bytes(c.drafter_kv_bytes_per_token)}/token"
+        + (f", sliding layers capped at {c.drafter_sliding_window}" if c.drafter_sliding_window else ""),
     ]
-    for f in forms:
-        for note in rep["budgets"][f]["notes"]:
+    for x in b:
+        for note in x.notes or []:
             if note not in lines:
                 lines.append(note)
     for line in lines:
         out_console.print(line, highlight=False, soft_wrap=True)
 
 
-def _print_memory(rep: dict) -> None:
+def _print_mtp_comparison(rep: dict) -> None:
     from dflash_quant.memory.gpus import fmt_bytes
 
-    w = rep["weights"]
-    table = Table(title=f"memory: {rep['artifact']}", title_justify="left")
+    cmp = rep["compare_mtp"]
+    methods = cmp["methods"]
+    names = list(methods)
+    title = (f"{rep['gpu']['name']} ({fmt_bytes(rep['gpu']['total_bytes'])}), engine {cmp['engine']}: "
+             "MTP vs DFlash")  # fmt: skip
+    caption = f"context {cmp['context']}, concurrency {cmp['concurrency']}, DFlash K={cmp['dflash_spec_tokens']}"
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+    table.add_column("term")
+    for n in names:
+        table.add_column(methods[n]["label"], justify="right")
+    table.add_row("state slots (1 + K)", *[str(methods[n]["state_slots"]) for n in names])
+    for term in methods[names[0]]["components"]:
+        table.add_row(term.replace("_", " "), *[fmt_bytes(methods[n]["components"][term]) for n in names])
+    table.add_section()
+    table.add_row("required", *[fmt_bytes(methods[n]["required_bytes"]) for n in names])
+    table.add_row("usable", *[fmt_bytes(methods[n]["usable_bytes"]) for n in names])
+    table.add_row("headroom", *[fmt_bytes(methods[n]["headroom_bytes"]) for n in names])
+    table.add_row("fits", *["yes" if methods[n]["fits"] else "NO" for n in names])
+    table.add_row(f"max context (C={cmp['concurrency']})",
+                  *[str(methods[n]["max_context"]) if methods[n]["max_context"] is not None else "none" for n in names])
+    table.add_row(f"max concurrency (ctx {cmp['context']})", *[str(methods[n]["max_concurrency"]) for n in names])
+    table.add_section()
+    table.add_row("per request", *[fmt_bytes(methods[n]["per_request_bytes"]) for n in names])
+    table.add_row("per request, speculation", *[fmt_bytes(methods[n]["per_request_speculation_bytes"]) for n in names])
+    out_console.print(table)
+    m = cmp["mtp"]
+    lines = [f"MTP head: {m['layers']} layer(s), weights {fmt_bytes(m['weight_bytes'])} ({m['weights_from']}), "
+             f"KV {fmt_bytes(m['kv_bytes_per_token'])}/token"]  # fmt: skip
+    for n in names:
+        pads = methods[n]["kv_padding_layers"]
+        if pads:
+            lines.append(f"{methods[n]['label']}: vLLM pads KV-cache groups with "
+                         + ", ".join(f"{v} x {k}" for k, v in pads.items()) + " layer(s)")
+    for pair, c in cmp["crossover"].items():
+        a, b = pair.split(" vs ")
+        line = (f"{methods[a]['label']} vs {methods[b]['label']}: {methods[c['cheaper_at_1']]['label']} needs "
+                f"{fmt_bytes(abs(c['difference_at_1_bytes']))} less at C=1; max concurrency "
+                f"{c['max_concurrency'][a]} vs {c['max_concurrency'][b]}")  # fmt: skip
+        if c["only_first_fits"]:
+            lo, hi = c["only_first_fits"]
+            line += f"; only {methods[a]['label']} fits at C={lo}" + (f"..{hi}" if hi > lo else "")
+        if c["only_second_fits"]:
+            lo, hi = c["only_second_fits"]
+            line += f"; only {methods[b]['label']} fits at C={lo}" + (f"..{hi}" if hi > lo else "")
+        line += (f"; cheaper method changes at C={c['order_changes_at']}" if c["order_changes_at"]
+                 else "; the order never changes up to C=256")  # fmt: skip
+        lines.append(line)
+    lines += cmp["notes"]
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)
+
+
+def _print_memory(rep) -> None:
+    """rep: artifact.reports.MemoryReport."""
+    from dflash_quant.memory.gpus import fmt_bytes
+
+    w = rep.weights
+    table = Table(title=f"memory: {rep.artifact}", title_justify="left")
     table.add_column("module")
     table.add_column("bytes", justify="right")
-    for name, n in w["by_module"].items():
+    for name, n in w.by_module.items():
         table.add_row(name, fmt_bytes(n))
     table.add_section()
-    for dt, n in w["by_dtype"].items():
+    for dt, n in w.by_dtype.items():
         table.add_row(f"[{dt}]", fmt_bytes(n))
-    table.add_row("total weights", fmt_bytes(w["total_bytes"]))
-    table.add_row("on disk (all files)", fmt_bytes(rep["disk_bytes"]))
-    if w["quantized_linears"]:
-        table.add_row("dequantized to bf16", fmt_bytes(w["dequantized_bf16_bytes"]))
-    b = rep.get("baseline")
+    table.add_row("total weights", fmt_bytes(w.total_bytes))
+    table.add_row("on disk (all files)", fmt_bytes(rep.disk_bytes))
+    if w.quantized_linears:
+        table.add_row("dequantized to bf16", fmt_bytes(w.dequantized_bf16_bytes))
+    b = rep.baseline
     if b:
-        table.add_row("baseline bf16 weights", fmt_bytes(b["total_bytes"]))
-        table.add_row("ratio quantized / baseline", f"{b['ratio']:.3f}")
-    r = rep.get("resident")
+        table.add_row("baseline bf16 weights", fmt_bytes(b.total_bytes))
+        table.add_row("ratio quantized / baseline", f"{b.ratio:.3f}")
+    r = rep.resident
     if r:
-        table.add_row(f"resident on {r['device']} ({r['method']}, {r['form']})", fmt_bytes(r["bytes"]))
-        table.add_row("resident with an int4 kernel (packed)", fmt_bytes(r["packed_bytes"]))
-    table.add_row("context KV per token (bf16)", fmt_bytes(rep["context_kv_bytes_per_token"]))
-    bud = rep.get("budget_24gb")
+        table.add_row(f"resident on {r.device} ({r.method}, {r.form})", fmt_bytes(r.bytes))
+        table.add_row("resident with an int4 kernel (packed)", fmt_bytes(r.packed_bytes))
+    table.add_row("context KV per token (bf16)", fmt_bytes(rep.context_kv_bytes_per_token))
+    bud = rep.budget_24gb
     if bud:
-        for form, bb in bud["budgets"].items():
+        for form, bb in bud.budgets.items():
             table.add_row(
-                f"{bud['gpu']['name']} budget, {form} drafter",
-                f"{'fits' if bb['fits'] else 'does NOT fit'}, headroom {fmt_bytes(bb['headroom_bytes'])}, "
-                f"max context {bb['max_context']}",
+                f"{bud.gpu.name} budget, {form} drafter",
+                f"{'fits' if bb.fits else 'does NOT fit'}, headroom {fmt_bytes(bb.headroom_bytes)}, "
+                f"max context {bb.max_context}",
             )
     out_console.print(table)
 
@@ -150,14 +200,19 @@ def register(app: typer.Typer) -> None:
                 budget_target, str(artifact), budget_gpu, budget_context, 1, None, budget_target_weights,
                 None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
             )  # fmt: skip
-            budget = budget_report(t, d, settings)
+            from dflash_quant.artifact.sources import model_label
+
+            budget = with_mtp_comparison(
+                budget_report(t, d, settings, target_label=model_label(budget_target), drafter_label=model_label(artifact)),
+                budget_target, t, d, settings,
+            )
         err_console.print(f"measuring {artifact} ...", highlight=False)
         rep = build_memory_report(artifact, baseline=baseline, device=dev, budget_24gb=budget)
         if not no_write:
             path = write_memory_json(rep, artifact, out)
             err_console.print(f"wrote {path}", highlight=False)
         if as_json:
-            print_json(rep)
+            print_json(rep.to_dict())
         else:
             _print_memory(rep)
 
@@ -189,6 +244,13 @@ def register(app: typer.Typer) -> None:
         activation: Optional[str] = typer.Option(None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
+        compare_mtp: bool = typer.Option(
+            False, "--compare-mtp", help="Side by side: no speculation, the target's MTP head (K=1..3), DFlash bf16/int4."
+        ),
+        mtp_tokens: Optional[str] = typer.Option(None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."),
+        mtp_weights: Optional[str] = typer.Option(
+            None, "--mtp-weights", help="MTP weight format bf16|fp8|int8|int4 (default: mtp.* in the files, else bf16)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
     ) -> None:
         """Will the target + drafter fit on this card? Headroom, max context, max concurrency; bf16 vs int4 drafter."""
@@ -197,8 +259,18 @@ def register(app: typer.Typer) -> None:
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,
             activation, new_tokens, group_size,
         )  # fmt: skip
+        if compare_mtp or mtp_tokens is not None or mtp_weights is not None:
+            if not compare_mtp:
+                raise UsageError("--mtp-tokens and --mtp-weights only apply with --compare-mtp; add --compare-mtp")
+            cmp = mtp_comparison(target, t, d, settings, parse_mtp_tokens(mtp_tokens), mtp_weights)
+            rep = {**budget_report(t, d, settings).to_dict(), "compare_mtp": cmp}
+            if as_json:
+                print_json(rep)
+            else:
+                _print_mtp_comparison(rep)
+            return
         rep = budget_report(t, d, settings)
         if as_json:
-            print_json(rep)
+            print_json(rep.to_dict())
         else:
             _print_budget(rep)

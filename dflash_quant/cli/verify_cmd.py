@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -43,7 +44,7 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
 
 @handle_errors
 def verify(
-    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or 'reference'."),
+    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
     prompts: Optional[str] = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
     num_prompts: Optional[int] = typer.Option(None, help="Use only the first N prompts."),
@@ -57,6 +58,8 @@ def verify(
     compare: Optional[str] = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
     tolerance: float = typer.Option(0.03, help="Parity tolerance on the tau ratio with --compare, in [0, 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    check_cache: Optional[Path] = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
+    no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
@@ -89,20 +92,36 @@ def verify(
     spec = prompts or default_prompt_spec(tgt, "heldout")
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
 
-    summaries = []
+    from dflash_quant.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
+    from dflash_quant.decode import GreedyResult, SpecResult
+    from dflash_quant.loading import weights_sha256
+
+    cache = CheckCache(None if no_check_cache else (check_cache or default_dir()))
+    key = check_key(target=model_identity(tgt.source.path), prompts=encoded, settings=settings, device=dev, dtype=dt)
+    summaries, cached = [], {}
     with Progress(console=err_console, transient=True) as bar:
         warm_up(drafters[0].model, tgt.model, encoded[0], settings)
-        task = bar.add_task("target-only baseline", total=len(encoded))
-        base = baseline_runs(tgt.model, encoded, settings, lambda: bar.advance(task))
+
+        def bar_task(label):
+            task = bar.add_task(label, total=len(encoded))
+            return lambda: bar.advance(task)
+
+        base = cached_runs(cache, "baseline", key, GreedyResult,
+                           lambda: baseline_runs(tgt.model, encoded, settings, bar_task("target-only baseline")))
+        cached["target_only"] = cache.events["baseline"]
         for d in drafters:
-            task = bar.add_task(f"speculative: {d.source.id}", total=len(encoded))
-            runs = spec_runs(d.model, tgt.model, encoded, settings, lambda: bar.advance(task))
+            dkey = check_key(target=key["target"], prompts=encoded, settings=settings, device=dev, dtype=dt,
+                             drafter=weights_sha256(d.source.path))
+            runs = cached_runs(cache, "spec", dkey, SpecResult,
+                               lambda: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")))
+            cached[d.source.id] = cache.events["spec"]
             summaries.append(summarize(d.source.id, runs, base, settings, block))
     par = parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
     report = {
         "target": tgt.source.id, "prompt_set": spec, "num_prompts": len(encoded), "max_new_tokens": max_new_tokens,
         "temperature": temperature, "block_size": block, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
         "summary": summaries[-1],
+        "cache": cached,  # "hit": that run and its timings come from an earlier run (ignore them for speed)
     }
     if compare:
         report["baseline"] = summaries[0]

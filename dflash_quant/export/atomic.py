@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -48,11 +47,10 @@ def resolve_output(path: Path | str) -> Path:
 
 def is_artifact(path: Path) -> bool:
     """True for a directory written by dflash-quant: it holds our manifest.json ({"format": 1, "files": {...}})."""
-    try:
-        data = json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("files"), dict)
+    from dflash_quant.artifact.reports import Manifest
+
+    data, problem = Manifest.load_json(Path(path))
+    return not problem and isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("files"), dict)
 
 
 def _overlaps(a: Path, b: Path) -> bool:

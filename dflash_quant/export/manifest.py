@@ -16,19 +16,18 @@ temp files, a lock file) are neither listed nor uploaded.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import re
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
+from dflash_quant.artifact.files import sha256_file, sha256_fileobj  # noqa: F401 (sha256_file re-exported)
+from dflash_quant.artifact.reports import Manifest
 from dflash_quant.errors import DFlashQuantError
 
-MANIFEST = "manifest.json"
+MANIFEST = Manifest.FILE
 LOCK = ".manifest.lock"
 REEXPORT = "re-export the artifact with `dflash-quant gptq`"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -46,14 +45,6 @@ class VerifiedFile:
     dev: int
     ino: int
     mtime_ns: int
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _hidden(rel: PurePosixPath) -> bool:
@@ -120,10 +111,15 @@ def read_manifest(root: Path) -> tuple[dict | None, str | None]:
         return None, f"{MANIFEST} is missing"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
         return None, f"{MANIFEST} is not a regular file"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{MANIFEST} is not valid JSON ({exc.__class__.__name__})"
+    data, problem = Manifest.load_json(root)
+    if problem:
+        return None, f"{MANIFEST} {problem}"
+    return parse_files(data)
+
+
+def parse_files(data: object) -> tuple[dict | None, str | None]:
+    """(raw files mapping, problem) of parsed manifest JSON. Entries stay raw: each one's problems are
+    reported by name (`_entry_problem`) rather than refusing the whole manifest."""
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         return None, f"{MANIFEST} has no \"files\" object"
@@ -148,10 +144,8 @@ def _hash_open(path: Path, st: os.stat_result) -> tuple[str, os.stat_result]:
         fst = os.fstat(fh.fileno())
         if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             raise OSError("file replaced while checking")
-        digest = hashlib.sha256()
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest(), fst
+        digest = sha256_fileobj(fh)
+    return digest, fst
 
 
 def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[str], list[VerifiedFile]]:
@@ -244,14 +238,7 @@ def build_manifest(root: Path) -> dict:
 
 
 def _write_atomic(root: Path, manifest: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, Path(root) / MANIFEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    Manifest.from_dict(manifest).write(root)
 
 
 def write_manifest(root: Path) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,11 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_quant import __version__
+from dflash_quant.artifact.files import write_json_atomic
+from dflash_quant.artifact.reports import Provenance, QuantReport
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
 from dflash_quant.loading import LoadedDrafter
 from dflash_quant.quantize.drafter import QuantOutcome, QuantSettings
-
-
-def _dump(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _skip_rules(kept: list[str], n_layers: int) -> dict[str, dict]:
@@ -66,7 +63,7 @@ def _packed_bytes(path: Path, names) -> int:
 
 def export_gptq(
     out: Path, source: LoadedDrafter, outcome: QuantOutcome, settings: QuantSettings,
-    provenance: dict[str, Any], quant_report: dict[str, Any],
+    provenance: Provenance, quant_report: QuantReport,
 ) -> dict[str, Any]:
     """Fill `out` (an empty temp dir); returns the quantization_config written."""
     out = Path(out)
@@ -85,9 +82,9 @@ def export_gptq(
     config = dict(source.raw_config)
     config["quantization_config"] = qcfg
     config["torch_dtype"] = "bfloat16"
-    _dump(out / "config.json", config)
-    _dump(out / "quantize_config.json", qcfg)
-    _dump(out / "provenance.json", provenance)
-    quant_report["quantized_bytes"] = _packed_bytes(out / "model.safetensors", outcome.weights)
-    _dump(out / "quant_report.json", quant_report)
+    write_json_atomic(out / "config.json", config)
+    write_json_atomic(out / "quantize_config.json", qcfg)
+    provenance.write(out)
+    quant_report.quantized_bytes = _packed_bytes(out / "model.safetensors", outcome.weights)
+    quant_report.write(out)
     return qcfg

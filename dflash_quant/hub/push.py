@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check_artifact_files, summarize
+from dflash_quant.artifact.reports import Manifest, Parity
+from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check_artifact_files, parse_files, summarize
 from dflash_quant.export.provenance import provenance_problem
 
 # parity.json is required too, but its absence is a parity-gate problem (--force overrides it).
@@ -119,16 +120,14 @@ class ArtifactCheck:
 
 
 def _parity_problems(root: Path) -> list[str]:
-    path = root / "parity.json"
-    if not path.is_file():
+    parity, problem = Parity.problem(root)
+    if problem == "is missing":
         return ["parity.json is missing (the parity check never ran)"]
-    try:
-        parity = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return [f"parity.json is unreadable ({exc.__class__.__name__})"]
-    if not isinstance(parity, dict) or parity.get("passed") is not True:
-        why = "; ".join(str(r) for r in (parity.get("reasons") or [])) if isinstance(parity, dict) else ""
-        ratio = parity.get("tau_ratio") if isinstance(parity, dict) else None
+    if problem:
+        return [f"parity.json is unreadable ({problem})"]
+    if parity.passed is not True:
+        why = "; ".join(str(r) for r in (parity.reasons or []))
+        ratio = parity.tau_ratio
         detail = f"tau ratio {ratio}" if isinstance(ratio, (int, float)) else "no passing verdict"
         return [f"parity check did not pass ({detail}{'; ' + why if why else ''})"]
     return []
@@ -199,12 +198,12 @@ def default_commit_message(artifact_dir: Path) -> str:
 
 
 def _commit_description(artifact_dir: Path) -> str:
-    try:
-        parity = json.loads((Path(artifact_dir) / "parity.json").read_text(encoding="utf-8"))
-        base, quant = parity["baseline"]["tau"], parity["quantized"]["tau"]
-        return f"Acceptance parity: tau bf16 {base:.3f}, quantized {quant:.3f} (passed: {parity.get('passed')})."
-    except (OSError, ValueError, KeyError, TypeError):
+    parity, _ = Parity.problem(Path(artifact_dir))
+    base = parity.baseline.tau if parity and parity.baseline else None
+    quant = parity.quantized.tau if parity and parity.quantized else None
+    if base is None or quant is None:
         return "Acceptance parity: not measured."
+    return f"Acceptance parity: tau bf16 {base:.3f}, quantized {quant:.3f} (passed: {parity.passed})."
 
 
 def _resolve_endpoint(endpoint: str | None) -> str:
@@ -453,7 +452,7 @@ def _read_payloads(root: Path, verified: list[VerifiedFile], stack: contextlib.E
         fd = os.open(root / MANIFEST, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as fh:
             data = fh.read()
-        listed = json.loads(data)["files"]
+        listed, _ = parse_files(Manifest.loads(data)[0])
         recorded = {name: entry["sha256"] for name, entry in listed.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         recorded = None

@@ -174,6 +174,12 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
     preset = load_preset(text)
     if preset is not None:
         return preset, None, f"preset:{text.lower()}"
+    from dflash_quant.reference import pair_dir, parse_shipped, shipped_id
+
+    shipped = parse_shipped(text)
+    if shipped:  # a shipped pair's part, by its name (`reference:target`)
+        path = pair_dir(shipped[0]) / shipped[1]
+        return read_config(path), path, shipped_id(*shipped)
     path = Path(text).expanduser()
     if path.is_dir():
         return read_config(path), path, str(path)

@@ -257,6 +257,12 @@ def _recurrent(cfg: dict, layer_types: list[str]) -> RecurrentState | None:
     return None
 
 
+def _gated_by_type(cfg: dict) -> bool:
+    """Qwen3.5 / Qwen3-Next attention always gates its output (q_proj is 2 x heads x head_dim wide) even when
+    the saved config omits `attn_output_gate` (transformers' Qwen3_5TextConfig does not write it)."""
+    return str(cfg.get("model_type", "")).startswith(("qwen3_5", "qwen3_next"))
+
+
 # A config-only budget has no weights to check the layer count against; no released model comes near this.
 MAX_LAYERS = 4096
 
@@ -312,7 +318,7 @@ def parse_shape(src: str | Path | dict, source: str = "config") -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         max_position_embeddings=_int(cfg, "max_position_embeddings", default=None),
         recurrent=_recurrent(cfg, layer_types),
-        attn_output_gate=bool(cfg.get("attn_output_gate", False)),
+        attn_output_gate=bool(cfg.get("attn_output_gate", _gated_by_type(cfg))),
         num_experts=_int(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0,
         moe_intermediate_size=_int(cfg, "moe_intermediate_size", default=0) or 0,
         shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", default=0) or 0,

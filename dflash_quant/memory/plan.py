@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from dflash_quant.errors import UsageError
+
+if TYPE_CHECKING:
+    from dflash_quant.artifact.reports import Budget
 
 
 def budget_objects(
@@ -72,12 +75,15 @@ def budget_objects(
     return t, d, settings
 
 
-def budget_report(t, d, settings) -> dict:
-    """The JSON that `budget --json` prints (also embedded in memory.json as budget_24gb)."""
+def budget_report(t, d, settings, *, target_label: str | None = None, drafter_label: str | None = None):
+    """What `budget --json` prints and memory.json embeds as budget_24gb (artifact.reports.Budget).
+
+    The labels replace the model arguments as given (an artifact records them in their portable form)."""
+    from dflash_quant.artifact.reports import Budget
     from dflash_quant.memory.budget import compare_drafters, kv_summary
 
     budgets = compare_drafters(t, d, settings)
-    return {
+    report = Budget.from_dict({
         "gpu": {"name": settings.gpu_name, "total_bytes": settings.gpu_bytes},
         "engine": settings.engine,
         "settings": {
@@ -92,19 +98,58 @@ def budget_report(t, d, settings) -> dict:
             "activation_override_bytes": settings.activation_bytes,
             "new_tokens": settings.new_tokens,
         },
-        "target": {"source": t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
+        "target": {"source": target_label or t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
                    "weights_from": t.weight_source},  # fmt: skip
-        "drafter": {"source": d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
+        "drafter": {"source": drafter_label or d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
                     "quantized_format": d.quantized_format, "weights_from": d.source},  # fmt: skip
         "caches": kv_summary(t, d, settings),
         "budgets": {k: b.as_dict() for k, b in budgets.items()},
-    }
+    })
+    return report
 
 
-def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: int = 8192, target_weights: str | None = "int4") -> dict:
-    """The 24 GB summary stored in memory.json: one request, vLLM defaults, bf16 vs this drafter."""
+def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: int = 8192, target_weights: str | None = "int4",
+                    *, target_label: str | None = None, drafter_label: str | None = None):
+    """The 24 GB budget stored in memory.json: one request, vLLM defaults, bf16 vs this drafter."""
+    from dflash_quant.artifact.sources import model_label
+
     t, d, settings = budget_objects(
         target, drafter, gpu, context, 1, None, target_weights, None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
     )  # fmt: skip
-    return budget_report(t, d, settings)
+    budget = budget_report(t, d, settings, target_label=target_label or model_label(target),
+                           drafter_label=drafter_label or model_label(drafter))
+    return with_mtp_comparison(budget, target, t, d, settings)
 
+
+
+def parse_mtp_tokens(text: Optional[str]) -> tuple[int, ...]:
+    """'1,2,3' -> (1, 2, 3); None -> the default K = 1..3."""
+    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS
+
+    if text is None:
+        return DEFAULT_MTP_TOKENS
+    try:
+        ks = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"cannot read --mtp-tokens {text!r}; write K values such as 1 or 1,2,3") from None
+    if not ks or any(k < 1 for k in ks):
+        raise UsageError(f"--mtp-tokens needs K values >= 1 (got {text!r})")
+    return tuple(dict.fromkeys(ks))
+
+
+def mtp_comparison(target: str, t, d, settings, mtp_tokens=None, mtp_weights: Optional[str] = None) -> dict:
+    """`budget --compare-mtp`: no speculation, MTP (each K), DFlash bf16 / quantized, side by side."""
+    from dflash_quant.memory.budget import _load_config
+    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS, compare_mtp
+
+    _, root, _ = _load_config(target)
+    return compare_mtp(t, d, settings, root=root, mtp_tokens=mtp_tokens or DEFAULT_MTP_TOKENS, mtp_weights=mtp_weights)
+
+
+def with_mtp_comparison(rep: Budget, target: str, t, d, settings) -> Budget:
+    """Add the MTP comparison to a budget report when the target ships an MTP head (memory.json, the card)."""
+    from dflash_quant.memory.mtp import mtp_head
+
+    if settings.engine == "vllm" and mtp_head(t.shape) is not None:
+        rep.compare_mtp = mtp_comparison(target, t, d, settings)
+    return rep

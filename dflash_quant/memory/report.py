@@ -4,15 +4,15 @@ optionally a 24 GB budget."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from dflash_quant.artifact.reports import Budget, MemoryReport
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.memory.kv import kv_per_token, parse_shape, read_config
 from dflash_quant.memory.weights import disk_bytes, weights_from_files
 
-MEMORY_JSON = "memory.json"
+MEMORY_JSON = MemoryReport.FILE
 
 
 def measure_resident(artifact: Path, device: str) -> dict[str, Any]:
@@ -57,14 +57,20 @@ def build_memory_report(
     *,
     baseline: Path | None = None,
     device: str | None = "cpu",
-    budget_24gb: dict | None = None,
-) -> dict[str, Any]:
+    budget_24gb: Budget | None = None,
+    artifact_name: str | None = None,
+    baseline_name: str | None = None,
+) -> MemoryReport:
+    """`artifact_name` / `baseline_name`: how to record them (default: their portable form, never absolute)."""
+    from dflash_quant.artifact.files import portable_path
+    from dflash_quant.artifact.sources import model_label
+
     artifact = Path(artifact)
     rep = weights_from_files(artifact)
     shape = parse_shape(read_config(artifact))
     kv = kv_per_token(shape, "bfloat16")
     report: dict[str, Any] = {
-        "artifact": str(artifact),
+        "artifact": artifact_name or portable_path(artifact),
         "weights": {
             "total_bytes": rep.total_bytes,
             "by_module": rep.by_module,
@@ -86,12 +92,12 @@ def build_memory_report(
             "sliding_window": kv.window,
             "layers": len(shape.layer_types),
         },
-        "budget_24gb": budget_24gb,
+        "budget_24gb": budget_24gb.to_dict() if budget_24gb is not None else None,
     }
     if baseline is not None:
         base = weights_from_files(Path(baseline))
         report["baseline"] = {
-            "path": str(baseline),
+            "path": baseline_name or model_label(baseline),
             "total_bytes": base.total_bytes,
             "disk_bytes": disk_bytes(Path(baseline)),
             "ratio": round(rep.total_bytes / base.total_bytes, 4) if base.total_bytes else None,
@@ -101,10 +107,10 @@ def build_memory_report(
         res = measure_resident(artifact, device)
         res["packed_bytes"] = rep.total_bytes
         report["resident"] = res
-    return report
+    return MemoryReport.from_dict(report)
 
 
-def write_memory_json(report: dict, artifact: Path, out: Path | None = None) -> Path:
+def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = None) -> Path:
     """Write memory.json (into the artifact by default).
 
     Into an artifact with a manifest: its recorded files are checked first (a mismatch is refused) and
@@ -118,9 +124,12 @@ def write_memory_json(report: dict, artifact: Path, out: Path | None = None) -> 
     manifest = in_artifact and has_manifest(artifact)
     if manifest:
         require_intact(Path(artifact), stage="memory", skip=(MEMORY_JSON,))
-    tmp = target.with_name("." + target.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(target)
+    if in_artifact:
+        report.write(artifact)
+    else:
+        from dflash_quant.artifact.files import write_json_atomic
+
+        write_json_atomic(target, report.to_dict())
     if manifest:
         record_files(Path(artifact), (MEMORY_JSON,))
     return target

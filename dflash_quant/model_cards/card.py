@@ -17,12 +17,15 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import metadata_load
 
 from dflash_quant import __version__
+from dflash_quant.artifact.reports import Budget, MemoryReport, Parity, Provenance, QuantReport, SourceRef
+from dflash_quant.artifact.sources import portable_command
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import has_manifest, record_files, require_intact
 from dflash_quant.model_cards.chart import CHART_NAME, write_acceptance_chart
 
 README = "README.md"
-REPORTS = ("provenance.json", "quant_report.json", "parity.json", "memory.json", "config.json")
+REPORT_CLASSES = (Provenance, QuantReport, Parity, MemoryReport)
+REPORTS = tuple(c.FILE for c in REPORT_CLASSES) + ("config.json",)
 NOT_MEASURED = "not measured"
 DEFAULT_LIBRARY = "transformers"
 DEFAULT_PIPELINE_TAG = "text-generation"
@@ -37,8 +40,8 @@ _SECRET_FLAGS = {"--token", "--hf-token", "--api-key"}
 # --------------------------------------------------------------------------- reading
 
 
-def _read_json(path: Path) -> tuple[dict | None, str | None]:
-    """(data, problem): data is None when the file is missing or unreadable."""
+def _read_config(path: Path) -> tuple[dict | None, str | None]:
+    """config.json (not one of the reports): (data, problem), data None when missing or unreadable."""
     if not path.is_file():
         return None, "missing"
     try:
@@ -50,14 +53,18 @@ def _read_json(path: Path) -> tuple[dict | None, str | None]:
     return data, None
 
 
-def load_reports(artifact_dir: Path) -> tuple[dict[str, dict | None], dict[str, str]]:
-    reports: dict[str, dict | None] = {}
+def load_reports(artifact_dir: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The typed reports (artifact.reports) and config.json; a missing or malformed one is None, with its problem."""
+    reports: dict[str, Any] = {}
     problems: dict[str, str] = {}
-    for name in REPORTS:
-        data, problem = _read_json(Path(artifact_dir) / name)
-        reports[name] = data
+    for cls in REPORT_CLASSES:
+        report, problem = cls.problem(Path(artifact_dir))
+        reports[cls.FILE] = report
         if problem:
-            problems[name] = problem
+            problems[cls.FILE] = problem.removeprefix("is ")
+    reports["config.json"], problem = _read_config(Path(artifact_dir) / "config.json")
+    if problem:
+        problems["config.json"] = problem
     return reports, problems
 
 
@@ -82,30 +89,32 @@ def _hub_id_from_path(value: str) -> str | None:
     return None
 
 
-def resolve_source(provenance: dict | None) -> dict[str, Any]:
-    """Source drafter id, its Hub id (when it has one), and the metadata of its own card when available.
+def resolve_source(provenance: Provenance | None) -> dict[str, Any]:
+    """Source drafter id, its Hub repo (Hub sources only), and the metadata of its own card when available.
 
     License and library are inherited from the source card only when a copy of that card is on disk
-    (a local source directory or the local HF cache); no network call is made here.
+    (a local source directory or the local HF cache); no network call is made here. Shipped and local
+    sources have no Hub repo, so no `base_model` and no link.
     """
-    src = _get(provenance, "source_drafter", default={}) or {}
-    sid = src.get("id")
-    out: dict[str, Any] = {"id": sid, "revision": src.get("revision"), "sha256": src.get("sha256"),
-                           "hub_id": None, "metadata": {}, "metadata_from": None}
+    src = provenance.source_drafter if provenance and provenance.source_drafter else SourceRef()
+    sid = src.id
+    out: dict[str, Any] = {"id": sid, "kind": src.kind, "revision": src.revision, "sha256": src.sha256,
+                           "hub_id": src.hub_repo(), "metadata": {}, "metadata_from": None}
     if not sid:
         return out
     readme: Path | None = None
-    if Path(sid).exists():
-        local = Path(sid)
-        out["hub_id"] = src.get("hub_id") or _hub_id_from_path(str(local.resolve()))
+    local = Path(src.path or sid)
+    if src.kind in (None, "local") and local.is_dir():
+        if src.kind is None:  # written before `kind`: a path in the HF cache still names its repo
+            out["hub_id"] = out["hub_id"] or _hub_id_from_path(str(local.resolve()))
         if (local / README).is_file():
             readme = local / README
-    elif is_hub_id(sid):
-        out["hub_id"] = sid
+    elif src.kind == "hub" or (src.kind is None and is_hub_id(sid)):
+        out["hub_id"] = out["hub_id"] or sid
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            cached = try_to_load_from_cache(sid, README, revision=src.get("revision"))
+            cached = try_to_load_from_cache(out["hub_id"], README, revision=src.revision)
             if isinstance(cached, str):
                 readme = Path(cached)
         except Exception:  # a malformed revision or cache must never break the card
@@ -113,17 +122,18 @@ def resolve_source(provenance: dict | None) -> dict[str, Any]:
     if readme is not None:
         try:
             out["metadata"] = metadata_load(readme) or {}
-            out["metadata_from"] = str(readme)
+            out["metadata_from"] = "the source drafter's card"
         except Exception:
             out["metadata"] = {}
-    if src.get("license"):
-        out["metadata"] = {**out["metadata"], "license": src["license"]}
+    if src.license:
+        out["metadata"] = {**out["metadata"], "license": src.license}
         out["metadata_from"] = out["metadata_from"] or "provenance.json"
     return out
 
 
 def _scrub_command(argv: list[str]) -> list[str]:
-    """Never put a secret from the command line into a card."""
+    """Never put a secret or a machine-local absolute path from the command line into a card."""
+    argv = portable_command(argv)
     clean: list[str] = []
     hide_next = False
     for arg in argv:
@@ -261,7 +271,7 @@ def _section_summary(ctx: dict) -> str:
                  + (f", sha256 `{src['sha256']}`" if src["sha256"] else ""))
     if block:
         lines.append(f"- **Block size:** {block} (the drafter proposes {block - 1} tokens per step)")
-    lines.append(f"- **Checkpoint format:** GPTQ v1 (`qweight`/`qzeros`/`scales`/`g_idx`) in `model.safetensors`; "
+    lines.append("- **Checkpoint format:** GPTQ v1 (`qweight`/`qzeros`/`scales`/`g_idx`) in `model.safetensors`; "
                  "layers that are not quantized stay bf16")
     if ctx["license_note"]:
         lines.append(f"- **License:** {ctx['license_note']}")
@@ -410,48 +420,99 @@ def _section_parity(ctx: dict) -> str:
 
 
 def _section_memory(ctx: dict) -> str:
-    mem = ctx["memory"]
+    mem: MemoryReport | None = ctx["memory"]
     out = ["## Memory", ""]
     if mem is None:
         out.append(_missing("memory.json", ctx["problems"].get("memory.json", "missing"),
                             "run `dflash-quant memory` on the artifact"))
         return "\n".join(out)
-    weights = mem.get("weights") if isinstance(mem.get("weights"), dict) else {}
-    baseline = mem.get("baseline") if isinstance(mem.get("baseline"), dict) else None
-    rows = [["weights in memory", fmt_bytes(baseline.get("total_bytes")) if baseline else NOT_MEASURED,
-             fmt_bytes(weights.get("total_bytes"))],
-            ["on disk", fmt_bytes(baseline.get("disk_bytes")) if baseline else NOT_MEASURED,
-             fmt_bytes(mem.get("disk_bytes"))]]
+    weights, baseline = mem.weights, mem.baseline
+    rows = [["weights in memory", fmt_bytes(baseline.total_bytes) if baseline else NOT_MEASURED,
+             fmt_bytes(weights.total_bytes if weights else None)],
+            ["on disk", fmt_bytes(baseline.disk_bytes) if baseline else NOT_MEASURED, fmt_bytes(mem.disk_bytes)]]
     out.append(_table(["", "bf16", "quantized"], rows))
     out.append("")
-    if baseline and isinstance(baseline.get("ratio"), (int, float)):
-        out.append(f"- Quantized / bf16 weight bytes: {fmt_float(baseline['ratio'])}")
+    if baseline and isinstance(baseline.ratio, (int, float)):
+        out.append(f"- Quantized / bf16 weight bytes: {fmt_float(baseline.ratio)}")
     elif not baseline:
         out.append(f"- bf16 baseline: {NOT_MEASURED} (memory.json has no baseline)")
-    resident = mem.get("resident") if isinstance(mem.get("resident"), dict) else None
-    if resident:
-        out.append(f"- Resident after loading on {_fmt_any(resident.get('device'))}: {fmt_bytes(resident.get('bytes'))} "
-                   f"({_fmt_any(resident.get('method'))})")
-    if mem.get("context_kv_bytes_per_token") is not None:
-        out.append(f"- Drafter context K/V cache: {fmt_bytes(mem.get('context_kv_bytes_per_token'))} per committed token")
-    by_dtype = weights.get("by_dtype")
-    if isinstance(by_dtype, dict) and by_dtype:
-        out += ["", _table(["dtype", "bytes"], [[k, fmt_bytes(v)] for k, v in by_dtype.items()])]
+    if mem.resident:
+        r = mem.resident
+        out.append(f"- Resident after loading on {_fmt_any(r.device)}: {fmt_bytes(r.bytes)} ({_fmt_any(r.method)})")
+    if mem.context_kv_bytes_per_token is not None:
+        out.append(f"- Drafter context K/V cache: {fmt_bytes(mem.context_kv_bytes_per_token)} per committed token")
+    if weights and weights.by_dtype:
+        out += ["", _table(["dtype", "bytes"], [[k, fmt_bytes(v)] for k, v in weights.by_dtype.items()])]
     out += ["", "### 24 GB budget", ""]
-    budget = mem.get("budget_24gb")
-    if not isinstance(budget, dict):
-        out.append(f"_{NOT_MEASURED}: memory.json has no 24 GB budget (run `dflash-quant memory` with a target)._")
-    else:
-        fits = budget.get("fits")
-        verdict = {True: "fits", False: "does **not** fit"}.get(fits, "fit not determined")
-        out.append(f"With target `{_fmt_any(budget.get('target'))}` on {_fmt_any(budget.get('gpu'))}: {verdict}; "
-                   f"headroom {fmt_bytes(budget.get('headroom_bytes'))}; "
-                   f"max context {_fmt_any(budget.get('max_context'))} tokens.")
-        extra = {k: v for k, v in budget.items() if k not in {"gpu", "target", "fits", "headroom_bytes", "max_context"}}
-        if extra:
-            out += ["", _table(["item", "value"],
-                               [[k, fmt_bytes(v) if k.endswith("_bytes") else _fmt_any(v)] for k, v in extra.items()])]
-        out += ["", "This is an estimate from dflash-quant's memory model, not a measurement in a serving engine."]
+    out += _budget_lines(mem.budget_24gb)
+    return "\n".join(out)
+
+
+def _budget_lines(budget: Budget | None) -> list[str]:
+    """The bf16 and quantized drafter side by side: fits, headroom, max context (memory.json's budget_24gb)."""
+    if budget is None or not budget.budgets:
+        return [f"_{NOT_MEASURED}: memory.json has no 24 GB budget (run `dflash-quant memory` with --budget-target)._"]
+    forms = (["bf16"] if "bf16" in budget.budgets else []) + [f for f in budget.budgets if f != "bf16"]
+    b = [budget.budgets[f] for f in forms]
+    gpu = budget.gpu.name if budget.gpu and budget.gpu.name else "the GPU"
+    gpu_bytes = f" ({fmt_bytes(budget.gpu.total_bytes)})" if budget.gpu and budget.gpu.total_bytes else ""
+    t, st = budget.target, budget.settings
+    target = f"`{t.source}` ({_fmt_any(t.weight_format)} weights, {fmt_bytes(t.weight_bytes)})" if t else "the target"
+    setup = (f"context {_fmt_any(st.context)} tokens, {_fmt_any(st.concurrency)} request(s), "
+             f"{_fmt_any(st.spec_tokens)} draft tokens per step" if st else "settings not recorded")
+    lines = [f"Target {target} with this drafter on {gpu}{gpu_bytes}, engine {_fmt_any(budget.engine)}, {setup}:", ""]
+
+    def ctx_text(x) -> str:
+        if x.max_context is None:
+            return "none"
+        limit = f" (limited by {x.max_context_limited_by})" if x.max_context_limited_by not in (None, "memory") else ""
+        return f"{x.max_context:,} tokens{limit}"
+
+    lines.append(_table([""] + [f"{f} drafter" for f in forms], [
+        ["drafter weights"] + [fmt_bytes((x.components or {}).get("drafter_weights")) for x in b],
+        ["required"] + [fmt_bytes(x.required_bytes) for x in b],
+        ["usable"] + [fmt_bytes(x.usable_bytes) for x in b],
+        ["fits"] + [{True: "yes", False: "**no**"}.get(x.fits, NOT_MEASURED) for x in b],
+        ["headroom"] + [fmt_bytes(x.headroom_bytes) for x in b],
+        ["max context"] + [ctx_text(x) for x in b],
+    ]))
+    notes = list(dict.fromkeys(n for x in b for n in (x.notes or [])))
+    lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+    lines.append("This is an estimate from dflash-quant's memory model (`dflash-quant budget` gives the full "
+                 "breakdown), not a measurement in a serving engine.")
+    return lines
+
+
+def _mtp_comparison(ctx: dict) -> dict | None:
+    mem: MemoryReport | None = ctx.get("memory")
+    budget = mem.budget_24gb if mem is not None else None
+    cmp = budget.compare_mtp if budget is not None else None
+    return cmp if isinstance(cmp, dict) and isinstance(cmp.get("methods"), dict) and cmp["methods"] else None
+
+
+def _section_mtp_comparison(ctx: dict) -> str:
+    """The target ships an MTP head: this drafter against it, from memory.json's budget (`budget --compare-mtp`)."""
+    cmp = _mtp_comparison(ctx)
+    budget = ctx["memory"].budget_24gb
+    gpu = budget.gpu.name if budget.gpu else None
+    methods = cmp["methods"]
+    names = list(methods)
+    out = ["### MTP or DFlash on this card", "",
+           f"The target ships an MTP head. Budget on {_fmt_any(gpu)} at {_fmt_any(cmp.get('context'))} tokens, "
+           f"engine {_fmt_any(cmp.get('engine'))} (from `memory.json`, as `dflash-quant budget --compare-mtp` prints it):",
+           ""]  # fmt: skip
+    first = methods[names[0]]
+    terms = list(first.get("components", {}))
+    rows = [["state slots (1 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
+    rows += [[t.replace("_", " "), *[fmt_bytes(methods[n]["components"].get(t)) for n in names]] for t in terms]
+    rows += [["headroom", *[fmt_bytes(methods[n].get("headroom_bytes")) for n in names]],
+             ["fits", *[{True: "yes", False: "no"}.get(methods[n].get("fits"), "?") for n in names]],
+             ["max context (1 request)", *[_fmt_any(methods[n].get("max_context")) for n in names]],
+             [f"max concurrency at {_fmt_any(cmp.get('context'))}", *[_fmt_any(methods[n].get("max_concurrency")) for n in names]],
+             ["per request, speculation", *[fmt_bytes(methods[n].get("per_request_speculation_bytes")) for n in names]]]  # fmt: skip
+    out.append(_table(["", *[methods[n].get("label", n) for n in names]], rows))
+    out += ["", "The per-request speculation cost is what each concurrent request adds over no speculation: "
+            "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model."]
     return "\n".join(out)
 
 
@@ -467,6 +528,12 @@ def _section_serving(ctx: dict) -> str:
     if repo == PLACEHOLDER_REPO:
         out.append(f"Replace `{PLACEHOLDER_REPO}` with this repository's id (or a local path to it).")
         out.append("")
+    fmt = _get(cfg, "quantization_config", "quant_method") or ("mlx" if isinstance(_get(cfg, "quantization"), dict) else "gptq")
+    if fmt in ("gguf", "mlx"):
+        return "\n".join(out + _serving_lines(fmt, cfg, target, repo))
+    if fmt == "compressed-tensors":
+        out += ["This artifact is compressed-tensors `pack-quantized` (converted from dflash-quant's GPTQ codes); "
+                "vLLM and SGLang read its `quantization_config` directly.", ""]
     out += ["### vLLM", "", "```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec_cfg}'", "```", ""]
     out.append("- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
                "group -1/32/64/128, otherwise the slower `gptq` path).")
@@ -493,6 +560,22 @@ def _section_serving(ctx: dict) -> str:
                "these tensors. The path this card's numbers come from is dflash-quant's own reference loop, "
                "`dflash-quant verify` (see `dflash-quant verify --help`).")
     return "\n".join(out)
+
+
+def _serving_lines(fmt: str, cfg: dict | None, target: str, repo: str) -> list[str]:
+    """Serving commands for the GGUF (llama.cpp) and MLX (dflash-mlx) exports."""
+    if fmt == "gguf":
+        gguf_file = _get(cfg, "quantization_config", "file") or "drafter.gguf"
+        return ["### llama.cpp", "", "```bash",
+                f"python convert_hf_to_gguf.py {target} --outfile target.gguf   # the target, once",
+                f"llama-server -m target.gguf -md {repo}/{gguf_file} --spec-type draft-dflash", "```", "",
+                "- The GGUF follows llama.cpp's own DFlash conversion (arch `dflash`, no token embedding or output "
+                "tensors: the target's are used; target layer ids stored +1) and carries the target's vocabulary.",
+                "- Check the `draft acceptance ... mean len` that llama-server logs against the tau above."]
+    return ["### MLX (dflash-mlx)", "", "```bash",
+            f"dflash generate --model {target} --draft {repo} --prompt \"...\"", "```", "",
+            "- MLX affine layout (`weight`/`scales`/`biases`, `quantization` in config.json) as `mx.quantize` writes it; "
+            "mlx-lm loads it pre-quantized, so no on-load quantization (which needs Metal) is involved."]
 
 
 def _section_limitations(ctx: dict) -> str:
@@ -537,8 +620,9 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
                chart: bool | None = None) -> ModelCard:
     artifact_dir = Path(artifact_dir)
     reports, problems = load_reports(artifact_dir)
-    prov, cfg = reports["provenance.json"], reports["config.json"]
-    source = resolve_source(prov)
+    source = resolve_source(reports["provenance.json"])
+    view = {name: (r.to_dict() if r is not None else None) for name, r in reports.items() if name != "config.json"}
+    prov, cfg = view["provenance.json"], reports["config.json"]
     meta = source["metadata"]
     bits = _get(prov, "quantization", "bits") or _get(cfg, "quantization_config", "bits")
 
@@ -574,16 +658,17 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
 
     has_chart = chart if chart is not None else (artifact_dir / CHART_NAME).is_file()
     ctx = {
-        "source": source, "provenance": prov, "config": cfg, "quant_report": reports["quant_report.json"],
-        "parity": reports["parity.json"], "memory": reports["memory.json"], "problems": problems,
+        "source": source, "provenance": prov, "config": cfg, "quant_report": view["quant_report.json"],
+        "parity": view["parity.json"], "memory": reports["memory.json"], "problems": problems,
         "command": command, "repo_id": repo_id, "chart": has_chart, "license_note": license_note,
     }
     title_src = source["hub_id"] or (Path(source["id"]).name if source["id"] else artifact_dir.name)
     title = f"# {title_src.split('/')[-1]} — GPTQ int{bits}" if bits else f"# {title_src.split('/')[-1]} — GPTQ"
     if not source["hub_id"]:
-        base_note = ("\n\n_The source drafter was not a Hugging Face Hub id (`"
-                     + str(source["id"] or "not recorded")
-                     + "`), so `base_model` is not set in the metadata._")
+        what = {"shipped": "is a model shipped with dflash-quant", "local": "is a local directory"}.get(
+            source["kind"], "was not a Hugging Face Hub id")
+        base_note = (f"\n\n_The source drafter {what} (`{source['id'] or 'not recorded'}`), not a Hub repo, "
+                     "so `base_model` is not set in the metadata._")
     else:
         base_note = ""
     body = "\n\n".join([
@@ -592,6 +677,7 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
         _section_parity(ctx),
         _section_recipe(ctx),
         _section_memory(ctx),
+        *([_section_mtp_comparison(ctx)] if _mtp_comparison(ctx) else []),
         _section_serving(ctx),
         _section_limitations(ctx),
         _section_reproduce(ctx),
@@ -614,19 +700,19 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
     manifest = has_manifest(artifact_dir)
     if manifest:
         require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME))
-    parity, _ = _read_json(artifact_dir / "parity.json")
+    parity, _ = Parity.problem(artifact_dir)
     chart_path = artifact_dir / CHART_NAME
     chart = False
     if parity is not None:
-        base = parity.get("baseline") if isinstance(parity.get("baseline"), dict) else {}
-        quant = parity.get("quantized") if isinstance(parity.get("quantized"), dict) else {}
-        pb, pq = base.get("per_position_acceptance"), quant.get("per_position_acceptance")
+        base, quant = parity.baseline, parity.quantized
+        pb = base.per_position_acceptance if base else None
+        pq = quant.per_position_acceptance if quant else None
         if pb or pq:
             tmp = chart_path.with_name(".acceptance.png.tmp")
             write_acceptance_chart(
                 tmp, pb, pq,
-                baseline_tau=base.get("tau") if isinstance(base.get("tau"), (int, float)) else None,
-                quantized_tau=quant.get("tau") if isinstance(quant.get("tau"), (int, float)) else None,
+                baseline_tau=base.tau if base else None,
+                quantized_tau=quant.tau if quant else None,
                 title="Per-position acceptance: bf16 vs quantized drafter",
             )
             tmp.replace(chart_path)

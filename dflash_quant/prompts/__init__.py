@@ -5,6 +5,7 @@ Specs understood by :func:`load_prompts`:
 - ``builtin`` / ``builtin:calib`` / ``builtin:heldout``: the project's own mix (``builtin.jsonl``:
   code, math, chat and "reproduce" prompts, split into disjoint calibration and held-out halves);
 - ``reference:calib`` / ``reference:heldout``: the shipped reference pair's prompt files;
+  ``reference-dflash2:calib`` / ``reference-dflash2:heldout``: the second (DFlash2) pair's;
 - a path to a ``.txt`` file (one prompt per line, blank lines skipped) or a ``.jsonl`` file (one object a
   line with a ``prompt`` string or a ``messages`` list of ``{role, content}``).
 """
@@ -22,6 +23,7 @@ BUILTIN = Path(__file__).resolve().parent / "builtin.jsonl"
 SPLITS = ("calib", "heldout")
 CATEGORIES = ("code", "math", "chat", "reproduce")
 REFERENCE_PAIR_DIR = Path(__file__).resolve().parent.parent / "reference" / "pair"
+REFERENCE_DFLASH2_DIR = Path(__file__).resolve().parent.parent / "reference" / "dflash2_pair"
 REFERENCE_FILES = {"calib": "calibration_prompts.jsonl", "heldout": "heldout_prompts.jsonl"}
 
 
@@ -124,11 +126,12 @@ def load_prompts(spec: str | Path) -> list[Prompt]:
     if text == "builtin" or text.startswith("builtin:"):
         split = _split_of(text, "builtin")
         prompts = [p for p in _read_jsonl(BUILTIN) if split is None or p.split == split]
-    elif text.startswith("reference:") or text == "reference":
-        split = _split_of(text, "reference")
+    elif text.partition(":")[0] in ("reference", "reference-dflash2"):
+        name = text.partition(":")[0]
+        split = _split_of(text, name)
         if split is None:
-            raise UsageError("use reference:calib or reference:heldout (the reference pair keeps them apart)")
-        path = REFERENCE_PAIR_DIR / REFERENCE_FILES[split]
+            raise UsageError(f"use {name}:calib or {name}:heldout (the reference pair keeps them apart)")
+        path = (REFERENCE_PAIR_DIR if name == "reference" else REFERENCE_DFLASH2_DIR) / REFERENCE_FILES[split]
         if not path.is_file():
             raise UsageError(
                 f"the reference pair's prompt file {path} is missing; build the reference pair first "
@@ -141,7 +144,7 @@ def load_prompts(spec: str | Path) -> list[Prompt]:
             raise UsageError(f"prompt set {text!r} is a directory; pass a .txt or .jsonl prompt file")
         if not path.is_file():
             raise UsageError(
-                f"prompt set {text!r} is neither builtin[:calib|:heldout], reference:calib|heldout, "
+                f"prompt set {text!r} is neither builtin[:calib|:heldout], reference[-dflash2]:calib|heldout, "
                 "nor an existing .txt/.jsonl file"
             )
         suffix = path.suffix.lower()

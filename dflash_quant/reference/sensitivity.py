@@ -57,11 +57,14 @@ def _quantizer(bits: int, group_size: int, sym: bool):
 
 
 @torch.no_grad()
-def rtn_quantize_drafter(drafter: nn.Module, bits: int = 2, group_size: int = 128, sym: bool = False) -> nn.Module:
-    """A copy of ``drafter`` whose every nn.Linear weight is RTN quantize-dequantized (fc included)."""
+def rtn_quantize_drafter(
+    drafter: nn.Module, bits: int = 2, group_size: int = 128, sym: bool = False, names: list[str] | None = None
+) -> nn.Module:
+    """A copy of ``drafter`` whose every nn.Linear weight (or only those named, e.g. the backbone's
+    ``linear_names()`` of a DFlash2 drafter, whose conv and selector stay bf16) is RTN quantize-dequantized."""
     q = copy.deepcopy(drafter)
     fn = _quantizer(bits, group_size, sym)
-    for module in q.modules():
-        if isinstance(module, nn.Linear):
+    for name, module in q.named_modules():
+        if isinstance(module, nn.Linear) and (names is None or name in names):
             module.weight.copy_(fn(module.weight))
     return q

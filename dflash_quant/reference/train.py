@@ -1,6 +1,6 @@
 """Train the reference target + DFlash drafter pair from scratch, reproducibly, in one command.
 
-    python -m dflash_quant.reference.train --out DIR [--device cuda] [--corpus DIR] [--smoke]
+    python -m dflash_quant.reference.train --out DIR [--pair dflash|dflash2] [--device cuda] [--corpus DIR] [--smoke]
 
 Steps (all seeded):
 1. corpus: Python standard-library sources (``--corpus`` or the running interpreter's), split into train /
@@ -23,6 +23,12 @@ Steps (all seeded):
 Writes DIR/target (Qwen3ForCausalLM + tokenizer, bf16), DIR/drafter (official DFlash layout, bf16), the two
 prompt files, and DIR/train_log.json. Runs in about 4 minutes on one H200, much longer on CPU. To ship a
 new pair, copy DIR's contents into dflash_quant/reference/pair/ (keep its README.md model card up to date).
+
+``--pair dflash2`` trains the second pair (dflash_quant/reference/dflash2_pair/) with the same steps: a hybrid
+Qwen3_5ForCausalLM target (Gated DeltaNet linear-attention and full-attention layers) on the first pair's
+tokenizer, and a DFlash2 drafter (grouped dynamic causal convolutions, candidate selector) trained with the
+DFlash loss plus the selector loss of dflash_quant.reference.dflash2; its acceptance check drafts through
+the selector's greedy walk, as the decode loop does.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ SPECIALS = [EOS, MASK]
 
 @dataclass
 class Recipe:
+    pair: str = "dflash"  # "dflash2": hybrid target + DFlash2 drafter (dflash2_recipe)
     seed: int = 0
     max_docs: int | None = None  # smoke: subset of the corpus
     # tokenizer
@@ -61,6 +68,13 @@ class Recipe:
     head_dim: int = 64
     target_intermediate: int = 640
     rope_theta: float = 10000.0
+    # hybrid target (Qwen3_5ForCausalLM) when set: one entry per layer, linear_attention / full_attention
+    target_layer_types: list[str] | None = None
+    linear_key_heads: int = 2
+    linear_value_heads: int = 4
+    target_stop_step: int | None = None  # like draft_stop_step, for the target's schedule
+    # tokenizer: None = train one (step 2); a path relative to dflash_quant/reference/ = reuse that tokenizer.json
+    tokenizer_file: str | None = None
     max_positions: int = 2048
     target_seq: int = 512
     target_batch: int = 96
@@ -93,6 +107,13 @@ class Recipe:
     draft_warmup: int = 200
     gamma: float = 5.0
     short_block_frac: float = 0.15  # blocks cut to 2..B-1 rows, as the loop drafts them near max_new_tokens
+    # DFlash2 drafter when conv_kernel_size is set (sliding-window layers, bidirectional inside the block)
+    draft_window: int | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    selector_weight: float = 1.0
     # evaluation at the end
     eval_prompts: int = 32
     eval_new_tokens: int = 64
@@ -106,6 +127,36 @@ def smoke_recipe() -> Recipe:
         gen_batch=32, draft_intermediate=128, target_layer_ids=[0, 1, 2], draft_batch=8, anchors_per_seq=8,
         draft_steps=60, draft_stop_step=None, draft_warmup=10, eval_prompts=4, eval_new_tokens=32,
     )
+
+
+REFERENCE_TOKENIZER = "pair/target/tokenizer.json"  # the first pair's, relative to dflash_quant/reference/
+
+
+def dflash2_recipe() -> Recipe:
+    """The second pair: hybrid target [L, L, F, L, L, F] and a DFlash2 drafter, both models under 16 MB."""
+    return Recipe(
+        pair="dflash2",
+        target_layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        target_intermediate=512,
+        target_steps=1500,
+        tokenizer_file=REFERENCE_TOKENIZER,
+        draft_stop_step=None,
+        draft_window=256,
+        conv_kernel_size=2,
+        conv_group_size=64,
+        selector_rank=64,
+        selector_top_k=16,
+    )
+
+
+def dflash2_smoke_recipe() -> Recipe:
+    r = smoke_recipe()
+    r.pair = "dflash2"
+    r.target_layer_types = ["linear_attention", "full_attention"] * 2
+    r.linear_key_heads, r.linear_value_heads = 1, 2
+    r.draft_window, r.conv_kernel_size, r.conv_group_size = 64, 2, 32
+    r.selector_rank, r.selector_top_k = 16, 8
+    return r
 
 
 class Log:
@@ -185,6 +236,10 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
 
 
 def target_config(r: Recipe, eos_id: int):
+    if r.target_layer_types:
+        from dflash_quant.reference.dflash2 import hybrid_target_config
+
+        return hybrid_target_config(r, eos_id)
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -248,10 +303,10 @@ def eval_target(model, val: torch.Tensor, device: torch.device) -> float:
 
 
 def train_target(r: Recipe, train: torch.Tensor, heldout: torch.Tensor, eos_id: int, device: torch.device, log: Log):
-    from transformers import Qwen3ForCausalLM
+    from dflash_quant.reference.dflash2 import target_class
 
     torch.manual_seed(r.seed + 1)
-    model = Qwen3ForCausalLM(target_config(r, eos_id)).to(device)
+    model = target_class(r)(target_config(r, eos_id)).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"target: {n_params / 1e6:.2f} M parameters", target_params=n_params)
@@ -274,6 +329,9 @@ def train_target(r: Recipe, train: torch.Tensor, heldout: torch.Tensor, eos_id: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         last = step + 1 == r.target_steps
+        if not last and r.target_stop_step is not None and step + 1 == r.target_stop_step:
+            log(f"target: stopped at the recipe's target_stop_step {step + 1} of a {r.target_steps}-step schedule")
+            last = True
         if not last and log.over(0.4):
             log(f"target: deadline guard stopped training after step {step + 1}", target_truncated=step + 1)
             last = True
@@ -390,16 +448,30 @@ def drafter_config(r: Recipe, mask_id: int):
         "num_target_layers": r.target_layers,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(r.target_layer_ids)},
     }
+    if r.conv_kernel_size:
+        from dflash_quant.reference.dflash2 import drafter_extra_config
+
+        top, nested = drafter_extra_config(r)
+        raw.update(top)
+        raw["dflash_config"].update(nested)
     return parse_draft_config(raw, source="reference drafter")
 
 
-def block_batch(seqs: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: int, sizes: torch.Tensor | None = None):
+def block_batch(
+    seqs: torch.Tensor,
+    anchors: torch.Tensor,
+    block: int,
+    mask_id: int,
+    sizes: torch.Tensor | None = None,
+    window: int | None = None,
+):
     """Block inputs, labels, position ids and the visibility mask for many blocks per sequence.
 
     seqs [b, L]; anchors [b, A] (anchor positions); sizes [b, A] optional block lengths <= block (the
     decode loop drafts a shorter block when fewer than B tokens remain). Keys are [L context rows, A*B
     block rows]; the queries of block j see context rows at positions < anchor_j and the first sizes_j
-    rows of block j (rows past sizes_j are padding: computed, never seen, never scored).
+    rows of block j (rows past sizes_j are padding: computed, never seen, never scored). window: a sliding-window drafter
+    also hides context rows at distance >= window from the query (inside a block rows are always closer).
     """
     b, L = seqs.shape
     A = anchors.shape[1]
@@ -413,7 +485,10 @@ def block_batch(seqs: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: 
     ctx_pos = torch.arange(L, device=device)
     position_ids = torch.cat([ctx_pos.expand(b, L), pos.flatten(1)], dim=1)
     ctx_vis = ctx_pos[None, None, None, :] < anchors[:, :, None, None]  # [b, A, 1, L]
-    ctx_vis = ctx_vis.expand(b, A, block, L).reshape(b, A * block, L)
+    ctx_vis = ctx_vis.expand(b, A, block, L)
+    if window is not None:
+        ctx_vis = ctx_vis & ((pos[:, :, :, None] - ctx_pos[None, None, None, :]) < window)
+    ctx_vis = ctx_vis.reshape(b, A * block, L)
     blk_id = torch.arange(A, device=device).repeat_interleave(block)
     blk_vis = (blk_id[:, None] == blk_id[None, :]).expand(b, A * block, A * block)
     if sizes is not None:
@@ -426,12 +501,13 @@ def block_batch(seqs: torch.Tensor, anchors: torch.Tensor, block: int, mask_id: 
 def drafter_loss(drafter, target, seqs, anchors, sizes, r: Recipe, mask_id: int, device: torch.device, weights):
     with torch.no_grad():
         taps = target_taps(target, seqs, r.target_layer_ids)
-    inputs, labels, position_ids, mask = block_batch(seqs, anchors, r.block_size, mask_id, sizes)
+    inputs, labels, position_ids, mask = block_batch(seqs, anchors, r.block_size, mask_id, sizes, r.draft_window)
     b, A, B = inputs.shape
     embed = target.get_input_embeddings()
+    extra = {"conv_block": B} if r.conv_kernel_size else {}  # DFlash2: convolutions never cross blocks
     with autocast(device):
         noise = embed(inputs.view(b, A * B))
-        hidden = drafter(noise, taps, position_ids, attention_mask=mask)
+        hidden = drafter(noise, taps, position_ids, attention_mask=mask, **extra)
         hidden = hidden.view(b, A, B, -1)[:, :, 1:]
         logits = target.get_output_embeddings()(hidden).float()
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(b, A, B - 1)
@@ -439,6 +515,13 @@ def drafter_loss(drafter, target, seqs, anchors, sizes, r: Recipe, mask_id: int,
     w = weights * valid
     loss = (ce * w).sum() / w.sum()
     correct = (logits.argmax(-1) == labels) & valid
+    if r.conv_kernel_size:
+        from dflash_quant.reference.dflash2 import selector_loss
+
+        with autocast(device):
+            sel, chosen_ok = selector_loss(drafter.candidate_selector, hidden, logits, inputs[:, :, 0], labels, w)
+        loss = loss + r.selector_weight * sel
+        correct = chosen_ok & valid  # the decode loop drafts the selector's pick
     return loss, correct
 
 
@@ -449,11 +532,11 @@ def sample_anchors(n: int, lo: int, hi: int, k: int, gen: torch.Generator) -> to
 
 
 def train_drafter(r: Recipe, target, seqs: torch.Tensor, mask_id: int, device: torch.device, log: Log):
-    from dflash_quant.model import DFlashDrafter
+    from dflash_quant.model2 import build_drafter
 
     torch.manual_seed(r.seed + 5)
     config = drafter_config(r, mask_id)
-    drafter = DFlashDrafter(config).to(device)
+    drafter = build_drafter(config).to(device)
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {n_params / 1e6:.2f} M parameters", drafter_params=n_params)
@@ -516,12 +599,23 @@ def replay_tau(drafter, target, full: torch.Tensor, n: int, mask_id: int, device
     taps = target_taps(target, full, drafter.target_layer_ids)
     anchors = torch.arange(n, max_len - 1, device=device)[None]
     sizes = (max_len - anchors).clamp_max(B)  # the loop drafts min(B, max_len - start) rows
-    inputs, labels, position_ids, mask = block_batch(padded, anchors, B, mask_id, sizes)
+    cfg = drafter.config
+    window = cfg.sliding_window if cfg.layer_types and "sliding_attention" in cfg.layer_types else None
+    inputs, labels, position_ids, mask = block_batch(padded, anchors, B, mask_id, sizes, window)
     embed = target.get_input_embeddings()
     A = anchors.shape[1]
     pad_taps = torch.cat([taps, taps.new_zeros(1, padded.shape[1] - taps.shape[1], taps.shape[2])], dim=1)
-    hidden = drafter(embed(inputs.view(1, A * B)), pad_taps, position_ids, attention_mask=mask)
-    draft = drafter.compute_logits(hidden.view(1, A, B, -1)[:, :, 1:], target.get_output_embeddings()).argmax(-1)
+    v2 = getattr(cfg, "is_dflash2", False)
+    extra = {"conv_block": B} if v2 else {}
+    hidden = drafter(embed(inputs.view(1, A * B)), pad_taps, position_ids, attention_mask=mask, **extra)
+    hidden = hidden.view(1, A, B, -1)[:, :, 1:]
+    logits = drafter.compute_logits(hidden, target.get_output_embeddings())
+    if v2:  # DFlash2 drafts through the selector's greedy walk from each anchor
+        from dflash_quant.reference.dflash2 import select_blocks
+
+        draft = select_blocks(drafter, hidden[0], logits[0], inputs[0, :, 0])[None]
+    else:
+        draft = logits.argmax(-1)
     acc_all = (draft == labels).int().cumprod(-1).sum(-1)[0].tolist()  # per anchor
     lengths, accepted = [], []
     start = n
@@ -574,15 +668,22 @@ def save_drafter(out: Path, drafter) -> None:
     drafter.to(torch.bfloat16).save_pretrained(ddir, safe_serialization=True)
     drafter.float()
     cfg = json.loads((ddir / "config.json").read_text())
-    cfg["architectures"] = ["DFlashDraftModel"]
-    for key in ("mask_token_id", "target_layer_ids"):  # kept inside dflash_config only, as z-lab does
+    v2 = getattr(drafter.config, "is_dflash2", False)
+    cfg["architectures"] = ["DFlash2DraftModel" if v2 else "DFlashDraftModel"]
+    keys: tuple[str, ...] = ("mask_token_id", "target_layer_ids")
+    if v2:
+        keys += ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    for key in keys:  # kept inside dflash_config only, as z-lab does
         if key in cfg.get("dflash_config", {}):
             cfg.pop(key, None)
     (ddir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def run(args: argparse.Namespace) -> dict:
-    r = smoke_recipe() if args.smoke else Recipe()
+    if args.pair == "dflash2":
+        r = dflash2_smoke_recipe() if args.smoke else dflash2_recipe()
+    else:
+        r = smoke_recipe() if args.smoke else Recipe()
     r.seed = args.seed
     for item in args.set or []:
         key, _, value = item.partition("=")
@@ -594,6 +695,8 @@ def run(args: argparse.Namespace) -> dict:
         r.draft_steps = max(1, int(r.draft_steps * args.steps_scale))
         if r.draft_stop_step is not None:
             r.draft_stop_step = max(1, int(r.draft_stop_step * args.steps_scale))
+        if r.target_stop_step is not None:
+            r.target_stop_step = max(1, int(r.target_stop_step * args.steps_scale))
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -619,10 +722,15 @@ def run(args: argparse.Namespace) -> dict:
         f"{len(held_docs)} held-out files ({sum(len(d.text) for d in held_docs)} chars)",
         train_files=len(train_docs), heldout_files=len(held_docs))
 
-    if args.reuse_target:  # drafter-only iteration on an earlier run's tokenizer + target
+    if args.reuse_target or r.tokenizer_file:  # an earlier run's (drafter iteration) / the first pair's
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(Path(args.reuse_target) / "target" / "tokenizer.json"))
+        if args.reuse_target:
+            tok_path = Path(args.reuse_target) / "target" / "tokenizer.json"
+        else:
+            tok_path = Path(__file__).resolve().parent / r.tokenizer_file
+        tok = Tokenizer.from_file(str(tok_path))
+        log(f"tokenizer: reused {tok_path}")
     else:
         tok = train_tokenizer(train_docs, r.vocab_size)
     eos_id, mask_id = tok.token_to_id(EOS), tok.token_to_id(MASK)
@@ -640,9 +748,9 @@ def run(args: argparse.Namespace) -> dict:
     log(f"prompts: {len(calib)} calibration (train split), {len(held)} held-out")
 
     if args.reuse_target:
-        from transformers import Qwen3ForCausalLM
+        from dflash_quant.reference.dflash2 import target_class
 
-        target = Qwen3ForCausalLM.from_pretrained(Path(args.reuse_target) / "target", dtype=torch.float32).to(device)
+        target = target_class(r).from_pretrained(Path(args.reuse_target) / "target", dtype=torch.float32).to(device)
         target.eval().requires_grad_(False)
         log(f"target: reused from {args.reuse_target}")
     else:
@@ -673,7 +781,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from dflash_quant.reference.sensitivity import rtn_quantize_drafter
 
-    q = rtn_quantize_drafter(drafter, bits=2, group_size=128)
+    q = rtn_quantize_drafter(drafter, bits=2, group_size=128, names=drafter.linear_names())
     res2 = evaluate(q, target, conts, mask_id, device, r.block_size)
     log(f"2-bit RTN drafter: replay tau {res2['tau']:.3f} ({100 * (1 - res2['tau'] / res['tau']):.1f}% lost)",
         rtn2=res2)
@@ -690,6 +798,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--corpus", default=None, help="directory of .py sources (default: this interpreter's stdlib)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pair", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash: the first pair (Qwen3 + DFlash); dflash2: hybrid Qwen3.5 target + DFlash2 drafter")
     p.add_argument("--smoke", action="store_true", help="tiny configuration that finishes in a minute or two on CPU")
     p.add_argument("--steps-scale", type=float, default=1.0, help="scale both step counts (debugging)")
     p.add_argument("--reuse-target", default=None, metavar="DIR",

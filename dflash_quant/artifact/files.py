@@ -1,0 +1,68 @@
+"""The one atomic JSON writer, the one sha256 helper, and the portable form of a local path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON to a hidden temp file beside `path`, then rename it over `path` (readers never see half a file).
+
+    The file gets the permissions of the umask (mkstemp creates 0600).
+    """
+    from dflash_quant.export.atomic import current_umask
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(data, indent=2) + "\n")
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _update(digest, fh: BinaryIO, chunk: int = 1 << 20) -> None:
+    while block := fh.read(chunk):
+        digest.update(block)
+
+
+def sha256_fileobj(fh: BinaryIO) -> str:
+    """sha256 of what is left to read from an open binary file."""
+    digest = hashlib.sha256()
+    _update(digest, fh)
+    return digest.hexdigest()
+
+
+def sha256_files(paths: Iterable[Path]) -> str:
+    """sha256 of the files' bytes, concatenated in the given order (one file: its plain sha256)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as fh:
+            _update(digest, fh)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return sha256_files([path])
+
+
+def portable_path(path: str | Path, cwd: Path | None = None) -> str:
+    """How a local path is recorded in an artifact: relative to the working directory when inside it,
+    otherwise only its last component. Never an absolute path of the machine that wrote it."""
+    cwd = Path(cwd or os.getcwd()).resolve()
+    p = Path(os.path.expanduser(str(path)))
+    real = (p if p.is_absolute() else cwd / p).resolve()
+    if real.is_relative_to(cwd):
+        rel = real.relative_to(cwd).as_posix()
+        return rel or "."
+    return real.name or "."

@@ -1,0 +1,384 @@
+# ruff: noqa: RUF009  (doc() returns a dataclasses.field, which ruff cannot see)
+"""The artifact's reports (docs/artifact.md is generated from these classes: dflash_quant.artifact.docgen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dflash_quant.artifact.schema import Record, ReportFile, doc
+
+REEXPORT = "re-export the artifact with `dflash-quant gptq`"
+E = dict  # extra: unknown keys, written back as read
+
+
+# ------------------------------------------------------------------------------------------ provenance
+
+
+@dataclass
+class SourceRef(Record):
+    id: str | None = doc("Hub id (`org/name`), shipped pair part (`reference`, `reference:target`), or a local "
+                         "directory relative to the working directory (else its name); never an absolute path")
+    kind: str | None = doc("`hub`, `shipped` (inside the installed dflash_quant/reference/ package) or `local`")
+    revision: str | None = doc("Hub commit or branch the files came from (null for shipped and local sources)")
+    sha256: str | None = doc("sha256 of the weight files (*.safetensors, index order), concatenated")
+    path: str | None = doc("local sources: the directory relative to the working directory (else its name)", omit_none=True)
+    hub_id: str | None = doc("the source's Hub id when it is known apart from `id`", omit_none=True)
+    license: str | None = doc("license to inherit in the card when the source's own card is not available", omit_none=True)
+    extra: E = doc("", factory=dict)
+
+    def recorded_spec(self) -> str | None:
+        """What to pass to the loader to get this model again (a recorded local directory when it exists here)."""
+        from pathlib import Path
+
+        if self.path and Path(self.path).is_dir():
+            return self.path
+        return self.id
+
+    def hub_repo(self) -> str | None:
+        """The Hub repo this came from, only for Hub sources (shipped and local ones have none)."""
+        if self.kind == "hub":
+            return self.hub_id or self.id
+        if self.kind is None:  # written before `kind` existed: trust only an explicit hub_id
+            return self.hub_id
+        return None
+
+
+@dataclass
+class Calibration(Record):
+    prompts: str | None = doc("prompt set (`builtin:calib`, `reference:calib`, or a file relative to the working directory)")
+    num_prompts: int | None = doc("prompts used")
+    max_new_tokens: int | None = doc("tokens generated per prompt while capturing")
+    kv_hessian: str | None = doc("`block` or `block+context`: rows in the k/v Hessians")
+    rows: dict[str, int] | None = doc("Hessian rows per input group")
+    steps: int | None = doc("speculative steps captured")
+    mean_tau_bf16: float | None = doc("tau of the bf16 drafter during calibration")
+    seed: int | None = doc("seed")
+    chat_template: bool | None = doc("prompts wrapped in the tokenizer's chat template")
+    cached: bool | None = doc("statistics reused from --calib-cache")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Quantization(Record):
+    method: str | None = doc("`gptq` or `rtn`")
+    bits: int | None = doc("2, 3, 4 or 8")
+    group_size: int | None = doc("-1 (per channel) or the group size")
+    sym: bool | None = doc("symmetric grid")
+    desc_act: bool | None = doc("act-order")
+    static_groups: bool | None = doc("group parameters fixed before reordering")
+    damp: float | None = doc("dampening (fraction of the mean Hessian diagonal)")
+    lazy_block: int | None = doc("columns per lazy-batch update")
+    sequential: bool | None = doc("stage-by-stage quantization with quantized inputs")
+    profile: str | None = doc("`full`, `vllm` or `sglang`")
+    skip: list[str] | None = doc("--skip regexes")
+    min_rows: int | None = doc("fewest calibration rows accepted per layer")
+    skipped: list[str] | None = doc("Linears kept in bf16")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Provenance(ReportFile):
+    FILE: ClassVar[str] = "provenance.json"
+    WRITER: ClassVar[str] = "export"
+    FIX: ClassVar[str] = f"{REEXPORT} (provenance.json is written by the export stage)"
+
+    tool: str | None = doc("`dflash-quant`")
+    tool_version: str | None = doc("version that wrote it")
+    created_utc: str | None = doc("ISO 8601 time")
+    command: list[str] | None = doc("argv, local paths in their portable form")
+    source_drafter: SourceRef | None = doc("the bf16 drafter quantized")
+    target: SourceRef | None = doc("the target it was calibrated and checked with")
+    calibration: Calibration | None = doc("calibration data")
+    quantization: Quantization | None = doc("recipe")
+    device: str | None = doc("device of the run")
+    dtype: str | None = doc("compute dtype of the run")
+    extra: E = doc("", factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ quant report
+
+
+@dataclass
+class LayerReport(Record):
+    name: str = doc("Linear name", required=True)
+    shape: list[int] | None = doc("[out, in]")
+    bits: int | None = doc("bits")
+    group_size: int | None = doc("group size")
+    hessian_rows: int | None = doc("calibration rows in its Hessian (null for RTN)")
+    damp: float | None = doc("dampening used (raised automatically when needed)")
+    fallback: str | None = doc("null, or `rtn: <why>` when GPTQ fell back")
+    rel_output_error: float | None = doc("||X dW^T|| / ||X W^T|| over the calibration rows")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class QuantReport(ReportFile):
+    FILE: ClassVar[str] = "quant_report.json"
+    WRITER: ClassVar[str] = "export"
+    FIX: ClassVar[str] = REEXPORT
+
+    layers: list[LayerReport] = doc("one entry per quantized Linear", factory=list)
+    kept_bf16: list[str] | None = doc("Linears kept in bf16")
+    original_bytes: int | None = doc("bf16 bytes of the quantized Linears")
+    quantized_bytes: int | None = doc("their packed bytes in model.safetensors")
+    seconds: float | None = doc("quantization time")
+    extra: E = doc("", factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+@dataclass
+class Check(Record):
+    """One drafter's run of the speculative decode check (also `verify --json`'s `summary`)."""
+
+    drafter: str | None = doc("the drafter's id (portable form)")
+    tau: float | None = doc("mean accepted tokens + 1 per step over all steps")
+    tau_mean_of_requests: float | None = doc("mean of the per-prompt tau")
+    per_position_acceptance: list[float | None] | None = doc("index k-1: fraction of steps where draft position k was accepted (B-1 entries)")
+    acceptance_histogram: list[int] | None = doc("index a: steps that accepted exactly a drafts (B entries)")
+    lossless: bool | None = doc("greedy output == the target's own (null when not greedy)")
+    lossless_status: str | None = doc("`exact` | `near-ties` (every divergence at a near-tie of the target) | `diverged`")
+    token_match_rate: float | None = doc("common prefix with the target-only output / target-only tokens")
+    logits_dtype: str | None = doc("dtype of the target's logits (judges near-ties)")
+    divergences: list[dict[str, Any]] | None = doc(
+        "`{prompt_index, position, target_margin, near_tie_margin, near_tie}` per differing prompt: the first "
+        "differing position and the target-only run's top-1/top-2 logit margin there")
+    steps: int | None = doc("speculative steps")
+    target_forwards: int | None = doc("target prefill and verify forward passes")
+    drafter_forwards: int | None = doc("drafter forward passes")
+    target_replay_forwards: int | None = doc("hybrid targets: extra forwards replaying committed tokens after a rollback")
+    replayed_tokens: int | None = doc("hybrid targets: tokens replayed in those forwards")
+    replay_seconds: float | None = doc("hybrid targets: time of those forwards (inside spec_seconds)")
+    new_tokens: int | None = doc("tokens generated")
+    spec_seconds: float | None = doc("wall time of speculative decoding")
+    spec_tokens_per_s: float | None = doc("new_tokens / spec_seconds")
+    baseline_seconds: float | None = doc("wall time of target-only decoding")
+    baseline_tokens_per_s: float | None = doc("target-only tokens per second")
+    speedup: float | None = doc("spec_tokens_per_s / baseline_tokens_per_s")
+    per_prompt: list[dict[str, Any]] | None = doc("`{prompt_index, tau, steps, new_tokens, lossless}` per prompt")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Parity(ReportFile):
+    FILE: ClassVar[str] = "parity.json"
+    WRITER: ClassVar[str] = "verify stage of `gptq`"
+    FIX: ClassVar[str] = "re-run the parity check with `dflash-quant gptq`"
+
+    passed: bool | None = doc("the gate's verdict")
+    tolerance: float | None = doc("fails when tau_ratio < 1 - tolerance")
+    tau_ratio: float | None = doc("quantized tau / bf16 tau")
+    per_position_ratio: list[float | None] | None = doc("per-position acceptance ratio")
+    lossless: bool | None = doc("the quantized drafter's greedy output is the target's")
+    reasons: list[str] | None = doc("why it failed")
+    notes: list[str] | None = doc("reported, not gated")
+    lossless_gated: bool | None = doc("fp32: any divergence fails; reduced precision: a `diverged` status fails")
+    lossless_status: str | None = doc("the quantized drafter's Check.lossless_status")
+    cache: dict[str, str] | None = doc(
+        "`{target_only, bf16_drafter}`: `hit` (runs and timings reused from an earlier run's check cache), `miss` or `off`",
+        omit_none=True)
+    temperature: float | None = doc("0 (greedy)")
+    prompt_set: str | None = doc("held-out prompt set")
+    num_prompts: int | None = doc("prompts")
+    max_new_tokens: int | None = doc("tokens per prompt")
+    block_size: int | None = doc("draft block size")
+    device: str | None = doc("device")
+    dtype: str | None = doc("compute dtype")
+    baseline: Check | None = doc("the bf16 drafter's run")
+    quantized: Check | None = doc("the quantized drafter's run")
+    extra: E = doc("", factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ budget
+
+
+@dataclass
+class GpuRef(Record):
+    name: str | None = doc("card name")
+    total_bytes: int | None = doc("its memory")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class BudgetSettingsRecord(Record):
+    context: int | None = doc("tokens per request")
+    concurrency: int | None = doc("requests at once")
+    spec_tokens: int | None = doc("K drafted tokens per step")
+    gpu_memory_utilization: float | None = doc("engine memory fraction")
+    runtime_overhead_bytes: int | None = doc("non-torch memory")
+    cuda_graph_bytes: int | None = doc("CUDA-graph reserve")
+    prefill_chunk: int | None = doc("tokens per prefill forward")
+    max_num_seqs: int | None = doc("vLLM max_num_seqs")
+    activation_override_bytes: int | None = doc("activation override, if given")
+    new_tokens: int | None = doc("reference engine: generated tokens")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class TargetSummary(Record):
+    source: str | None = doc("preset, shipped name, Hub id or portable path")
+    weight_bytes: int | None = doc("resident weight bytes")
+    weight_format: str | None = doc("bf16, int4, ...")
+    weights_from: str | None = doc("how the bytes were found")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class DrafterSummary(Record):
+    source: str | None = doc("preset, shipped name, Hub id or portable path")
+    bf16_bytes: int | None = doc("bf16 weight bytes")
+    quantized_bytes: int | None = doc("quantized weight bytes")
+    quantized_format: str | None = doc("int4, ...")
+    weights_from: str | None = doc("how the bytes were found")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Caches(Record):
+    target_kv_bytes_per_token: int | None = doc("target KV per token")
+    target_full_attention_bytes_per_token: int | None = doc("of which full-attention layers")
+    target_sliding_bytes_per_token: int | None = doc("of which sliding-window layers")
+    target_sliding_window: int | None = doc("their window")
+    target_state_bytes_per_request: int | None = doc("recurrent state per request")
+    target_state_slots: int | None = doc("state slots kept while speculating")
+    target_state_dtype: str | None = doc("state dtype")
+    drafter_kv_bytes_per_token: int | None = doc("drafter context KV per token")
+    drafter_sliding_window: int | None = doc("drafter window")
+    kv_dtype: str | None = doc("KV dtype")
+    kv_bytes_per_element: int | None = doc("bytes per KV element")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class BudgetForm(Record):
+    """The budget for one form of the drafter (bf16, or the quantized one)."""
+
+    engine: str | None = doc("vllm or reference")
+    gpu: str | None = doc("card name")
+    gpu_bytes: int | None = doc("card memory")
+    utilization: float | None = doc("memory fraction used")
+    usable_bytes: int | None = doc("gpu_bytes x utilization")
+    context: int | None = doc("tokens per request")
+    concurrency: int | None = doc("requests")
+    spec_tokens: int | None = doc("K")
+    drafter_form: str | None = doc("`bf16` or the quantized format")
+    components: dict[str, int] | None = doc("bytes by component")
+    allocator_peak_bytes: int | None = doc("weights + caches + activation")
+    required_bytes: int | None = doc("allocator peak + overhead + CUDA graphs")
+    headroom_bytes: int | None = doc("usable - required (negative: does not fit)")
+    fits: bool | None = doc("headroom >= 0")
+    max_context: int | None = doc("largest context that fits (null: none)")
+    max_context_limited_by: str | None = doc("memory or max_position_embeddings")
+    max_concurrency: int | None = doc("most requests that fit at `context`")
+    notes: list[str] | None = doc("caveats")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Budget(Record):
+    """`dflash-quant budget --json`, and `budget_24gb` in memory.json."""
+
+    gpu: GpuRef | None = doc("card")
+    engine: str | None = doc("engine modelled")
+    settings: BudgetSettingsRecord | None = doc("settings")
+    target: TargetSummary | None = doc("target")
+    drafter: DrafterSummary | None = doc("drafter")
+    caches: Caches | None = doc("per-token and per-request cache bytes")
+    budgets: dict[str, BudgetForm] = doc("`bf16` and the quantized form (e.g. `int4`)", factory=dict)
+    compare_mtp: dict[str, Any] | None = doc(
+        "targets with an MTP head: no speculation, MTP (K = 1..3) and DFlash side by side (`budget --compare-mtp`)",
+        omit_none=True)
+    extra: E = doc("", factory=dict)
+
+    def quantized_form(self) -> str | None:
+        return next((k for k in self.budgets if k != "bf16"), None)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+@dataclass
+class Weights(Record):
+    total_bytes: int | None = doc("bytes of all tensors")
+    by_module: dict[str, int] | None = doc("bytes by module")
+    by_dtype: dict[str, int] | None = doc("bytes by dtype")
+    num_tensors: int | None = doc("tensors")
+    params: int | None = doc("parameters (quantized ones counted unpacked)")
+    quantized_linears: int | None = doc("GPTQ Linears")
+    packed_quantized_bytes: int | None = doc("their packed bytes")
+    dequantized_bf16_bytes: int | None = doc("bytes once dequantized to bf16")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Baseline(Record):
+    path: str | None = doc("the bf16 drafter (shipped name, Hub id or portable path)")
+    total_bytes: int | None = doc("its weight bytes")
+    disk_bytes: int | None = doc("its bytes on disk")
+    ratio: float | None = doc("quantized / bf16 weight bytes")
+    saved_bytes: int | None = doc("bytes saved")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Resident(Record):
+    device: str | None = doc("cpu or cuda")
+    bytes: int | None = doc("measured bytes")
+    held_bytes: int | None = doc("bytes still held after loading")
+    method: str | None = doc("`allocator peak` or `tensor bytes`")
+    form: str | None = doc("what the loader holds (`dequantized bf16`)")
+    packed_bytes: int | None = doc("what an int4 kernel would hold")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class ContextKV(Record):
+    dtype: str | None = doc("KV dtype")
+    full_attention_bytes_per_token: int | None = doc("full-attention layers")
+    sliding_bytes_per_token: int | None = doc("sliding-window layers")
+    sliding_window: int | None = doc("window")
+    layers: int | None = doc("layers")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class MemoryReport(ReportFile):
+    FILE: ClassVar[str] = "memory.json"
+    WRITER: ClassVar[str] = "`dflash-quant memory` (also run by `gptq`)"
+    FIX: ClassVar[str] = "re-run `dflash-quant memory` on the artifact"
+
+    artifact: str | None = doc("the artifact's name (portable form)")
+    weights: Weights | None = doc("weights as stored")
+    disk_bytes: int | None = doc("bytes of all files")
+    baseline: Baseline | None = doc("null, or the bf16 drafter compared with")
+    resident: Resident | None = doc("null, or memory measured after loading")
+    context_kv_bytes_per_token: int | None = doc("drafter context KV per token (bf16)")
+    context_kv: ContextKV | None = doc("its parts")
+    budget_24gb: Budget | None = doc("null, or the 24 GB budget (same shape as `budget --json`)")
+    extra: E = doc("", factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ manifest
+
+
+@dataclass
+class FileEntry(Record):
+    sha256: str = doc("hex digest", required=True)
+    bytes: int = doc("size", required=True)
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class Manifest(ReportFile):
+    FILE: ClassVar[str] = "manifest.json"
+    WRITER: ClassVar[str] = "export; `card` and `memory` update only their own entries"
+    FIX: ClassVar[str] = REEXPORT
+
+    format: int = doc("1", default=1)
+    files: dict[str, FileEntry] = doc("relative POSIX path -> entry", factory=dict)
+    extra: E = doc("", factory=dict)
+
+
+REPORT_FILES = (Provenance, QuantReport, Parity, MemoryReport, Manifest)

@@ -1,0 +1,165 @@
+"""compressed-tensors `pack-quantized` (llm-compressor's format, vLLM's preferred), through the library itself.
+
+GPTQ code q in [0, 2**b) with zero z maps onto the library's signed grid exactly: x_q = q - 2**(b-1),
+zero point z - 2**(b-1) (asymmetric only; symmetric GPTQ has z = 2**(b-1), i.e. zero point 0), and the
+same fp16 scale, so (x_q - zp) * scale is the GPTQ weight. Scales stay fp16 (the exact stored values);
+a reader that multiplies in fp16 gets the GPTQ weight rounded to fp16, in fp32 the GPTQ weight itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dflash_quant import __version__
+from dflash_quant.errors import DFlashQuantError, UsageError
+
+FORMAT = "pack-quantized"
+ACT_ORDER_PROBLEM = ("compressed-tensors >= 0.20 removed group act-order (a column permutation in weight_g_idx); "
+                     "quantize with `gptq --no-desc-act` or `--desc-act --static-groups`")
+
+
+def grid_problem(desc_act: bool) -> str | None:
+    return ACT_ORDER_PROBLEM if desc_act else None
+
+
+def _scheme_args(art) -> dict[str, Any]:
+    args: dict[str, Any] = {"num_bits": art.bits, "type": "int", "symmetric": art.sym, "dynamic": False}
+    if art.group_size == -1:
+        args["strategy"] = "channel"
+    else:
+        args.update(strategy="group", group_size=art.group_size)
+    return args
+
+
+def _in_order(qw) -> bool:
+    from dflash_quant.export.convert import columns_in_order
+
+    return columns_in_order(qw)
+
+
+LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def ignore_rules(kept: list[str], n_layers: int) -> list[str]:
+    """`ignore` regexes for Linears left unquantized, matched by suffix so that engines that move the drafter's
+    modules under other prefixes (vLLM: `model.fc`, layers offset by the target's count) still match, plus the
+    fused names vLLM builds (`qkv_proj`, `gate_up_proj`) when all their parts are kept."""
+    by_suffix: dict[str, set[str]] = {}
+    for name in kept:
+        suffix = name if name == "fc" else ".".join(name.split(".")[-2:])
+        by_suffix.setdefault(suffix, set()).add(name)
+    rules = []
+    full = {s for s, names in by_suffix.items() if s == "fc" or len(names) == n_layers}
+    for suffix, names in sorted(by_suffix.items()):
+        if suffix in full:
+            rules.append(r"re:(^|.*\.)" + re.escape(suffix) + "$")
+        else:
+            rules += [r"re:(^|.*\.)" + re.escape(n) + "$" for n in sorted(names)]
+    if {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"} <= full:
+        rules.append(r"re:(^|.*\.)self_attn\.qkv_proj$")
+    if {"mlp.gate_proj", "mlp.up_proj"} <= full:
+        rules.append(r"re:(^|.*\.)mlp\.gate_up_proj$")
+    return rules
+
+
+def kept_linears(art) -> list[str]:
+    """Linear weights the artifact keeps dense (profiles and --skip)."""
+    kept = []
+    for key, value in art.dense.items():
+        base = key[: -len(".weight")] if key.endswith(".weight") else None
+        if base and value.dim() == 2 and (base == "fc" or base.endswith(LINEAR_SUFFIXES)):
+            kept.append(base)
+    return sorted(kept)
+
+
+def quantization_config(art) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art)))
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=FORMAT, quantization_status="compressed",
+        ignore=ignore_rules(kept_linears(art), int(art.config.get("num_hidden_layers", 0))),
+    )
+    out = config.model_dump()
+    out["quant_method"] = "compressed-tensors"
+    out["dflash_quant"] = {"from": "gptq", "profile": (art.qcfg.get("dflash_quant") or {}).get("profile"),
+                           "quantizer": f"dflash-quant:{__version__}"}
+    return out
+
+
+def pack_weight(qw) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one quantized Linear."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    bits = qw.spec.bits
+    offset = 1 << (bits - 1)
+    x_q = (qw.codes.to(torch.int16) - offset).to(torch.int8)
+    out = {
+        "weight_packed": pack_to_int32(x_q, bits),
+        "weight_scale": qw.scales.T.contiguous().to(torch.float16),  # [out, groups]
+        "weight_shape": torch.tensor([qw.out_features, qw.in_features], dtype=torch.int64),
+    }
+    if not qw.spec.sym:
+        zp = (qw.zeros.T.to(torch.int16) - offset).to(torch.int8).contiguous()  # [out, groups]
+        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0).contiguous()
+    elif not torch.all(qw.zeros == offset):
+        raise DFlashQuantError(f"{qw.name}: symmetric GPTQ zero points are not {offset}; re-export the artifact")
+    if not _in_order(qw):
+        raise UsageError(f"{qw.name}: {ACT_ORDER_PROBLEM}")
+    return out
+
+
+def write_compressed_tensors(dst: Path, art) -> dict[str, Any]:
+    tensors: dict[str, torch.Tensor] = {}
+    qbytes = 0
+    for name, qw in art.quantized.items():
+        for part, t in pack_weight(qw).items():
+            tensors[f"{name}.{part}"] = t.contiguous()
+            qbytes += t.numel() * t.element_size()
+    for key, value in art.dense.items():
+        tensors[key] = value.contiguous()
+    save_file(tensors, str(dst / "model.safetensors"),
+              metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"})
+    config = dict(art.config)
+    config["quantization_config"] = quantization_config(art)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"format": "compressed-tensors", "files": ["model.safetensors", "config.json"], "quantized_bytes": qbytes,
+            "exact": "bit-identical codes and fp16 scales (the weight is exact in fp32, fp16-rounded by fp16 readers)"}
+
+
+def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Dense fp32 weights through the library's own decompressor (scales upcast first: the product is exact)."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        config = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k != "dflash_quant"})
+    except Exception as exc:  # pydantic's error is long; one line is enough here
+        raise DFlashQuantError(f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})") from exc
+    if config.format != FORMAT or len(config.config_groups) != 1:
+        raise DFlashQuantError(
+            f"compressed-tensors format {config.format!r} with {len(config.config_groups)} groups cannot be read here; "
+            f"dflash-quant reads the single-group {FORMAT} checkpoints it writes"
+        )
+    scheme = next(iter(config.config_groups.values()))
+    out: dict[str, torch.Tensor] = {}
+    bases = {k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")}
+    for key, value in tensors.items():
+        if key.rsplit(".", 1)[0] not in bases:
+            out[key] = value
+    for base in sorted(bases):
+        state = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == base}
+        if "weight_g_idx" in state:
+            raise DFlashQuantError(f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads")
+        state["weight_scale"] = state["weight_scale"].float()
+        weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        out[f"{base}.weight"] = weight.float()
+    return out
+

@@ -1,0 +1,196 @@
+"""Convert a GPTQ v1 artifact into another engine's format from the same integer codes (no recalibration).
+
+Every format starts from what the GPTQ artifact holds (codes, fp16 scales, zero points, g_idx) and either
+maps it exactly onto the format's grid or refuses, naming the `gptq` settings that map. The reports
+(provenance, quant_report, parity, memory) travel with the weights; the caller writes card and manifest.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_quant import __version__
+from dflash_quant.artifact.files import portable_path
+from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.export.gptq_v1 import _unpack_dim0
+from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
+
+FORMATS = ("gptq", "compressed-tensors", "gguf", "mlx")
+REPORT_CLASSES = (Provenance, QuantReport, Parity, MemoryReport)
+GPTQ_FILES = ("model.safetensors", "quantize_config.json")
+
+
+@dataclass
+class GptqArtifact:
+    """A GPTQ v1 artifact in memory: its config, the quantized Linears as codes, everything else as stored."""
+
+    path: Path
+    config: dict[str, Any]
+    qcfg: dict[str, Any]
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def bits(self) -> int:
+        return int(self.qcfg["bits"])
+
+    @property
+    def group_size(self) -> int:
+        return int(self.qcfg["group_size"])
+
+    @property
+    def sym(self) -> bool:
+        return bool(self.qcfg.get("sym", True))
+
+
+def read_gptq_artifact(path: Path) -> GptqArtifact:
+    """Codes, scales, zeros and g_idx of every quantized Linear of a GPTQ v1 artifact (exact, no float math)."""
+    from dflash_quant.config import read_config_json
+    from dflash_quant.loading import read_safetensors
+
+    path = Path(path)
+    config = read_config_json(path)
+    qcfg = config.get("quantization_config") or {}
+    if qcfg.get("quant_method") != "gptq":
+        found = qcfg.get("quant_method") or ("mlx" if config.get("quantization") else "none: a bf16 drafter")
+        raise UsageError(
+            f"{path} is not a GPTQ v1 artifact (quant_method {found}); export converts the output of `dflash-quant gptq`"
+        )
+    tensors = read_safetensors(path)
+    bits, group = int(qcfg["bits"]), int(qcfg["group_size"])
+    spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
+    art = GptqArtifact(path=path, config=config, qcfg=qcfg)
+    bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
+    for key, value in tensors.items():
+        if key.rsplit(".", 1)[0] not in bases:
+            art.dense[key] = value
+    for base in sorted(bases):
+        try:
+            qweight, qzeros, scales, g_idx = (tensors[f"{base}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx"))
+        except KeyError as exc:
+            raise DFlashQuantError(f"quantized layer {base} lacks {exc.args[0]}; re-export the artifact") from exc
+        out_features = qweight.shape[1]
+        codes = _unpack_dim0(qweight, bits).T.contiguous()
+        zeros = _unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1
+        art.quantized[base] = QuantizedWeight(
+            codes=codes.to(torch.uint8), scales=scales.float(), zeros=zeros.to(torch.int32), g_idx=g_idx.to(torch.int32),
+            spec=spec, desc_act=bool(qcfg.get("desc_act")), static_groups=bool(qcfg.get("static_groups")), name=base,
+        )
+    return art
+
+
+def columns_in_order(qw: QuantizedWeight) -> bool:
+    """True when every input column's group is column // group width (no act-order permutation)."""
+    width = qw.in_features // qw.n_groups
+    return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features) // width))
+
+
+def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
+    """Why `gptq` settings cannot be written in `fmt` without requantizing (None: they can). Checked before calibrating.
+
+    desc_act means a permuted g_idx: act-order *with* static groups keeps groups in column order and maps."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if fmt == "compressed-tensors":
+        from dflash_quant.export.compressed_tensors import grid_problem
+
+        return grid_problem(desc_act)
+    if fmt == "gguf":
+        from dflash_quant.export.gguf import grid_problem
+
+        return grid_problem(bits, group_size, sym, desc_act, requantize)
+    if fmt == "mlx":
+        from dflash_quant.export.mlx import grid_problem
+
+        return grid_problem(bits, group_size, desc_act)
+    return None
+
+
+def convert_artifact(
+    src: Path, dst: Path, fmt: str, *, target: str | Path | None = None, requantize: bool = False,
+    command: list[str] | None = None, gguf_pre: str | None = None,
+) -> dict[str, Any]:
+    """Write `fmt` into `dst` from the GPTQ v1 artifact `src` (dst may be src: the GPTQ files are replaced).
+
+    Returns the format's summary (what was written, what is exact). Card and manifest are the caller's.
+    """
+    if fmt not in FORMATS[1:]:
+        what = "is the source format already" if fmt == "gptq" else "is unknown"
+        raise UsageError(f"--format {fmt!r} {what}; use one of {', '.join(FORMATS[1:])}")
+    src, dst = Path(src), Path(dst)
+    art = read_gptq_artifact(src)
+    permuted = bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")
+    problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
+    if problem:
+        raise UsageError(problem)
+    # the source's reports, through their typed readers (one-line errors when malformed)
+    reports = {}
+    for cls in REPORT_CLASSES:
+        report = cls.read(src, optional=True)
+        if report is not None:
+            reports[cls.FILE] = report.to_dict()
+    dst.mkdir(parents=True, exist_ok=True)
+    if src.resolve() == dst.resolve():
+        for name in GPTQ_FILES:
+            (dst / name).unlink(missing_ok=True)
+    if fmt == "compressed-tensors":
+        from dflash_quant.export.compressed_tensors import write_compressed_tensors
+
+        summary = write_compressed_tensors(dst, art)
+    elif fmt == "gguf":
+        from dflash_quant.export.gguf import write_gguf
+
+        summary = write_gguf(dst, art, target=_target_dir(target, reports.get("provenance.json")),
+                             requantize=requantize, pre=gguf_pre)
+    else:
+        from dflash_quant.export.mlx import write_mlx
+
+        summary = write_mlx(dst, art)
+    for name, data in reports.items():
+        if name == "provenance.json":
+            data = dict(data)
+            data["export"] = {
+                "format": fmt, "from": None if src.resolve() == dst.resolve() else portable_path(src), "from_quant_method": "gptq", "tool_version": __version__,
+                "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
+            }
+        if name == "quant_report.json":
+            data = dict(data)
+            data["gptq_quantized_bytes"] = data.get("gptq_quantized_bytes", data.get("quantized_bytes"))
+            data["quantized_bytes"] = summary["quantized_bytes"]
+            data["format"] = fmt
+        if name == "parity.json" and src.resolve() != dst.resolve():
+            data = dict(data)
+            notes = list(data.get("notes") or [])
+            notes.append(f"measured on the GPTQ v1 artifact this {fmt} export was converted from; "
+                         "`dflash-quant verify` on this directory measures these exact weights")
+            data["notes"] = notes
+            data["measured_on"] = "gptq"
+        next(c for c in REPORT_CLASSES if c.FILE == name).from_dict(data).write(dst)
+    return summary
+
+
+def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | None:
+    """The target model directory (the GGUF vocabulary comes from its tokenizer)."""
+    if target is not None:
+        from dflash_quant.loading import resolve
+
+        return resolve(str(target)).path
+    rec = (provenance or {}).get("target") or {}
+    for key in ("path", "id"):
+        value = rec.get(key)
+        if value:
+            try:
+                from dflash_quant.loading import resolve
+
+                return resolve(str(value)).path
+            except DFlashQuantError:
+                continue
+    return None
+

