@@ -8,12 +8,12 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from dflash_quant.config_check import (  # noqa: F401  (re-exported: one config model for the drafter)
+    DFLASH2_KEYS, DFLASH_KEYS, REQUIRED_KEYS, default_target_layer_ids, draft_fields, require_object,
+)
+
 from dflash_quant.errors import DFlashQuantError
 
-# Keys that may sit top-level or inside `dflash_config` (z-lab moved them between releases).
-DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
-REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DFLASH_ARCH, DFLASH2_ARCH = "DFlashDraftModel", "DFlash2DraftModel"
 
 
@@ -43,66 +43,16 @@ class DFlashDraftConfig(Qwen3Config):
         return is_causal, (self.sliding_window if sliding else None)
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """z-lab's fallback: evenly spaced taps between layer 1 and N-3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def dflash2_fields(raw: dict[str, Any], nested: dict[str, Any], archs: list[str], source: str) -> dict[str, int]:
-    """The four DFlash2 keys (top-level or in `dflash_config`) as validated ints; {} for a v1 drafter."""
-    present = {k: nested.get(k, raw.get(k)) for k in DFLASH2_KEYS}
-    if not any("DFlash2" in a for a in archs) and all(v is None for v in present.values()):
-        return {}
-    missing = [k for k, v in present.items() if v is None]
-    if missing:
-        raise DFlashQuantError(
-            f"{source} is a DFlash2 drafter but lacks {', '.join(missing)} (top-level or in `dflash_config`); add them"
-        )
-    out = {}
-    for key, value in present.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DFlashQuantError(f"{source}: {key} is {value!r}; it must be a positive integer")
-        out[key] = value
-    return out
-
-
 def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDraftConfig:
-    """Normalize a drafter config.json dict; raises DFlashQuantError naming what is missing."""
+    """Normalize a drafter config.json dict; raises DFlashQuantError naming what is missing or malformed.
+
+    The numbers are checked by config_check.draft_fields first (types, ranges, divisibility); callers that have
+    the weights check the layer count against them before this builds anything (loading.read_draft_config).
+    """
+    fields = draft_fields(raw, source)
     raw = dict(raw)
     nested = dict(raw.pop("dflash_config", None) or {})
-    archs = raw.get("architectures") or []
-
-    def pick(name: str) -> Any:
-        return nested.get(name, raw.get(name))
-
-    v2 = dflash2_fields(raw, nested, archs, source)
-
-    is_dflash = any("DFlash" in a for a in archs) or pick("mask_token_id") is not None
-    if not is_dflash:
-        raise DFlashQuantError(
-            f"{source} is not a DFlash drafter config (no `mask_token_id` top-level or in `dflash_config`, "
-            "no DFlash architecture); pass the drafter directory, not the target"
-        )
-    missing = [k for k in REQUIRED_KEYS if raw.get(k) is None]
-    if missing:
-        raise DFlashQuantError(f"{source} lacks {', '.join(missing)}; the drafter config must define them")
-    mask_token_id = pick("mask_token_id")
-    if mask_token_id is None:
-        raise DFlashQuantError(f"{source} has no `mask_token_id` (top-level or in `dflash_config`)")
-
-    n_layers = int(raw["num_hidden_layers"])
-    target_layer_ids = pick("target_layer_ids")
-    if target_layer_ids is None:
-        n_target = raw.get("num_target_layers")
-        if n_target is None:
-            raise DFlashQuantError(
-                f"{source} has neither `target_layer_ids` nor `num_target_layers`; add one of them"
-            )
-        target_layer_ids = default_target_layer_ids(int(n_target), n_layers)
-    block_size = int(pick("block_size") or 16)
+    v2 = fields.dflash2
 
     # rope_theta may be flat (older files) or under rope_parameters (transformers 5).
     if "rope_parameters" not in raw or raw["rope_parameters"] is None:
@@ -114,48 +64,25 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDra
     raw.pop("rope_scaling", None)
 
     layer_types = raw.get("layer_types")
-    if layer_types is not None and len(layer_types) != n_layers:
-        raise DFlashQuantError(
-            f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers; fix the config"
-        )
     # Qwen3Config drops sliding_window unless use_sliding_window; a drafter that marks sliding layers means it.
     if layer_types and "sliding_attention" in layer_types and raw.get("sliding_window"):
         raw["use_sliding_window"] = True
-    raw.setdefault("head_dim", int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    raw.setdefault("head_dim", fields.head_dim)
     for key in ("auto_map", "model_type", "transformers_version", "torch_dtype", "dtype", "quantization_config"):
         raw.pop(key, None)
-    raw.pop("block_size", None)
-    raw.pop("mask_token_id", None)
-    raw.pop("target_layer_ids", None)
-    for key in DFLASH2_KEYS:
+    for key in (*DFLASH_KEYS, *DFLASH2_KEYS):
         raw.pop(key, None)
     raw["architectures"] = [DFLASH2_ARCH if v2 else DFLASH_ARCH]
-    if v2 and int(raw["hidden_size"]) % v2["conv_group_size"]:
-        raise DFlashQuantError(
-            f"{source}: hidden_size {raw['hidden_size']} is not divisible by conv_group_size "
-            f"{v2['conv_group_size']}; fix the config"
-        )
-    if v2 and raw.get("vocab_size") is not None and v2["selector_top_k"] > int(raw["vocab_size"]):
-        raise DFlashQuantError(
-            f"{source}: selector_top_k {v2['selector_top_k']} exceeds vocab_size {raw['vocab_size']}; fix the config"
-        )
 
     cfg = DFlashDraftConfig(
         **raw,
-        block_size=block_size,
-        dflash_config={
-            **nested,
-            "mask_token_id": int(mask_token_id),
-            "target_layer_ids": [int(i) for i in target_layer_ids],
-            **v2,
-        },
+        block_size=fields.block_size,
+        dflash_config={**nested, "mask_token_id": fields.mask_token_id, "target_layer_ids": fields.target_layer_ids, **v2},
     )
-    cfg.mask_token_id = int(mask_token_id)
-    cfg.target_layer_ids = [int(i) for i in target_layer_ids]
+    cfg.mask_token_id = fields.mask_token_id
+    cfg.target_layer_ids = list(fields.target_layer_ids)
     for key, value in v2.items():
         setattr(cfg, key, value)
-    if cfg.block_size < 2:
-        raise DFlashQuantError(f"{source}: block_size is {cfg.block_size}; a DFlash drafter needs block_size >= 2")
     return cfg
 
 
@@ -165,9 +92,12 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not file.is_file():
         raise DFlashQuantError(f"{file} not found; point at a drafter directory containing config.json")
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DFlashQuantError(f"{file} is not UTF-8 text (byte {exc.start}); fix or re-download it") from exc
     except json.JSONDecodeError as exc:
         raise DFlashQuantError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from exc
+    return require_object(data, str(file))
 
 
 def load_draft_config(src: str | Path | dict[str, Any]) -> DFlashDraftConfig:

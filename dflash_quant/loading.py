@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
+from dflash_quant.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.model import DFlashDrafter
 from dflash_quant.model2 import build_drafter
@@ -144,6 +145,74 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_headers(path: Path, required: bool = True) -> dict[str, dict]:
+    """Every tensor's header entry (dtype, shape, offsets) across a model dir's files; nothing is loaded.
+
+    Each file's header is checked against its size (memory.weights.read_header)."""
+    from dflash_quant.memory.weights import read_header
+
+    out: dict[str, dict] = {}
+    for file in weight_files(path, required=required):
+        if not file.is_file():
+            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
+        out.update(read_header(file))
+    return out
+
+
+def _expected_shapes(f: DraftFields) -> dict[str, tuple[int, int]]:
+    """(out, in) of the Linears whose shapes follow from the config alone."""
+    q, kv = f.num_attention_heads * f.head_dim, f.num_key_value_heads * f.head_dim
+    h, i = f.hidden_size, f.intermediate_size
+    return {"fc": (h, len(f.target_layer_ids) * h), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+
+def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
+    """The drafter config against its safetensors headers, before any model is built: layer count and the
+    shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
+    names = [k[len("model."):] if k.startswith("model.") else k for k in headers]
+    check_layers_present(fields.num_hidden_layers, names, source)
+    if not shapes:
+        return
+    stored = dict(zip(names, (h.get("shape") for h in headers.values())))
+    for part, (n_out, n_in) in _expected_shapes(fields).items():
+        base = part if part == "fc" else f"layers.0.{part}"
+        weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
+        if weight is not None and list(weight) != [n_out, n_in]:
+            raise DFlashQuantError(f"{source}: {base}.weight is {list(weight)} but config.json implies "
+                                   f"[{n_out}, {n_in}]; fix the config or re-download the weights")
+        if qweight is not None and (len(qweight) != 2 or qweight[1] != n_out):
+            raise DFlashQuantError(f"{source}: {base}.qweight is {list(qweight)} but config.json implies "
+                                   f"{n_out} outputs; fix the config or re-export the artifact")
+
+
+def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig]:
+    """(raw config.json, parsed config) of a drafter dir, checked against its weights' headers first, so a
+    config claiming 10^9 layers is refused in milliseconds instead of being built."""
+    file = confined(source.path, "config.json")
+    raw = read_config_json(file)
+    fields = draft_fields(raw, str(file))
+    dense = not raw.get("quantization_config") and not raw.get("quantization")
+    gptq = (raw.get("quantization_config") or {}).get("quant_method") == "gptq"
+    # GGUF artifacts have no safetensors; MLX / compressed-tensors pack their weights under other shapes,
+    # so only the layer count is compared for them
+    check_draft_weights(fields, read_headers(source.path, required=False), str(file), shapes=dense or gptq)
+    return raw, parse_draft_config(raw, source=str(file))
+
+
+def check_target_config(source: Source, raw: dict[str, Any]) -> None:
+    """A target's config.json before transformers builds it: counts are positive ints, heads split evenly,
+    and the layers it claims are in the weights (a missing layer would otherwise be initialised at random)."""
+    from dflash_quant.memory.kv import text_config
+
+    file = str(source.path / "config.json")
+    cfg = text_config(raw)
+    check_model_fields(cfg, file)
+    if cfg.get("num_hidden_layers") is not None:
+        check_layers_present(cfg["num_hidden_layers"], list(read_headers(source.path)), file, exact=False)
+
+
 def weights_sha256(path: Path) -> str:
     """sha256 of a model's safetensors files, concatenated in index order."""
     from dflash_quant.artifact.files import sha256_files
@@ -202,8 +271,7 @@ def load_drafter(
 ) -> LoadedDrafter:
     """Build a DFlashDrafter from a bf16 drafter dir / Hub id, or from a quantized artifact (dequantized)."""
     source = resolve(src, revision)
-    raw = read_config_json(confined(source.path, "config.json"))
-    config = parse_draft_config(raw, source=str(source.path / "config.json"))
+    raw, config = read_draft_config(source)
     qcfg = raw.get("quantization_config") or raw.get("quantization")
     tensors = _read_weights(source, raw)
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
@@ -248,6 +316,7 @@ def load_target(
     if "mask_token_id" in raw or "dflash_config" in raw:
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks
+    check_target_config(source, raw)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True

@@ -101,7 +101,8 @@ def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
     spec = job.eval_prompts or default_prompt_spec(target, "heldout")
     if spec == calib_spec:
         raise UsageError(f"parity prompts {spec!r} are the calibration prompts; pass held-out prompts with --eval-prompts")
-    return spec, encode_prompts(target, spec, job.eval_num_prompts, job.chat_template)
+    return spec, encode_prompts(target, spec, job.eval_num_prompts, job.chat_template, job.eval_max_new_tokens,
+                                "--eval-max-new-tokens", "--eval-num-prompts")
 
 
 def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
@@ -134,7 +135,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
     if job.quant.method == "gptq":
-        calib_ids = encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template)
+        calib_ids = encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template, job.calib_max_new_tokens)
         seen = set(map(tuple, calib_ids))
         if any(tuple(p) in seen for p in eval_ids):  # checked before the target runs
             raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")

@@ -6,12 +6,15 @@ Kept free of torch/transformers imports so the CLI can refuse a bad --output or 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dflash_quant.errors import DFlashQuantError
+from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.atomic import check_writable_dir, guard_output
+
+KV_MODES = ("block", "block+context")  # calibration.capture.KV_MODES, repeated here to stay free of torch
 
 
 def _model_paths(src: str) -> list[Path]:
@@ -68,3 +71,27 @@ def guard_run(
         check_writable_dir(calib_cache, "--calib-cache")  # what calibration.cache.check_location checks, without torch
     with guard_output(output, overwrite, input_paths(drafter, target, prompt_specs, calib_cache)) as final:
         yield final
+
+
+def check_count(value: int | None, option: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{option} must be at least 1 (got {value})")
+
+
+def check_tolerance(value: float) -> None:
+    if not 0 <= value < 1:  # 1 would pass any drafter; NaN compares false everywhere
+        raise UsageError(f"--tolerance must be in [0, 1) (got {value}); 0.03 allows a 3 % lower tau")
+
+
+def check_temperature(value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (got {value}); use 0 for greedy")
+
+
+def check_gptq_args(num_prompts: int | None, eval_num_prompts: int | None, tolerance: float, kv_hessian: str) -> None:
+    """Argument ranges of `gptq` that typer cannot express, checked before the output is touched."""
+    check_count(num_prompts, "--num-prompts")
+    check_count(eval_num_prompts, "--eval-num-prompts")
+    check_tolerance(tolerance)
+    if kv_hessian not in KV_MODES:
+        raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.preflight import check_count, check_temperature, check_tolerance  # noqa: F401  (used by the CLI)
 from dflash_quant.loading import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -63,10 +64,9 @@ def default_target(drafter_src: str) -> str:
 def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype
 ) -> tuple[LoadedDrafter, LoadedTarget]:
-    from dflash_quant.config import load_draft_config
-    from dflash_quant.loading import resolve
+    from dflash_quant.loading import read_draft_config, resolve
 
-    load_draft_config(resolve(drafter_src).path)  # cheap config errors before the target loads
+    read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype)
     drafter = load_drafter(drafter_src, device=device, dtype=dtype)
     check_pair(drafter.config, target.model)
@@ -96,17 +96,33 @@ def default_prompt_spec(target: LoadedTarget, split: str) -> str:
     return f"{pair}:{split}" if pair else f"builtin:{split}"
 
 
-def encode_prompts(target: LoadedTarget, spec: str, limit: int | None, chat_template: bool) -> list[list[int]]:
+def encode_prompts(
+    target: LoadedTarget, spec: str, limit: int | None, chat_template: bool, max_new_tokens: int | None = None,
+    option: str = "--max-new-tokens", count_option: str = "--num-prompts",
+) -> list[list[int]]:
+    """Token ids of the prompts. A prompt that cannot fit the target's positions with max_new_tokens after it
+    is refused (exit 2) rather than truncated: a cut prompt would be a different, silently measured prompt."""
     from dflash_quant.prompts import encode_prompt, load_prompts
 
     if target.tokenizer is None:
         raise DFlashQuantError(f"target {target.source.id} has no tokenizer files; add them to the target directory")
+    check_count(limit, count_option)
     prompts = load_prompts(spec)
     if limit is not None:
-        if limit < 1:
-            raise UsageError("--num-prompts must be at least 1")
         prompts = prompts[:limit]
-    return [encode_prompt(target.tokenizer, p, chat_template=chat_template) for p in prompts]
+    encoded = [encode_prompt(target.tokenizer, p, chat_template=chat_template) for p in prompts]
+    cfg = target.model.config.get_text_config() if hasattr(target.model.config, "get_text_config") else target.model.config
+    positions = getattr(cfg, "max_position_embeddings", None)
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise UsageError(f"prompt {i + 1} of {spec!r} encodes to no tokens; remove it or give it text")
+        if isinstance(positions, int) and max_new_tokens is not None and len(ids) + max_new_tokens > positions:
+            raise UsageError(
+                f"prompt {i + 1} of {spec!r} is {len(ids)} tokens; with {option} {max_new_tokens} it needs "
+                f"{len(ids) + max_new_tokens} positions but the target has {positions} (max_position_embeddings); "
+                f"shorten the prompt or lower {option}"
+            )
+    return encoded
 
 
 def stop_tokens(target: LoadedTarget) -> list[int]:

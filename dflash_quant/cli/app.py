@@ -7,6 +7,7 @@ import importlib
 import typer
 
 from dflash_quant import __version__
+from dflash_quant.cli.common import OneLineErrors
 
 app = typer.Typer(
     name="dflash-quant",
@@ -14,6 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,
 )
 
 # Each module exposes register(app); listed in pipeline order.

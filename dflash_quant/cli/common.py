@@ -9,6 +9,13 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer >= 0.24 ships its own copy of click; older ones use click itself
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
 
 from dflash_quant.errors import DFlashQuantError
 
@@ -18,7 +25,7 @@ out_console = Console()
 
 
 def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -40,3 +47,27 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors that typer/click detect (unknown option, `--max-new-tokens 0`, a missing argument) as one
+    `error:` line, like every other refusal, instead of a usage block and a framed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exc.NoArgsIsHelpError as exc:
+            exc.show()  # the help text: asked for by giving no arguments
+            sys.exit(exc.exit_code)
+        except click_exc.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            message = " ".join(exc.format_message().split())
+            err_console.print(f"[bold red]error:[/] {escape(message)}{hint}", markup=True, highlight=False, soft_wrap=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            err_console.print("[bold red]error:[/] aborted", markup=True, highlight=False)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)

@@ -77,7 +77,7 @@ def gptq(
     eval_prompts: Optional[str] = typer.Option(None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."),
     eval_num_prompts: Optional[int] = typer.Option(None, help="Use only the first N parity prompts."),
     eval_max_new_tokens: int = typer.Option(128, min=1, help="Tokens generated per parity prompt."),
-    tolerance: float = typer.Option(0.03, min=0.0, max=1.0, help="Fail when tau_q / tau_bf16 < 1 - tolerance."),
+    tolerance: float = typer.Option(0.03, help="Fail when tau_q / tau_bf16 < 1 - tolerance; in [0, 1)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
@@ -89,8 +89,9 @@ def gptq(
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
-    from dflash_quant.preflight import guard_run
+    from dflash_quant.preflight import check_gptq_args, guard_run
 
+    check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):

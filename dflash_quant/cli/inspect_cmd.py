@@ -11,13 +11,11 @@ from dflash_quant.cli.common import handle_errors, out_console, print_json
 
 
 def describe(src: str) -> dict:
-    from dflash_quant.config import parse_draft_config, read_config_json
-    from dflash_quant.loading import read_safetensors, resolve
+    from dflash_quant.loading import read_draft_config, read_safetensors, resolve
     from dflash_quant.memory.weights import module_of
 
     source = resolve(src)
-    raw = read_config_json(source.path)
-    cfg = parse_draft_config(raw, source=str(source.path / "config.json"))
+    raw, cfg = read_draft_config(source)
     tensors = read_safetensors(source.path)
     params: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)

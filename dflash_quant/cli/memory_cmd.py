@@ -204,6 +204,10 @@ def register(app: typer.Typer) -> None:
             raise DFlashQuantError(f"{artifact} is not a directory; pass the artifact directory written by `gptq`")
         if baseline is not None and not baseline.is_dir():
             raise DFlashQuantError(f"--baseline {baseline} is not a directory; pass the bf16 drafter directory")
+        if out is not None and out.is_dir():
+            raise UsageError(f"--out {out} is a directory; pass a file path such as {out / 'memory.json'}")
+        if out is not None and not out.parent.is_dir():
+            raise UsageError(f"--out {out}: its folder {out.parent} does not exist; create it or pick another path")
         dev = None if device.lower() in ("none", "") else device.lower()
         if dev not in (None, "cpu", "cuda") and not dev.startswith("cuda:"):
             raise UsageError(f"unknown --device {device!r}; use cpu, cuda or none")

@@ -49,14 +49,14 @@ def verify(
     prompts: Optional[str] = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
     num_prompts: Optional[int] = typer.Option(None, help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy (the parity signal); >0 = rejection sampling."),
+    temperature: float = typer.Option(0.0, help="0 = greedy (the parity signal); >0 = rejection sampling."),
     block_size: Optional[int] = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."),
     compare: Optional[str] = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
-    tolerance: float = typer.Option(0.03, min=0.0, max=1.0, help="Parity tolerance on the tau ratio with --compare."),
+    tolerance: float = typer.Option(0.03, help="Parity tolerance on the tau ratio with --compare, in [0, 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     check_cache: Optional[Path] = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
@@ -66,13 +66,18 @@ def verify(
     import torch
 
     from dflash_quant.loading import check_pair, load_drafter
-    from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
+    from dflash_quant.runtime import (check_count, check_temperature, check_tolerance, default_prompt_spec, encode_prompts,
+                                      load_pair, resolve_device, resolve_dtype, stop_tokens)
     from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
 
+    # every argument is checked before a model is loaded
+    check_temperature(temperature)
+    check_tolerance(tolerance)
+    check_count(num_prompts, "--num-prompts")
+    if block_size is not None and block_size < 2:
+        raise UsageError(f"--block-size {block_size} is too small; a draft block needs at least 2 tokens")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if temperature < 0:
-        raise UsageError("--temperature must be >= 0")
     loaded, tgt = load_pair(drafter, target, dev, dt)
     drafters = [loaded]
     if compare is not None:
@@ -85,7 +90,7 @@ def verify(
             raise UsageError(f"--block-size {block} must be between 2 and the drafter's block size {d.config.block_size}")
     settings = CheckSettings(max_new_tokens, temperature, block, seed, stop_tokens(tgt))
     spec = prompts or default_prompt_spec(tgt, "heldout")
-    encoded = encode_prompts(tgt, spec, num_prompts, chat_template)
+    encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
 
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
     from dflash_quant.decode import GreedyResult, SpecResult

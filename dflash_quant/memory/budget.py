@@ -194,13 +194,26 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
     )
 
 
+def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool) -> None:
+    """The config's layer count against the weights beside it (headers only), like the loader does."""
+    from dflash_quant.config_check import check_layers_present
+    from dflash_quant.memory.weights import read_header
+
+    if root is None:
+        return
+    names = [n for f in weight_files(root) for n in read_header(f)]
+    names = [n[len("model."):] if shape.is_drafter and n.startswith("model.") else n for n in names]
+    check_layers_present(shape.num_layers, names, label, exact=exact)
+
+
 def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engine: str = "vllm") -> ModelSpec:
     """Target from a preset / dir / config.json; weights from files when present, else counted from the config.
 
     weights: None (files, else the config's dtype), a format (bf16|fp16|fp8|int8|int4), or a size ('17.8GB').
     """
     cfg, root, label = _load_config(spec)
-    shape = parse_shape(cfg)
+    shape = parse_shape(cfg, source=label)
+    _check_layers(shape, root, label, exact=False)
     if shape.is_drafter:
         raise UsageError(f"{label} is a DFlash drafter config; pass the target model with --target")
     if weights:
@@ -231,7 +244,10 @@ def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engin
 def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> DrafterSpec:
     """Drafter from an artifact dir (packed bytes from files), a bf16 drafter dir, a config.json or a preset."""
     cfg, root, label = _load_config(spec)
-    shape = parse_shape(cfg)
+    shape = parse_shape(cfg, source=label)
+    _check_layers(shape, root, label, exact=True)
+    if group_size != -1 and group_size < 1:
+        raise UsageError(f"--group-size {group_size} is invalid; use -1 (per channel) or a positive width like 128")
     if not shape.is_drafter:
         raise UsageError(f"{label} is not a DFlash drafter config (no dflash_config/target_layer_ids); pass it with --target")
     pc = count_params(shape)

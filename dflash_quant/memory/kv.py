@@ -263,31 +263,46 @@ def _gated_by_type(cfg: dict) -> bool:
     return str(cfg.get("model_type", "")).startswith(("qwen3_5", "qwen3_next"))
 
 
-def parse_shape(src: str | Path | dict) -> ModelShape:
-    """ModelShape from a config dict / file / directory. Raises DFlashQuantError on missing layer counts."""
+# A config-only budget has no weights to check the layer count against; no released model comes near this.
+MAX_LAYERS = 4096
+
+
+def parse_shape(src: str | Path | dict, source: str = "config") -> ModelShape:
+    """ModelShape from a config dict / file / directory. Raises DFlashQuantError on missing or malformed counts.
+
+    The count fields are checked by config_check (the same checks the loader applies); a DFlash drafter's
+    block size and taps come from config_check.draft_fields, the one reading of a drafter config."""
+    from dflash_quant.config_check import check_model_fields, draft_fields, positive_int
+
+    if not isinstance(src, dict) and source == "config":
+        source = str(src)
     raw = read_config(src)
     cfg = text_config(raw)
+    check_model_fields(cfg, source)
     n_layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers", required=True, what="num_hidden_layers")
-    if n_layers <= 0:
-        raise DFlashQuantError(f"num_hidden_layers is {n_layers}; a model needs at least one layer")
+    positive_int(n_layers, "num_hidden_layers", source)
+    if n_layers > MAX_LAYERS:
+        raise DFlashQuantError(f"{source}: num_hidden_layers {n_layers:,} is implausible (more than {MAX_LAYERS}); "
+                               "fix the config")
     hidden = _int(cfg, "hidden_size", "d_model", "n_embd", required=True, what="hidden_size")
     heads = _int(cfg, "num_attention_heads", "n_head", required=True, what="num_attention_heads")
     kv = _int(cfg, "num_key_value_heads", default=heads)
+    for key, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        positive_int(value, key, source)
     head_dim = _int(cfg, "head_dim", default=None) or hidden // heads
     layer_types = _layer_types(cfg, n_layers)
     sliding = _int(cfg, "sliding_window", default=None) if SLIDING in layer_types else None
     if SLIDING in layer_types and not sliding:
         raise DFlashQuantError("layer_types has sliding_attention layers but sliding_window is missing; fix the config")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
-    archs = [str(a) for a in (raw.get("architectures") or [])]
-    taps = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-    is_drafter = bool(dflash) or any("DFlash" in a for a in archs) or taps is not None
-    num_taps = len(taps) if isinstance(taps, list) else 0
-    if is_drafter and not num_taps:
-        num_taps = min(n_layers, 5) if n_layers > 1 else 1  # z-lab fallback spacing: one tap per draft layer
-        taps = []
-    block = dflash.get("block_size", raw.get("block_size"))
+    dflash = raw.get("dflash_config")
+    archs = [str(a) for a in (raw.get("architectures") or [])] if isinstance(raw.get("architectures"), list) else []
+    is_drafter = bool(dflash) or any("DFlash" in a for a in archs) or raw.get("target_layer_ids") is not None
+    taps, num_taps, block = [], 0, None
+    if is_drafter:
+        fields = draft_fields(raw, source, shape_only=True)
+        taps, block = fields.target_layer_ids, fields.block_size
+        num_taps = len(taps) or (min(n_layers, 5) if n_layers > 1 else 1)  # z-lab spacing: one tap per layer
     quant = raw.get("quantization_config") if isinstance(raw.get("quantization_config"), dict) else None
     return ModelShape(
         num_layers=n_layers,
@@ -308,7 +323,7 @@ def parse_shape(src: str | Path | dict) -> ModelShape:
         moe_intermediate_size=_int(cfg, "moe_intermediate_size", default=0) or 0,
         shared_expert_intermediate_size=_int(cfg, "shared_expert_intermediate_size", default=0) or 0,
         is_drafter=is_drafter,
-        block_size=int(block) if block is not None else None,
+        block_size=block,
         num_taps=num_taps,
         target_layer_ids=tuple(int(t) for t in (taps or [])),
         quantization=quant,

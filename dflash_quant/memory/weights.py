@@ -67,20 +67,46 @@ def bytes_by_part(sizes: dict[str, int]) -> dict[str, int]:
 
 
 def read_header(path: Path) -> dict:
-    """The JSON header of one .safetensors file (8-byte little-endian length + JSON)."""
+    """The JSON header of one .safetensors file (8-byte little-endian length + JSON), checked against the
+    file's size: a header whose tensors lie beyond the end of the file (a truncated download, or a header
+    claiming terabytes for a 4 MB file) is refused before anything trusts its byte counts."""
     try:
+        size = Path(path).stat().st_size
         with open(path, "rb") as fh:
             raw = fh.read(8)
             if len(raw) != 8:
                 raise ValueError("file shorter than 8 bytes")
             (n,) = struct.unpack("<Q", raw)
-            if n > 100 * (1 << 20):
-                raise ValueError(f"header length {n} is implausible")
+            if n > min(size - 8, 100 * (1 << 20)):
+                raise ValueError(f"header length {n} exceeds the file's {size} bytes")
             header = json.loads(fh.read(n))
-    except (OSError, ValueError) as exc:
-        raise DFlashQuantError(f"{path} is not a readable safetensors file ({exc}); re-download or re-export it") from exc
-    header.pop("__metadata__", None)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        header.pop("__metadata__", None)
+        _check_offsets(header, size - 8 - n)
+    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DFlashQuantError(f"{path} is truncated or corrupt ({exc}); re-download or re-export it") from exc
     return header
+
+
+def _check_offsets(header: dict, data_bytes: int) -> None:
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"entry {name!r} is not an object")
+        offsets, shape, dt = info.get("data_offsets"), info.get("shape"), info.get("dtype")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {name} has bad data_offsets {offsets!r}")
+        if offsets[1] > data_bytes:
+            raise ValueError(f"tensor {name} ends at byte {offsets[1]:,} of the data but the file holds {data_bytes:,}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {name} has bad shape {shape!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if dt in ST_DTYPE_BYTES and offsets[1] - offsets[0] != numel * ST_DTYPE_BYTES[dt]:
+            raise ValueError(f"tensor {name} {dt}{shape} needs {int(numel * ST_DTYPE_BYTES[dt]):,} bytes, "
+                             f"its offsets span {offsets[1] - offsets[0]:,}")
 
 
 def weight_files(root: Path) -> list[Path]:

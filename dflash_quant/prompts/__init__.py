@@ -64,9 +64,22 @@ def _parse_messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+def _read_text(path: Path) -> str:
+    """A prompt file's text; binary or non-UTF-8 content is refused naming the first bad byte."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
+                         "save it as UTF-8 (one prompt per line, or JSON lines)") from exc
+    if "\0" in text:
+        raise UsageError(f"{path} is binary (NUL at byte {data.index(0)}); pass a UTF-8 .txt or .jsonl prompt file")
+    return text
+
+
 def _read_jsonl(path: Path, default_split: str | None = None) -> list[Prompt]:
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}, line {n}"
@@ -94,7 +107,7 @@ def _read_jsonl(path: Path, default_split: str | None = None) -> list[Prompt]:
 
 
 def _read_txt(path: Path) -> list[Prompt]:
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _read_text(path).splitlines()
     return [Prompt(id=f"{path.stem}-{n}", text=line) for n, line in enumerate(lines, 1) if line.strip()]
 
 
@@ -127,6 +140,8 @@ def load_prompts(spec: str | Path) -> list[Prompt]:
         prompts = _read_jsonl(path, default_split=split)
     else:
         path = Path(text).expanduser()
+        if path.is_dir():
+            raise UsageError(f"prompt set {text!r} is a directory; pass a .txt or .jsonl prompt file")
         if not path.is_file():
             raise UsageError(
                 f"prompt set {text!r} is neither builtin[:calib|:heldout], reference[-dflash2]:calib|heldout, "
