@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--pair", default="reference")
     ap.add_argument("--prompts", default="builtin:calib")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--settings", default="prefer:2-4,prefer:3-6,agree:2-4,extend:2-4,extend:3-6")
+    ap.add_argument("--settings", default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if "heldout" in args.prompts:
@@ -43,9 +43,10 @@ def main() -> None:
     rows = {"off": {"tau": plain["tau"], "lossless": plain["lossless"]}}
     print(f"off: tau {plain['tau']}", flush=True)
     for spec in args.settings.split(","):
-        mode, _, grams = spec.partition(":")
+        mode, grams, *tokens = spec.split(":")  # mode:min-max[:max lookup tokens]
         lo, hi = map(int, grams.split("-"))
-        settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target), LookupSettings(mode, lo, hi))
+        lk = LookupSettings(mode, lo, hi, int(tokens[0]) if tokens else None)
+        settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target), lk)
         rec = lookup_summary(plain, plain_runs, spec_runs(drafter.model, target.model, ids, settings), reference, settings, block, cats)
         rows[spec] = rec
         by = " ".join(f"{c}:{v['tau_without']}->{v['tau']}" for c, v in (rec.get("by_category") or {}).items())

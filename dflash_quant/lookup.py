@@ -76,11 +76,14 @@ def match(history: torch.Tensor, min_ngram: int, max_ngram: int) -> tuple[int, i
 
 
 def continuation(history: torch.Tensor, settings: LookupSettings, count: int) -> torch.Tensor:
-    """Up to `count` tokens that followed the best earlier occurrence of the history's suffix (maybe none)."""
+    """`count` tokens that followed the best earlier occurrence of the history's suffix (none without a match)."""
     n, at = match(history, settings.min_ngram, settings.max_ngram)
-    if n == 0:
+    if n == 0 or count < 1:
         return history[:0]
-    return history[at + 1 : at + 1 + count]
+    # A match close to the end is a repeating stretch: keep copying what the copy itself proposes (period
+    # length - 1 - at), so "a b a b" proposes "a b a ..." rather than the one token left after the match.
+    period = history.shape[0] - 1 - at
+    return history[at + 1 + torch.arange(count, device=history.device) % period]
 
 
 def point_mass(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
