@@ -202,3 +202,35 @@ def test_split_acceptance_and_lookup_summary():
     assert rec["lookup_steps"] == 2 and rec["lookup_step_share"] == 0.5
     assert rec["by_category"]["code"]["tau"] == 3.25 and rec["by_category"]["code"]["lookup_step_share"] == 0.5
     assert len(summarize("d", [r], None, settings, 4)["per_position_acceptance"]) == 5  # `extend` verifies past the block
+
+
+def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    drafter, target = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "w1 w2 w3 w4 w1 w2 w3 w4", "category": "reproduce"}, {"prompt": "w9 w8 w7", "category": "chat"},
+            {"prompt": "w5 w6 w5 w6 w5", "category": "reproduce"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "verify", str(drafter), "--target", str(target), "--prompts",
+           str(prompts), "--max-new-tokens", "24", "--lookup", "--lookup-mode", "extend", "--lookup-min-ngram", "1", "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)["summary"]
+    lk = s["lookup"]
+    assert lk["mode"] == "extend" and lk["min_ngram"] == 1 and lk["max_tokens"] == 3
+    assert lk["lossless"] is True and s["lossless"] is True and lk["tau_without"] == s["tau"]
+    assert lk["tau_ratio"] == pytest.approx(lk["tau"] / s["tau"], abs=1e-3)
+    assert lk["lookup_steps"] > 0 and 0 < lk["lookup_step_share"] <= 1
+    assert len(lk["per_position_acceptance_drafter"]) == 3 and lk["per_position_acceptance_lookup"]
+    assert set(s["by_category"]) == {"reproduce", "chat"} and s["by_category"]["reproduce"]["prompts"] == 2
+    assert set(lk["by_category"]) == {"reproduce", "chat"}
+    from dflash_quant.artifact.reports import Check
+
+    check = Check.from_dict(s)  # the report contract reads it back with its typed fields
+    assert check.lookup.tau == lk["tau"] and check.by_category["chat"].tau == s["by_category"]["chat"]["tau"]
+    bad = subprocess.run(cmd[:-5] + ["--lookup-mode", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown lookup mode 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
