@@ -20,11 +20,13 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
+from dflash_quant.lookup import LookupSettings
 from dflash_quant.loading import load_drafter, weights_sha256
 from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
-from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
+from dflash_quant.runtime import (default_prompt_spec, encode_prompts, load_pair, prompt_categories, resolve_device,
+                                  resolve_dtype, stop_tokens)
+from dflash_quant.verify import CheckSettings, baseline_runs, by_category, lookup_summary, parity, spec_runs, summarize, warm_up
 
 Progress = Callable[[str, int | None], Callable[[], None]]  # (stage label, total) -> advance()
 
@@ -53,6 +55,7 @@ class GptqJob:
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
+    lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
 
 
 @dataclass
@@ -104,6 +107,8 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
+    if job.lookup is not None:
+        job.lookup.check()
     if job.format != "gptq":
         from dflash_quant.export.convert import format_problem
 
@@ -199,11 +204,26 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     warm_up(base.model, target.model, eval_ids[0], settings)
     adv = progress("parity: target-only baseline", len(eval_ids))
     reference = baseline_runs(target.model, eval_ids, settings, adv)
-    adv = progress("parity: bf16 drafter", len(eval_ids))
-    s_base = summarize(source_id, spec_runs(base.model, target.model, eval_ids, settings, adv), reference, settings, block)
-    adv = progress("parity: quantized drafter", len(eval_ids))
-    s_quant = summarize(portable_path(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    categories = prompt_categories(spec, job.eval_num_prompts)
+    checks = []
+    for name, label, model in ((source_id, "bf16", base.model), (portable_path(job.output), "quantized", quant.model)):
+        runs = spec_runs(model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)))
+        check = summarize(name, runs, reference, settings, block)
+        if cats := by_category(runs, categories):
+            check["by_category"] = cats
+        if job.lookup is not None:  # reported beside the gate; the gate's tau stays the drafter's own
+            looked = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, settings.stop_token_ids, job.lookup)
+            adv = progress(f"parity: {label} drafter + lookup", len(eval_ids))
+            check["lookup"] = lookup_summary(check, runs, spec_runs(model, target.model, eval_ids, looked, adv), reference,
+                                             looked, block, categories)
+        checks.append(check)
+    s_base, s_quant = checks
     verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
+    if job.lookup is not None and dtype == torch.float32:
+        for check in checks:
+            if check["lookup"]["lossless"] is False:
+                verdict["passed"] = False
+                verdict["reasons"].append(f"greedy output of {check['drafter']} with lookup differs from the target's own")
     return Parity.from_dict({
         "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
         "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],

@@ -234,3 +234,20 @@ def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
     assert check.lookup.tau == lk["tau"] and check.by_category["chat"].tau == s["by_category"]["chat"]["tau"]
     bad = subprocess.run(cmd[:-5] + ["--lookup-mode", "nope"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown lookup mode 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
+    """`run_gptq` with lookup: both drafters get a lookup record beside the gate, read back by Parity."""
+    from dflash_quant.artifact.reports import Parity
+    from dflash_quant.pipeline import GptqJob, run_gptq
+
+    out = tmp_path / "int4"
+    job = GptqJob(output=out, calib_num_prompts=4, calib_max_new_tokens=16, eval_prompts="builtin:heldout",
+                  eval_num_prompts=2, eval_max_new_tokens=24, device="cpu", write_card=False,
+                  lookup=LookupSettings("prefer", 2, 4))
+    result = run_gptq(job)
+    par = Parity.read(out)
+    for check in (par.baseline, par.quantized):
+        assert check.lookup is not None and check.lookup.lossless is True and check.lookup.mode == "prefer"
+        assert check.lookup.tau_without == check.tau and check.by_category["code"].prompts == 2
+    assert result.passed is True

@@ -32,6 +32,10 @@ def _summary(result) -> Table:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
         table.add_row("tau quantized (T=0)", f"{par['quantized']['tau']:.3f}")
         table.add_row("tau ratio", f"{par['tau_ratio']:.4f}")
+        for which in ("baseline", "quantized"):
+            if lk := par[which].get("lookup"):
+                label = "bf16" if which == "baseline" else "quantized"
+                table.add_row(f"tau {label} + lookup", f"{lk['tau']:.3f} (x{lk['tau_ratio']}, lookup in {lk['lookup_step_share']:.0%} of steps)")
         table.add_row("lossless", str(par["lossless"]))
         table.add_row("parity", "PASS" if par["passed"] else "FAIL")
     else:
@@ -73,12 +77,22 @@ def gptq(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Parity check: also run both drafters with the lookup proposer and report tau with and without it."),
+    lookup_mode: str = typer.Option("prefer", help="With --lookup: prefer | agree | extend (see dflash_quant/lookup.py)."),
+    lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
+    lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
     fmt: str = typer.Option("gptq", "--format", help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128)."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
     from dflash_quant.preflight import guard_run
 
+    look = None
+    if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
+        from dflash_quant.lookup import LookupSettings
+
+        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram)
+        look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
@@ -95,6 +109,7 @@ def gptq(
                 calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
                 eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
                 chat_template=chat_template, write_card=card, command=["dflash-quant", *sys.argv[1:]], format=fmt,
+                lookup=look,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:
