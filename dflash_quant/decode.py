@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from dflash_quant.lookup import Lookup, LookupSettings, join_proposals, point_mass
 from dflash_quant.model import DFlashDrafter, DraftCache
 from dflash_quant.target_cache import TargetCache, cache_kw, make_cache
 
@@ -30,6 +31,10 @@ class SpecResult:
     replay_forwards: int = 0
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
+    # Lookup (dflash_quant.lookup): per step, how many of the `drafted` positions came from the drafter (the
+    # rest, after them, from the lookup), and the time of the history searches (inside `seconds`).
+    drafter_drafts: list[int] = field(default_factory=list)
+    lookup_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -108,10 +113,12 @@ def speculative_generate(
     block_size: int | None = None,
     generator: torch.Generator | None = None,
     on_step=None,
+    lookup: LookupSettings | None = None,
 ) -> SpecResult:
     """Generate up to max_new_tokens with the drafter proposing blocks and the target verifying them.
 
     on_step(dict) is called after each verify with the step's tensors (calibration uses it).
+    lookup: also propose from the request's own history (dflash_quant.lookup documents the rule per step).
     """
     device = input_ids.device
     block = drafter.block_size if block_size is None else block_size
@@ -123,6 +130,7 @@ def speculative_generate(
     embed = target.get_input_embeddings()
     head = target.get_output_embeddings()
     scale = float(getattr(drafter.config, "input_embedding_scale", 1.0) or 1.0)
+    looker = Lookup(lookup, block) if lookup is not None else None
 
     ids = torch.full((max_len + 1,), drafter.mask_token_id, dtype=torch.long, device=device)
     ids[:n] = input_ids[0]
@@ -143,13 +151,25 @@ def speculative_generate(
     while start + 1 < max_len and not stopped:
         size = min(block, max_len - start)
         blk = ids[start : start + size].clone()
-        draft_probs = None
-        if size > 1:
+        draft_probs, keep, ran_drafter = None, size - 1, False
+        look = ids[:0]
+        if looker is not None and size > 1 and not looker.runs_drafter_always:  # `prefer`: lookup first
+            look = looker.search(ids[: start + 1], min(looker.count, max_len - start - 1))
+        if look.shape[0]:
+            blk, draft_probs, keep = torch.cat([blk[:1], look]), point_mass(look), 0
+        elif size > 1:
             positions = torch.arange(start - ctx.shape[1], start + size, device=device)[None]
             noise = embed(blk[None]) * scale
             hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache)[:, 1:]
             result.drafter_forwards += 1
+            ran_drafter = True
             blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
+            if looker is not None:
+                look, keep = looker.combine(ids, start, blk[1:], max_len - start - 1)
+                if look.shape[0]:
+                    draft_probs = join_proposals(draft_probs, keep, look, head.weight.shape[0])
+                    blk = torch.cat([blk[: keep + 1], look])
+        size = blk.shape[0]
         saved = t_state.save(start, size)
         out = target(
             blk[None],
@@ -182,16 +202,19 @@ def speculative_generate(
             on_step({"start": start, "block": blk, "accepted": acc, "produced": produced, "ctx": ctx})
         result.accepted.append(acc)
         result.drafted.append(size - 1)
+        result.drafter_drafts.append(min(keep, size - 1))
         result.acceptance_lengths.append(produced)
         start += produced
         t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)
-        if size > 1:
-            ctx = _taps(out.hidden_states, drafter.target_layer_ids)[:, :produced]
+        if size > 1:  # the committed tokens' taps; a step without the drafter hands them on to the next one
+            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids)[:, :produced]
+            ctx = new_ctx if ran_drafter else torch.cat([ctx, new_ctx], dim=1)
 
     end = min(start + 1, max_len)
     result.tokens = ids[n:end].tolist()
     result.replay_forwards, result.replayed_tokens = t_state.replay_forwards, t_state.replayed_tokens
     result.replay_seconds = t_state.replay_seconds
+    result.lookup_seconds = looker.seconds if looker is not None else 0.0
     result.seconds = _sync(device) - t0
     return result
 

@@ -20,11 +20,13 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
+from dflash_quant.lookup import LookupSettings
 from dflash_quant.loading import load_drafter, weights_sha256
 from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
-from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
+from dflash_quant.runtime import (default_prompt_spec, encode_prompts, load_pair, prompt_categories, resolve_device,
+                                  resolve_dtype, stop_tokens)
+from dflash_quant.verify import CheckSettings, baseline_runs, by_category, lookup_summary, parity, spec_runs, summarize, warm_up
 
 Progress = Callable[[str, int | None], Callable[[], None]]  # (stage label, total) -> advance()
 
@@ -54,6 +56,7 @@ class GptqJob:
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
+    lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
 
 
 @dataclass
@@ -109,6 +112,8 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
+    if job.lookup is not None:
+        job.lookup.check()
     if job.format != "gptq":
         from dflash_quant.export.convert import format_problem
 
@@ -215,10 +220,28 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
         target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))))
     base_runs = cached_runs(cache, "spec", dkey, SpecResult, lambda: spec_runs(
         base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))))
-    s_base = summarize(source_id, base_runs, reference, settings, block)
-    adv = progress("parity: quantized drafter", len(eval_ids))
-    s_quant = summarize(portable_path(job.output), spec_runs(quant.model, target.model, eval_ids, settings, adv), reference, settings, block)
+    categories = prompt_categories(spec, job.eval_num_prompts)
+    checks = []
+    drafters = ((source_id, "bf16", base.model, base_runs), (portable_path(job.output), "quantized", quant.model, None))
+    for name, label, model, runs in drafters:
+        if runs is None:
+            runs = spec_runs(model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)))
+        check = summarize(name, runs, reference, settings, block)
+        if cats := by_category(runs, categories):
+            check["by_category"] = cats
+        if job.lookup is not None:  # reported beside the gate; the gate's tau stays the drafter's own
+            looked = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, settings.stop_token_ids, job.lookup)
+            adv = progress(f"parity: {label} drafter + lookup", len(eval_ids))
+            check["lookup"] = lookup_summary(check, runs, spec_runs(model, target.model, eval_ids, looked, adv), reference,
+                                             looked, block, categories)
+        checks.append(check)
+    s_base, s_quant = checks
     verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
+    if job.lookup is not None and dtype == torch.float32:
+        for check in checks:
+            if check["lookup"]["lossless"] is False:
+                verdict["passed"] = False
+                verdict["reasons"].append(f"greedy output of {check['drafter']} with lookup differs from the target's own")
     return Parity.from_dict({
         "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
         "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],

@@ -125,6 +125,13 @@ def encode_prompts(
     return encoded
 
 
+def prompt_categories(spec: str, limit: int | None) -> list[str | None]:
+    """Each prompt's category (the built-in set's code / math / chat / reproduce; None for plain files)."""
+    from dflash_quant.prompts import load_prompts
+
+    return [p.category for p in load_prompts(spec)][:limit]
+
+
 def stop_tokens(target: LoadedTarget) -> list[int]:
     eos = getattr(target.model.generation_config, "eos_token_id", None) if hasattr(target.model, "generation_config") else None
     if eos is None and target.tokenizer is not None:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_quant.decode import GreedyResult, SpecResult, speculative_generate, target_generate
+from dflash_quant.lookup import LookupSettings
 from dflash_quant.model import DFlashDrafter
 
 
@@ -19,6 +20,7 @@ class CheckSettings:
     block_size: int | None = None
     seed: int = 0
     stop_token_ids: list[int] | None = None
+    lookup: LookupSettings | None = None  # also propose from each request's history (dflash_quant.lookup)
 
 
 def baseline_runs(
@@ -55,6 +57,7 @@ def spec_runs(
                 stop_token_ids=settings.stop_token_ids,
                 block_size=settings.block_size,
                 generator=generator,
+                lookup=settings.lookup,
             )
         )
         if progress:
@@ -64,7 +67,7 @@ def spec_runs(
 
 def warm_up(drafter: DFlashDrafter, target: torch.nn.Module, ids: list[int], settings: CheckSettings) -> None:
     """One short run of each path so one-time costs (kernels, allocator) stay out of the timings."""
-    short = CheckSettings(max_new_tokens=min(8, settings.max_new_tokens), block_size=settings.block_size)
+    short = CheckSettings(max_new_tokens=min(8, settings.max_new_tokens), block_size=settings.block_size, lookup=settings.lookup)
     spec_runs(drafter, target, [ids], short)
     baseline_runs(target, [ids], short)
 
@@ -109,9 +112,10 @@ def summarize(
 ) -> dict[str, Any]:
     """One drafter's CHECK record (docs/artifact.md)."""
     lengths = [a for r in runs for a in r.acceptance_lengths]
-    drafted = [0] * (block - 1)
-    accepted = [0] * (block - 1)
-    histogram = [0] * block
+    widest = max([block - 1, *(d for r in runs for d in r.drafted)])  # lookup `extend` verifies past the block
+    drafted = [0] * widest
+    accepted = [0] * widest
+    histogram = [0] * (widest + 1)
     for r in runs:
         for acc, n_draft in zip(r.accepted, r.drafted):
             if n_draft == 0:
@@ -201,3 +205,80 @@ def parity(
     return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons,
             "notes": notes, "lossless_gated": bool(greedy and (exact or status is not None)),
             "lossless_status": status}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _tau(runs: list[SpecResult]) -> float:
+    lengths = [a for r in runs for a in r.acceptance_lengths]
+    return round(sum(lengths) / max(len(lengths), 1), 4)
+
+
+def by_category(runs: list[SpecResult], categories: Sequence[str | None]) -> dict[str, dict[str, Any]] | None:
+    """tau per prompt category (the built-in set's code / math / chat / reproduce); None without categories."""
+    if not any(categories):
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for cat in dict.fromkeys(c or "other" for c in categories):
+        picked = [r for r, c in zip(runs, categories) if (c or "other") == cat]
+        out[cat] = {"prompts": len(picked), "tau": _tau(picked)}
+    return out
+
+
+def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[float | None], int]:
+    """Per-position acceptance of the drafter's positions and of the lookup's (index j: the lookup's j+1-th
+    token, over the steps that proposed one), and the steps that verified any lookup token."""
+    counts: dict[str, list[list[int]]] = {"drafter": [], "lookup": []}
+    lookup_steps = 0
+    for r in runs:
+        for acc, n_draft, d in zip(r.accepted, r.drafted, r.drafter_drafts):
+            lookup_steps += n_draft > d
+            for k in range(n_draft):
+                source, j = ("drafter", k) if k < d else ("lookup", k - d)
+                rows = counts[source]
+                while len(rows) <= j:
+                    rows.append([0, 0])
+                rows[j][0] += 1
+                rows[j][1] += int(acc > k)
+    drafter, lookup = ([round(a / n, 4) if n else None for n, a in counts[s]] for s in ("drafter", "lookup"))
+    return drafter, lookup, lookup_steps
+
+
+def lookup_summary(
+    plain: dict[str, Any], plain_runs: list[SpecResult], runs: list[SpecResult], baseline: list[GreedyResult] | None,
+    settings: CheckSettings, block: int, categories: Sequence[str | None] = (),
+) -> dict[str, Any]:
+    """The same drafter with the lookup proposer (Check.lookup): tau with and without it, where it helped."""
+    lk = settings.lookup
+    assert lk is not None
+    full = summarize(plain["drafter"], runs, baseline, settings, block)
+    drafter_pos, lookup_pos, lookup_steps = _split_acceptance(runs)
+    out: dict[str, Any] = {
+        "mode": lk.mode, "min_ngram": lk.min_ngram, "max_ngram": lk.max_ngram, "max_tokens": lk.max_tokens or block - 1,
+        "tau": full["tau"], "tau_without": plain["tau"], "tau_ratio": _ratio(full["tau"], plain["tau"]),
+        "lossless": full["lossless"],
+        "steps": full["steps"], "lookup_steps": lookup_steps,
+        "lookup_step_share": round(lookup_steps / full["steps"], 4) if full["steps"] else None,
+        "per_position_acceptance_drafter": drafter_pos, "per_position_acceptance_lookup": lookup_pos,
+        "target_forwards": full["target_forwards"], "drafter_forwards": full["drafter_forwards"],
+        "target_replay_forwards": full["target_replay_forwards"],
+        "spec_seconds": full["spec_seconds"], "lookup_seconds": round(sum(r.lookup_seconds for r in runs), 4),
+        "spec_tokens_per_s": full["spec_tokens_per_s"], "speedup": full.get("speedup"),
+    }
+    for key in ("lossless_status", "token_match_rate", "divergences"):
+        if key in full:
+            out[key] = full[key]
+    without, with_ = by_category(plain_runs, categories), by_category(runs, categories)
+    if without and with_:
+        cats = {}
+        for cat, row in with_.items():
+            picked = [r for r, c in zip(runs, categories) if (c or "other") == cat]
+            _, _, steps = _split_acceptance(picked)
+            n_steps = sum(len(r.acceptance_lengths) for r in picked)
+            cats[cat] = {"prompts": row["prompts"], "tau_without": without[cat]["tau"], "tau": row["tau"],
+                         "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
+                         "lookup_step_share": round(steps / n_steps, 4) if n_steps else None}
+        out["by_category"] = cats
+    return out

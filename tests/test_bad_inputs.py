@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

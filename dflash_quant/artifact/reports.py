@@ -135,6 +135,52 @@ class QuantReport(ReportFile):
 
 
 @dataclass
+class CategoryTau(Record):
+    """tau of one prompt category (the built-in set's code / math / chat / reproduce)."""
+
+    prompts: int | None = doc("prompts in the category")
+    tau: float | None = doc("mean accepted tokens + 1 per step")
+    tau_without: float | None = doc("lookup record only: the same drafter without lookup", omit_none=True)
+    tau_ratio: float | None = doc("lookup record only: tau / tau_without", omit_none=True)
+    lookup_step_share: float | None = doc("lookup record only: steps that verified a lookup token / steps", omit_none=True)
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class LookupCheck(Record):
+    """The same drafter with the lookup proposer (`--lookup`; the rule per step is in dflash_quant/lookup.py)."""
+
+    mode: str | None = doc("`prefer` | `agree` | `extend`: which proposal a step verifies")
+    min_ngram: int | None = doc("shortest suffix a match needs")
+    max_ngram: int | None = doc("longest suffix searched")
+    max_tokens: int | None = doc("lookup tokens proposed per step at most")
+    tau: float | None = doc("tau with lookup")
+    tau_without: float | None = doc("tau of the same drafter, prompts and target without lookup (the Check's tau)")
+    tau_ratio: float | None = doc("tau / tau_without")
+    lossless: bool | None = doc("greedy output with lookup == the target's own (null when not greedy)")
+    lossless_status: str | None = doc("as Check.lossless_status, for the run with lookup")
+    token_match_rate: float | None = doc("as Check.token_match_rate, for the run with lookup")
+    divergences: list[dict[str, Any]] | None = doc("as Check.divergences, for the run with lookup")
+    steps: int | None = doc("speculative steps")
+    lookup_steps: int | None = doc("steps that verified at least one lookup token")
+    lookup_step_share: float | None = doc("lookup_steps / steps")
+    per_position_acceptance_drafter: list[float | None] | None = doc(
+        "index k-1: fraction of the steps verifying a drafter token at position k that accepted it")
+    per_position_acceptance_lookup: list[float | None] | None = doc(
+        "index j: fraction of the steps proposing a (j+1)-th lookup token that accepted it (in `extend` after "
+        "the drafter's block, so only reached when the whole block was accepted)")
+    target_forwards: int | None = doc("target prefill and verify forward passes")
+    drafter_forwards: int | None = doc("drafter forward passes (`prefer` skips the drafter on lookup steps)")
+    target_replay_forwards: int | None = doc("hybrid targets: replay forwards (Check.target_replay_forwards)")
+    spec_seconds: float | None = doc("wall time of speculative decoding with lookup")
+    lookup_seconds: float | None = doc("time of the history searches (inside spec_seconds)")
+    spec_tokens_per_s: float | None = doc("new tokens / spec_seconds")
+    speedup: float | None = doc("spec_tokens_per_s / target-only tokens per second")
+    by_category: dict[str, CategoryTau] | None = doc("per prompt category: tau with and without lookup")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class Check(Record):
     """One drafter's run of the speculative decode check (also `verify --json`'s `summary`)."""
 
@@ -163,6 +209,8 @@ class Check(Record):
     baseline_tokens_per_s: float | None = doc("target-only tokens per second")
     speedup: float | None = doc("spec_tokens_per_s / baseline_tokens_per_s")
     per_prompt: list[dict[str, Any]] | None = doc("`{prompt_index, tau, steps, new_tokens, lossless}` per prompt")
+    by_category: dict[str, CategoryTau] | None = doc("per prompt category (prompt sets that have them)", omit_none=True)
+    lookup: LookupCheck | None = doc("the same drafter with the lookup proposer (`--lookup`)", omit_none=True)
     extra: E = doc("", factory=dict)
 
 

@@ -40,6 +40,10 @@ def _summary(result) -> Table:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
         table.add_row("tau quantized (T=0)", f"{par['quantized']['tau']:.3f}")
         table.add_row("tau ratio", f"{par['tau_ratio']:.4f}")
+        for which in ("baseline", "quantized"):
+            if lk := par[which].get("lookup"):
+                label = "bf16" if which == "baseline" else "quantized"
+                table.add_row(f"tau {label} + lookup", f"{lk['tau']:.3f} (x{lk['tau_ratio']}, lookup in {lk['lookup_step_share']:.0%} of steps)")
         table.add_row("lossless", str(par["lossless"]))
         table.add_row("parity", "PASS" if par["passed"] else "FAIL")
     else:
@@ -85,6 +89,10 @@ def gptq(
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Parity check: also run both drafters with the lookup proposer and report tau with and without it."),
+    lookup_mode: str = typer.Option("prefer", help="With --lookup: prefer | agree | extend (see dflash_quant/lookup.py)."),
+    lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
+    lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
     fmt: str = typer.Option("gptq", "--format", help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128)."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
@@ -92,6 +100,12 @@ def gptq(
     from dflash_quant.preflight import check_gptq_args, guard_run
 
     check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
+    look = None
+    if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
+        from dflash_quant.lookup import LookupSettings
+
+        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram)
+        look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
@@ -111,6 +125,7 @@ def gptq(
                 eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
                 chat_template=chat_template, write_card=card, format=fmt,
                 check_cache=None if no_check_cache else (check_cache or default_dir()), command=["dflash-quant", *sys.argv[1:]],
+                lookup=look,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

@@ -39,6 +39,38 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
         table.add_row(f"accept @ pos {k + 1}", *[str(s["per_position_acceptance"][k]) for s in summaries])
     if par is not None:
         table.add_row("tau ratio", "", str(par["tau_ratio"]))
+    looks = [s.get("lookup") for s in summaries]
+    if all(looks):
+        for label, key in (("tau with lookup", "tau"), ("lookup tau ratio", "tau_ratio"), ("lossless with lookup", "lossless"),
+                           ("steps using lookup", "lookup_step_share"), ("lookup search seconds", "lookup_seconds"),
+                           ("speedup with lookup", "speedup")):
+            table.add_row(label, *[str(lk.get(key)) for lk in looks])
+        for source in ("drafter", "lookup"):
+            key = f"per_position_acceptance_{source}"
+            for k in range(max(len(lk[key]) for lk in looks)):
+                table.add_row(f"lookup run: {source} @ pos {k + 1}", *[str((lk[key] + [None] * 99)[k]) for lk in looks])
+    return table
+
+
+def _category_table(summaries: list[dict]) -> Table | None:
+    """tau per prompt category, with and without lookup when it ran."""
+    cats = summaries[-1].get("by_category")
+    if not cats:
+        return None
+    table = Table(title="tau by prompt category")
+    table.add_column("category")
+    for s in summaries:
+        table.add_column(s["drafter"], overflow="fold")
+        if s.get("lookup"):
+            table.add_column("with lookup (ratio, share of steps)", overflow="fold")
+    for cat in cats:
+        row = [cat]
+        for s in summaries:
+            row.append(str(s["by_category"][cat]["tau"]))
+            if s.get("lookup"):
+                c = s["lookup"]["by_category"][cat]
+                row.append(f"{c['tau']} ({c['tau_ratio']}, {c['lookup_step_share']})")
+        table.add_row(*row)
     return table
 
 
@@ -60,15 +92,21 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     check_cache: Optional[Path] = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
+    lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Also run each drafter with the lookup proposer (history n-gram matches) and report both."),
+    lookup_mode: str = typer.Option("prefer", help="Which proposal a step verifies: prefer | agree | extend (see dflash_quant/lookup.py)."),
+    lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
+    lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
+    lookup_tokens: Optional[int] = typer.Option(None, help="Lookup tokens per step at most (default: block size - 1)."),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
     import torch
 
     from dflash_quant.loading import check_pair, load_drafter
+    from dflash_quant.lookup import LookupSettings
     from dflash_quant.runtime import (check_count, check_temperature, check_tolerance, default_prompt_spec, encode_prompts,
-                                      load_pair, resolve_device, resolve_dtype, stop_tokens)
-    from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
+                                      load_pair, prompt_categories, resolve_device, resolve_dtype, stop_tokens)
+    from dflash_quant.verify import CheckSettings, baseline_runs, by_category, lookup_summary, parity, spec_runs, summarize, warm_up
 
     # every argument is checked before a model is loaded
     check_temperature(temperature)
@@ -76,6 +114,9 @@ def verify(
     check_count(num_prompts, "--num-prompts")
     if block_size is not None and block_size < 2:
         raise UsageError(f"--block-size {block_size} is too small; a draft block needs at least 2 tokens")
+    look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
+    if look is not None:
+        look.check()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     loaded, tgt = load_pair(drafter, target, dev, dt)
@@ -91,6 +132,7 @@ def verify(
     settings = CheckSettings(max_new_tokens, temperature, block, seed, stop_tokens(tgt))
     spec = prompts or default_prompt_spec(tgt, "heldout")
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
+    categories = prompt_categories(spec, num_prompts)
 
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
     from dflash_quant.decode import GreedyResult, SpecResult
@@ -116,6 +158,13 @@ def verify(
                                lambda: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")))
             cached[d.source.id] = cache.events["spec"]
             summaries.append(summarize(d.source.id, runs, base, settings, block))
+            if cats := by_category(runs, categories):
+                summaries[-1]["by_category"] = cats
+            if look is not None:
+                with_lookup = CheckSettings(max_new_tokens, temperature, block, seed, settings.stop_token_ids, look)
+                task = bar.add_task(f"speculative + lookup: {d.source.id}", total=len(encoded))
+                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, lambda: bar.advance(task))
+                summaries[-1]["lookup"] = lookup_summary(summaries[-1], runs, looked, base, with_lookup, block, categories)
     par = parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
     report = {
         "target": tgt.source.id, "prompt_set": spec, "num_prompts": len(encoded), "max_new_tokens": max_new_tokens,
@@ -130,9 +179,12 @@ def verify(
         print_json(report)
     else:
         out_console.print(_table(summaries, par))
+        if (cat_table := _category_table(summaries)) is not None:
+            out_console.print(cat_table)
     exact = dt == torch.float32
     # fp32: any difference fails; reduced precision: only a divergence the numerics cannot explain
-    not_lossless = [s for s in summaries if s["lossless"] is False and (exact or s.get("lossless_status") == "diverged")]
+    runs_checked = summaries + [s["lookup"] for s in summaries if s.get("lookup")]
+    not_lossless = [s for s in runs_checked if s["lossless"] is False and (exact or s.get("lossless_status") == "diverged")]
     failed = bool(not_lossless) or (par is not None and not par["passed"])
     for s in summaries:
         if not exact and s.get("lossless_status") == "near-ties":

@@ -1,0 +1,142 @@
+"""Lookup proposals: continue the request's own history where its latest tokens occurred before.
+
+The proposer finds the most recent earlier occurrence of the longest suffix (between `min_ngram` and
+`max_ngram` tokens) of the committed tokens (prompt + generated) and proposes the tokens that followed it.
+The search is a handful of vector ops over the whole history on its device (one per n-gram length, never a
+Python loop over positions) and one host sync to read the match back.
+
+Which proposal a step verifies (`mode`), decided before the verify forward:
+
+- `prefer`: a match verifies the lookup tokens and the drafter does not run that step; no match, the
+  drafter's block. Cheapest, but a spurious match replaces a good drafter block.
+- `agree`: the drafter always runs; a match is verified instead of the drafter's block only when the lookup's
+  first token equals the drafter's first draft (the drafter vouches for the path the lookup continues).
+- `extend`: the drafter always runs and its whole block is verified, followed by the lookup continuation of
+  (history + the drafted tokens): both proposals in one forward, one after the other.
+
+Why this stays exact. At temperature 0 every mode verifies one token sequence and commits its longest prefix
+that equals the target's argmax, plus the target's token: the output is the target's greedy output whatever
+was proposed. At temperature > 0 a lookup token is a proposal with a point-mass distribution (q = 1 on it),
+so rejection sampling accepts it with probability p(token) and otherwise resamples from p with that token
+removed; the choice of proposal depends only on the history and the drafter's own sample, never on the
+target's randomness, so the output distribution is p's (tests/test_lookup.py's chi-square tests). The
+drafter's context stays exact: the taps of the committed tokens come from the verify forward whichever
+proposal it verified, and a step where the drafter does not run hands them on to the next drafter forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("prefer", "agree", "extend")
+DEFAULT_MODE = "prefer"
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    mode: str = DEFAULT_MODE
+    min_ngram: int = 2
+    max_ngram: int = 4
+    max_tokens: int | None = None  # lookup tokens per step; default: the drafter's block - 1
+
+    def check(self) -> None:
+        from dflash_quant.errors import UsageError
+
+        if self.mode not in MODES:
+            raise UsageError(f"unknown lookup mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise UsageError(f"lookup n-gram lengths must satisfy 1 <= min ({self.min_ngram}) <= max ({self.max_ngram})")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UsageError(f"lookup max tokens must be at least 1, got {self.max_tokens}")
+
+    def label(self) -> str:
+        return f"{self.mode}, n-gram {self.min_ngram}-{self.max_ngram}"
+
+
+def match(history: torch.Tensor, min_ngram: int, max_ngram: int) -> tuple[int, int]:
+    """(n, j): the longest suffix of `history` (n in [min_ngram, max_ngram] tokens) that also ends at an earlier
+    position j, the most recent such j; (0, -1) when there is none. history: 1-D token ids on any device."""
+    length = history.shape[0]
+    top = min(max_ngram, length - 1)
+    if top < min_ngram:
+        return 0, -1
+    ends = torch.arange(length - 1, device=history.device)  # an occurrence ending at j is followed by history[j + 1]
+    run = torch.ones(length - 1, dtype=torch.bool, device=history.device)
+    n = torch.zeros(length - 1, dtype=torch.long, device=history.device)
+    for k in range(top):  # bounded by max_ngram; each op covers the whole history
+        prev = ends - k
+        run &= (prev >= 0) & (history[prev.clamp_min(0)] == history[length - 1 - k])
+        n += run
+    best = torch.argmax(n * length + ends)  # longest, then most recent
+    got, at = torch.stack([n[best], best]).tolist()
+    return (got, at) if got >= min_ngram else (0, -1)
+
+
+def continuation(history: torch.Tensor, settings: LookupSettings, count: int) -> torch.Tensor:
+    """`count` tokens that followed the best earlier occurrence of the history's suffix (none without a match)."""
+    n, at = match(history, settings.min_ngram, settings.max_ngram)
+    if n == 0 or count < 1:
+        return history[:0]
+    # A match close to the end is a repeating stretch: keep copying what the copy itself proposes (period
+    # length - 1 - at), so "a b a b" proposes "a b a ..." rather than the one token left after the match.
+    period = history.shape[0] - 1 - at
+    return history[at + 1 + torch.arange(count, device=history.device) % period]
+
+
+def point_mass(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup tokens' proposal in the (candidate ids, probabilities) form rejection_step takes."""
+    return tokens[:, None], torch.ones(tokens.shape[0], 1, device=tokens.device)
+
+
+class Lookup:
+    """The per-request proposer the decode loop calls, with the time its searches took."""
+
+    def __init__(self, settings: LookupSettings, block: int):
+        settings.check()
+        self.settings = settings
+        self.count = settings.max_tokens or block - 1
+        self.seconds = 0.0
+
+    @property
+    def runs_drafter_always(self) -> bool:
+        return self.settings.mode != "prefer"
+
+    def search(self, history: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        t0 = time.perf_counter()  # the search ends in a host read (tolist), so this times the device work too
+        out = continuation(history, self.settings, self.count if count is None else count)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def combine(self, ids: torch.Tensor, start: int, drafts: torch.Tensor, room: int) -> tuple[torch.Tensor, int]:
+        """After the drafter ran: (lookup tokens to verify, how many drafts to keep before them).
+
+        ids[: start + 1] is the committed history (the anchor last); `room` bounds the tokens after the anchor.
+        Keeping 0 drafts verifies the lookup instead of the block; an empty result keeps the block alone.
+        """
+        if self.settings.mode == "extend":
+            history = torch.cat([ids[: start + 1], drafts])
+            look = self.search(history, min(self.count, room - drafts.shape[0]))
+            return look, drafts.shape[0]
+        look = self.search(ids[: start + 1], min(self.count, room))
+        if look.shape[0] and bool(look[0] == drafts[0]):  # `agree`: the drafter vouches for the path
+            return look, 0
+        return look[:0], drafts.shape[0]
+
+
+def join_proposals(draft_probs, keep: int, look: torch.Tensor, vocab: int):
+    """The proposal of `keep` drafter tokens followed by the lookup tokens, as dense [keep + m, V] rows.
+
+    draft_probs is the drafter's (None at temperature 0, [g, V], or DFlash2's (ids [g, k], probs [g, k]))."""
+    if draft_probs is None:
+        return None
+    rows = torch.zeros(keep + look.shape[0], vocab, device=look.device)
+    if isinstance(draft_probs, tuple):
+        cand, probs = draft_probs
+        rows[:keep].scatter_(1, cand[:keep], probs[:keep].float())
+    else:
+        rows[:keep] = draft_probs[:keep].float()
+    rows[keep:].scatter_(1, look[:, None], 1.0)
+    return rows

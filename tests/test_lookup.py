@@ -1,0 +1,253 @@
+"""The lookup proposer (dflash_quant.lookup) in the speculative loop: search, exactness, drafter context, reports."""
+
+import pytest
+import torch
+from tiny import save_hybrid_target
+
+from dflash_quant.decode import SpecResult, _taps, rejection_step, speculative_generate, target_generate
+from dflash_quant.errors import UsageError
+from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.lookup import MODES, LookupSettings, continuation, join_proposals, match, point_mass
+from dflash_quant.verify import CheckSettings, _split_acceptance, lookup_summary, summarize
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    drafter, target = tiny_pair
+    return load_drafter(drafter).model, load_target(target).model
+
+
+def _repeating_prompt(seed, n=7):
+    ids = torch.randint(3, 120, (1, n), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([ids, ids], 1)  # the request repeats itself, so the lookup has something to find
+
+
+def _brute_match(h, lo, hi):
+    """The longest (lo..hi) suffix with an earlier occurrence, most recent first: a plain Python scan."""
+    h = h.tolist()
+    for n in range(min(hi, len(h) - 1), lo - 1, -1):
+        suffix = h[len(h) - n :]
+        for j in range(len(h) - 2, n - 2, -1):
+            if h[j - n + 1 : j + 1] == suffix:
+                return n, j
+    return 0, -1
+
+
+def test_vectorised_search_equals_a_plain_scan():
+    gen = torch.Generator().manual_seed(0)
+    found = 0
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        vocab = int(torch.randint(2, 6, (1,), generator=gen))
+        h = torch.randint(0, vocab, (length,), generator=gen)
+        lo = int(torch.randint(1, 4, (1,), generator=gen))
+        hi = lo + int(torch.randint(0, 4, (1,), generator=gen))
+        assert match(h, lo, hi) == _brute_match(h, lo, hi), (h.tolist(), lo, hi)
+        found += match(h, lo, hi)[0] > 0
+    assert 50 < found < 300  # both outcomes were exercised
+
+
+def test_continuation_follows_the_most_recent_longest_match_and_repeats_periods():
+    s = LookupSettings(min_ngram=1, max_ngram=3)
+    # "7 8 9" occurred at 0..2 (followed by 4 5) and "8 9" at 6..7 (followed by 1): the 3-gram wins
+    h = torch.tensor([7, 8, 9, 4, 5, 6, 8, 9, 1, 7, 8, 9])
+    assert continuation(h, s, 3).tolist() == [4, 5, 6]
+    # a repeating stretch keeps copying past the end of the history
+    assert continuation(torch.tensor([3, 1, 2, 1, 2]), s, 5).tolist() == [1, 2, 1, 2, 1]
+    assert continuation(torch.tensor([5, 6, 7]), s, 4).tolist() == []  # no earlier occurrence
+    assert continuation(torch.tensor([1, 2, 3, 9, 2, 3]), LookupSettings(min_ngram=3, max_ngram=4), 2).tolist() == []
+
+
+def test_settings_are_checked():
+    for bad in (LookupSettings(mode="nope"), LookupSettings(min_ngram=3, max_ngram=2), LookupSettings(min_ngram=0),
+                LookupSettings(max_tokens=0)):
+        with pytest.raises(UsageError):
+            bad.check()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_equals_target_greedy_with_lookup(pair, mode):
+    drafter, target = pair
+    used = 0
+    for seed in range(3):
+        ids = _repeating_prompt(seed)
+        ref = target_generate(target, ids, 40).tokens
+        spec = speculative_generate(drafter, target, ids, 40, lookup=LookupSettings(mode, 1, 3))
+        assert spec.tokens == ref, f"{mode} prompt {seed}"
+        assert sum(spec.acceptance_lengths) == 39
+        assert len(spec.drafter_drafts) == len(spec.drafted)
+        used += sum(d > k for d, k in zip(spec.drafted, spec.drafter_drafts))
+        if mode == "prefer":  # a lookup step skips the drafter
+            lookup_steps = sum(k == 0 and d > 0 for d, k in zip(spec.drafted, spec.drafter_drafts))
+            assert spec.drafter_forwards == len(spec.drafted) - lookup_steps - (spec.drafted[-1] == 0)
+    if mode != "agree":  # a random drafter never agrees with the lookup
+        assert used > 0
+
+
+def test_lookup_raises_tau_where_the_target_repeats_itself(pair):
+    """The tiny target's greedy output falls into loops: lookup tokens get accepted and tau rises."""
+    drafter, target = pair
+    plain = [speculative_generate(drafter, target, _repeating_prompt(s), 40) for s in range(3)]
+    looked = [speculative_generate(drafter, target, _repeating_prompt(s), 40, lookup=LookupSettings("prefer", 1, 3)) for s in range(3)]
+    _, by_lookup, steps = _split_acceptance(looked)
+    assert steps > 0 and by_lookup[0] > 0.3
+    assert sum(r.tau for r in looked) > 1.3 * sum(r.tau for r in plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drafter_context_stays_exact(pair, mode):
+    """Every context row the drafter is fed is the target's tap of that committed token, in order, whichever
+    proposal was verified (a `prefer` step hands its rows on to the next drafter forward)."""
+    drafter, target = pair
+    ids = _repeating_prompt(4)
+    fed = []
+    real = drafter.forward
+
+    def spy(noise, ctx, positions, cache=None):
+        fed.append((int(positions[0, 0]), ctx.clone()))
+        return real(noise, ctx, positions, cache=cache)
+
+    drafter.forward = spy
+    try:
+        spec = speculative_generate(drafter, target, ids, 30, lookup=LookupSettings(mode, 1, 3))
+    finally:
+        del drafter.forward
+    rows = torch.cat([c for _, c in fed], dim=1)
+    assert [p for p, _ in fed][0] == 0
+    full = torch.cat([ids[0], torch.tensor(spec.tokens)])[None]
+    taps = _taps(target(full, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    assert rows.shape[1] <= full.shape[1]
+    torch.testing.assert_close(rows, taps[:, : rows.shape[1]], atol=1e-4, rtol=1e-4)
+    starts = [p for p, _ in fed]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrid_targets_stay_lossless_with_lookup(pair, tmp_path, family):
+    drafter, _ = pair
+    target = load_target(save_hybrid_target(tmp_path / family, family)).model
+    ids = _repeating_prompt(0)
+    ref = target_generate(target, ids, 30).tokens
+    for mode in MODES:
+        spec = speculative_generate(drafter, target, ids, 30, lookup=LookupSettings(mode, 1, 3))
+        assert spec.tokens == ref, f"{family} {mode}"
+        assert spec.replay_forwards > 0
+
+
+def _chi2(counts, probs):
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_point_mass_lookup_tokens_keep_the_target_distribution():
+    """Lookup tokens are proposals with q = 1: the first emitted token ~ p0, and given that it is the first
+    lookup token, the second ~ p1 (chi-square on a 5-token vocabulary, fixed seed)."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.2, 0.1], [0.3, 0.1, 0.1, 0.2, 0.3], [0.2] * 5])
+    look = torch.tensor([1, 4])
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(6000):
+        acc, nxt = rejection_step(look, p, point_mass(look), gen)
+        first[1 if acc >= 1 else nxt] += 1
+        if acc >= 1:
+            second[4 if acc == 2 else nxt] += 1
+    assert _chi2(first, p[0]) < 18.47  # p = 0.001, 4 degrees of freedom
+    assert _chi2(second, p[1]) < 18.47
+    # not trivially passing: always emitting the lookup token is far from p
+    assert _chi2(torch.tensor([0.0, 6000, 0, 0, 0]) + 1e-9, p[0]) > 1000
+
+
+def test_drafter_then_lookup_proposal_keeps_the_target_distribution():
+    """`extend`: a sampled drafter token followed by a lookup token (join_proposals), chi-square per position."""
+    gen = torch.Generator().manual_seed(2)
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.2, 0.3, 0.3], [0.2] * 5])
+    q = torch.tensor([[0.05, 0.1, 0.15, 0.3, 0.4]])
+    look = torch.tensor([3])
+    first, second = torch.zeros(5), torch.zeros(5)
+    for _ in range(8000):
+        d = torch.multinomial(q[0], 1, generator=gen)
+        proposal = join_proposals(q, 1, look, 5)
+        drafts = torch.cat([d, look])
+        acc, nxt = rejection_step(drafts, p, proposal, gen)
+        first[int(d) if acc >= 1 else nxt] += 1
+        if acc >= 1 and int(d) == 0:  # p's second row is the target's distribution after token 0
+            second[3 if acc == 2 else nxt] += 1
+    assert _chi2(first, p[0]) < 18.47
+    assert second.sum() > 300 and _chi2(second, p[1]) < 18.47
+
+
+def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
+    drafter, target = pair
+    ids = _repeating_prompt(2)
+    for mode in MODES:
+        run = [speculative_generate(drafter, target, ids, 30, temperature=0.8, generator=torch.Generator().manual_seed(3),
+                                    lookup=LookupSettings(mode, 1, 3)) for _ in range(2)]
+        assert run[0].tokens == run[1].tokens and len(run[0].tokens) == 30
+        assert sum(run[0].acceptance_lengths) == 29
+
+
+def test_split_acceptance_and_lookup_summary():
+    # step 1: 3 drafter drafts, 2 accepted; step 2: 3 lookup tokens, all accepted; step 3 (extend): 3 drafter + 2
+    # lookup, 4 accepted; step 4: the last token, nothing drafted
+    r = SpecResult(tokens=list(range(14)), acceptance_lengths=[3, 4, 5, 1], accepted=[2, 3, 4, 0], drafted=[3, 3, 5, 0],
+                   drafter_drafts=[3, 0, 3, 0], seconds=1.0, lookup_seconds=0.01)
+    drafter_pos, lookup_pos, steps = _split_acceptance([r])
+    assert drafter_pos == [1.0, 1.0, 0.5] and lookup_pos == [1.0, 0.5, 1.0] and steps == 2
+    plain = SpecResult(tokens=list(range(14)), acceptance_lengths=[2] * 6 + [1], accepted=[1] * 6 + [0],
+                       drafted=[3] * 6 + [0], drafter_drafts=[3] * 6 + [0], seconds=1.0)
+    settings = CheckSettings(14, 0.0, 4, lookup=LookupSettings("extend", 2, 4))
+    s_plain = summarize("d", [plain], None, settings, 4)
+    rec = lookup_summary(s_plain, [plain], [r], None, settings, 4, ["code"])
+    assert rec["tau"] == 3.25 and rec["tau_without"] == round(13 / 7, 4) and rec["tau_ratio"] == round(3.25 / (13 / 7), 4)
+    assert rec["lookup_steps"] == 2 and rec["lookup_step_share"] == 0.5
+    assert rec["by_category"]["code"]["tau"] == 3.25 and rec["by_category"]["code"]["lookup_step_share"] == 0.5
+    assert len(summarize("d", [r], None, settings, 4)["per_position_acceptance"]) == 5  # `extend` verifies past the block
+
+
+def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    drafter, target = tiny_pair
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "w1 w2 w3 w4 w1 w2 w3 w4", "category": "reproduce"}, {"prompt": "w9 w8 w7", "category": "chat"},
+            {"prompt": "w5 w6 w5 w6 w5", "category": "reproduce"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "verify", str(drafter), "--target", str(target), "--prompts",
+           str(prompts), "--max-new-tokens", "24", "--lookup", "--lookup-mode", "extend", "--lookup-min-ngram", "1", "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)["summary"]
+    lk = s["lookup"]
+    assert lk["mode"] == "extend" and lk["min_ngram"] == 1 and lk["max_tokens"] == 3
+    assert lk["lossless"] is True and s["lossless"] is True and lk["tau_without"] == s["tau"]
+    assert lk["tau_ratio"] == pytest.approx(lk["tau"] / s["tau"], abs=1e-3)
+    assert lk["lookup_steps"] > 0 and 0 < lk["lookup_step_share"] <= 1
+    assert len(lk["per_position_acceptance_drafter"]) == 3 and lk["per_position_acceptance_lookup"]
+    assert set(s["by_category"]) == {"reproduce", "chat"} and s["by_category"]["reproduce"]["prompts"] == 2
+    assert set(lk["by_category"]) == {"reproduce", "chat"}
+    from dflash_quant.artifact.reports import Check
+
+    check = Check.from_dict(s)  # the report contract reads it back with its typed fields
+    assert check.lookup.tau == lk["tau"] and check.by_category["chat"].tau == s["by_category"]["chat"]["tau"]
+    bad = subprocess.run(cmd[:-5] + ["--lookup-mode", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown lookup mode 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
+    """`run_gptq` with lookup: both drafters get a lookup record beside the gate, read back by Parity."""
+    from dflash_quant.artifact.reports import Parity
+    from dflash_quant.pipeline import GptqJob, run_gptq
+
+    out = tmp_path / "int4"
+    job = GptqJob(output=out, calib_num_prompts=4, calib_max_new_tokens=16, eval_prompts="builtin:heldout",
+                  eval_num_prompts=2, eval_max_new_tokens=24, device="cpu", write_card=False,
+                  lookup=LookupSettings("prefer", 2, 4))
+    result = run_gptq(job)
+    par = Parity.read(out)
+    for check in (par.baseline, par.quantized):
+        assert check.lookup is not None and check.lookup.lossless is True and check.lookup.mode == "prefer"
+        assert check.lookup.tau_without == check.tau and check.by_category["code"].prompts == 2
+    assert result.passed is True
