@@ -317,3 +317,17 @@ def test_sliding_window_target_stays_lossless(drafter):
     full = Qwen3ForCausalLM(target_config(initializer_range=0.1)).eval()
     full.load_state_dict(target.state_dict())
     assert target_generate(full, ids, 30).tokens != ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_dflash2_drafter_is_lossless_on_hybrid_targets(tmp_path, targets, family):
+    """DFlash2 (convolutions + selector path) on both hybrid families: greedy output == target-only output."""
+    from tiny import save_dflash2_drafter
+
+    d2 = load_drafter(save_dflash2_drafter(tmp_path / "d2", std=0.2)).model
+    for seed in range(3):
+        ids = _prompt(20 + seed)
+        ref = target_generate(targets[family], ids, 24)
+        spec = speculative_generate(d2, targets[family], ids, 24)
+        assert spec.tokens == ref.tokens
+        assert spec.drafter_forwards > 0
