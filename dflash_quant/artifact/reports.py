@@ -125,7 +125,7 @@ class QuantReport(ReportFile):
     seconds: float | None = doc("quantization time")
     drafter_bytes_bf16: int | None = doc("every tensor of the source drafter at bf16", omit_none=True)
     drafter_bytes_quantized: int | None = doc("every tensor in the written weights file", omit_none=True)
-    by_part: dict[str, dict[str, int]] | None = doc(
+    by_part: dict[str, Any] | None = doc(
         "`{bf16, quantized}`: bytes by part (backbone Linears, fc, norms, conv, selector codebooks, selector projection)",
         omit_none=True)
     extra: E = doc("", factory=dict)
