@@ -115,7 +115,7 @@ def _gptq(out, cache, *extra):
 def test_second_gptq_reuses_the_bf16_and_target_runs(tmp_path):
     cache = tmp_path / "cache"
     first = _gptq(tmp_path / "a", cache)
-    assert first["cache"] == {"target_only": "miss", "bf16_drafter": "miss", "dir": str(cache)}
+    assert first["cache"] == {"target_only": "miss", "bf16_drafter": "miss"}  # no machine path in the artifact
     second = _gptq(tmp_path / "b", cache, "--bits", "8")
     assert second["cache"]["target_only"] == "hit" and second["cache"]["bf16_drafter"] == "hit"
     assert second["baseline"] == {**first["baseline"]}  # same bf16 record, timings included (marked cached)
@@ -123,5 +123,5 @@ def test_second_gptq_reuses_the_bf16_and_target_runs(tmp_path):
     fresh = _gptq(tmp_path / "c", cache, "--eval-max-new-tokens", "20")  # changed settings: recomputed
     assert fresh["cache"]["target_only"] == "miss" and fresh["cache"]["bf16_drafter"] == "miss"
     off = _gptq(tmp_path / "d", cache, "--no-check-cache")
-    assert off["cache"] == {"target_only": "off", "bf16_drafter": "off", "dir": None}
+    assert off["cache"] == {"target_only": "off", "bf16_drafter": "off"}
     assert off["baseline"]["tau"] == first["baseline"]["tau"]

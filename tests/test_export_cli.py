@@ -116,7 +116,9 @@ def test_bad_inputs(arts, tmp_path):
     res = export(arts["g32"], "onnx", tmp_path / "y")
     assert res.returncode == 2 and "unknown" in res.stderr
     (tmp_path / "taken").mkdir()
-    assert export(arts["g32"], "mlx", tmp_path / "taken").returncode == 2
+    (tmp_path / "taken" / "notes.txt").write_text("mine")  # a user's directory, not an artifact: never replaced
+    res = export(arts["g32"], "mlx", tmp_path / "taken")
+    assert res.returncode == 2 and (tmp_path / "taken" / "notes.txt").read_text() == "mine"
 
 
 def test_gptq_format_writes_the_format_directly(arts):
