@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash_quant.quantize.gptq import gptq_quantize_shared  # noqa: E402
 from dflash_quant.quantize import (  # noqa: E402
     HessianAccumulator,
     QuantSpec,
@@ -31,6 +30,7 @@ from dflash_quant.quantize import (  # noqa: E402
     relative_output_error,
     rtn_quantize,
 )
+from dflash_quant.quantize.gptq import gptq_quantize_shared  # noqa: E402
 
 # GPTQModel 7.x turns on group-aware act-order (GAR) by default; the baseline runs the plain algorithm like ours.
 _GPTQMODEL_PLAIN = {"act_group_aware": False}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,7 +24,14 @@ from dflash_quant.export.writer import export_gptq
 from dflash_quant.loading import load_drafter, weights_sha256
 from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
-from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
+from dflash_quant.runtime import (
+    default_prompt_spec,
+    encode_prompts,
+    load_pair,
+    resolve_device,
+    resolve_dtype,
+    stop_tokens,
+)
 from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
 
 Progress = Callable[[str, int | None], Callable[[], None]]  # (stage label, total) -> advance()
@@ -153,7 +161,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     source = source_ref(drafter.source, drafter_sha)
     provenance = Provenance(
         tool="dflash-quant", tool_version=__version__,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         command=portable_command(job.command),
         source_drafter=source,
         target=source_ref(target.source, weights_sha256(target.source.path)),

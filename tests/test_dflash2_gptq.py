@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import save_dflash2_drafter, save_target
 
 from dflash_quant.loading import load_drafter
-from tiny import save_dflash2_drafter, save_target
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 

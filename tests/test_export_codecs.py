@@ -4,12 +4,12 @@ and the MLX affine formula (mlx itself: tests/test_export_mlx.py). Exact where t
 import numpy as np
 import pytest
 import torch
+from test_gptq_v1_pack import _random_qw
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export import compressed_tensors as ct
 from dflash_quant.export import gguf as gg
 from dflash_quant.export import mlx as mx_codec
-from test_gptq_v1_pack import _random_qw
 
 gguf = pytest.importorskip("gguf")
 

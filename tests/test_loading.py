@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import save_drafter, save_target
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import check_pair, load_drafter, load_target
-from tiny import save_drafter, save_target
 
 
 def test_both_key_layouts_load_to_the_same_weights(tmp_path):

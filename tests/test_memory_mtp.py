@@ -222,10 +222,9 @@ def test_cli_no_mtp_head_is_a_one_line_error(tmp_path):
 
 
 def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
+    from dflash_quant.artifact.reports import MemoryReport
     from dflash_quant.memory.plan import embedded_budget
     from dflash_quant.model_cards.card import _mtp_comparison, _section_mtp_comparison
-
-    from dflash_quant.artifact.reports import MemoryReport
 
     with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
     cmp = with_head.compare_mtp

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import save_drafter, save_target
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export import atomic
 from dflash_quant.export.manifest import verify_manifest, write_manifest
-from tiny import save_drafter, save_target
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 

@@ -9,8 +9,8 @@ Linears that read the same tensor share one Hessian (input group):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -78,7 +78,7 @@ class _Hooks:
     def _wanted(self, key: str) -> bool:
         return self.groups is None or key in self.groups
 
-    def attach(self) -> "_Hooks":
+    def attach(self) -> _Hooks:
         m = self.model
 
         def add(key: str):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.progress import Progress
 from rich.table import Table
@@ -44,17 +42,17 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
 @handle_errors
 def verify(
     drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
-    prompts: Optional[str] = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
-    num_prompts: Optional[int] = typer.Option(None, help="Use only the first N prompts."),
+    target: str | None = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
+    prompts: str | None = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
+    num_prompts: int | None = typer.Option(None, help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy (the parity signal); >0 = rejection sampling."),
-    block_size: Optional[int] = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
+    block_size: int | None = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."),
-    compare: Optional[str] = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
+    compare: str | None = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
     tolerance: float = typer.Option(0.03, min=0.0, max=1.0, help="Parity tolerance on the tau ratio with --compare."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
@@ -63,7 +61,14 @@ def verify(
     import torch
 
     from dflash_quant.loading import check_pair, load_drafter
-    from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype, stop_tokens
+    from dflash_quant.runtime import (
+        default_prompt_spec,
+        encode_prompts,
+        load_pair,
+        resolve_device,
+        resolve_dtype,
+        stop_tokens,
+    )
     from dflash_quant.verify import CheckSettings, baseline_runs, parity, spec_runs, summarize, warm_up
 
     dev = resolve_device(device)

@@ -19,8 +19,8 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from dflash_quant.errors import UsageError
 

@@ -157,7 +157,7 @@ def convert_artifact(
             data = dict(data)
             data["export"] = {
                 "format": fmt, "from": None if src.resolve() == dst.resolve() else portable_path(src), "from_quant_method": "gptq", "tool_version": __version__,
-                "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
             }
         if name == "quant_report.json":

@@ -19,9 +19,9 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
 
 from dflash_quant.artifact.files import sha256_file, sha256_fileobj  # noqa: F401 (sha256_file re-exported)
 from dflash_quant.artifact.reports import Manifest

@@ -36,7 +36,16 @@ from dflash_quant.memory.budget import (
     cache_bytes,
     validate_settings,
 )
-from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape, dtype_bytes, recurrent_state_bytes, text_config
+from dflash_quant.memory.kv import (
+    FULL,
+    LINEAR,
+    MAMBA,
+    SLIDING,
+    ModelShape,
+    dtype_bytes,
+    recurrent_state_bytes,
+    text_config,
+)
 from dflash_quant.memory.weights import count_params, priced_bytes, weight_files, weights_from_files
 
 DEFAULT_MTP_TOKENS = (1, 2, 3)

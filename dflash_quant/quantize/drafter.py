@@ -6,8 +6,9 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +16,12 @@ from torch import nn
 from dflash_quant.calibration.capture import CalibrationStats, input_group, replay_capture
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.model import DFlashDrafter
-from dflash_quant.quantize.gptq import GPTQFallbackWarning, HessianAccumulator, gptq_quantize_shared, relative_output_error
+from dflash_quant.quantize.gptq import (
+    GPTQFallbackWarning,
+    HessianAccumulator,
+    gptq_quantize_shared,
+    relative_output_error,
+)
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
@@ -43,7 +49,7 @@ class QuantSettings:
     skip: tuple[str, ...] = ()
     min_rows: int = 64
 
-    def normalized(self) -> "QuantSettings":
+    def normalized(self) -> QuantSettings:
         """RTN has no column order: act-order flags would only mislabel the checkpoint."""
         return replace(self, desc_act=False, static_groups=False) if self.method == "rtn" else self
 

@@ -8,8 +8,8 @@ the Cholesky factor of H^-1. Updates are applied lazily in blocks of `block_size
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -76,7 +76,7 @@ class HessianAccumulator:
             self._xtx.addmm_(chunk.T, chunk)
         self.rows += x.shape[0]
 
-    def merge(self, other: "HessianAccumulator") -> "HessianAccumulator":
+    def merge(self, other: HessianAccumulator) -> HessianAccumulator:
         """Add another accumulator's rows into this one (e.g. q/k/v sharing one input)."""
         if other.in_features != self.in_features:
             raise DFlashQuantError(
@@ -106,7 +106,7 @@ class HessianAccumulator:
     @classmethod
     def from_state_dict(
         cls, state: dict[str, torch.Tensor], *, name: str = "", device: torch.device | str | None = None
-    ) -> "HessianAccumulator":
+    ) -> HessianAccumulator:
         if "xtx" not in state or "rows" not in state:
             raise DFlashQuantError(f"layer {name!r}: Hessian cache lacks 'xtx'/'rows'; delete the cache and recollect")
         xtx = state["xtx"]
