@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 import warnings
+from functools import partial
 
 import torch
 
@@ -157,8 +158,8 @@ def main(argv=None):
     for _ in range(repeats):
         total = 0.0
         for name, _, _, grp in mats:
-            qw, t = timed(lambda: gptq_quantize(weights[name], hessians[grp], spec, desc_act=args.desc_act,
-                                                damp_percent=args.damp, name=name), device)
+            qw, t = timed(partial(gptq_quantize, weights[name], hessians[grp], spec, desc_act=args.desc_act,
+                                  damp_percent=args.damp, name=name), device)
             per_matrix[name] = t
             ours[name] = qw
             total += t
@@ -171,7 +172,7 @@ def main(argv=None):
             for grp in groups:
                 qws = gptq_quantize_shared([weights[n] for n in members[grp]], hessians[grp], spec, names=members[grp],
                                            desc_act=args.desc_act, damp_percent=args.damp)
-                shared.update(zip(members[grp], qws))
+                shared.update(zip(members[grp], qws, strict=True))
 
         _, t = timed(quantize_shared, device)
         shared_times.append(t)

@@ -87,7 +87,7 @@ def divergences(runs: list[SpecResult], baseline: list[GreedyResult]) -> tuple[f
     diverges and the target-only run's top-1/top-2 logit margin there."""
     matched = total = 0
     found = []
-    for i, (r, b) in enumerate(zip(runs, baseline)):
+    for i, (r, b) in enumerate(zip(runs, baseline, strict=True)):
         k = 0
         while k < min(len(r.tokens), len(b.tokens)) and r.tokens[k] == b.tokens[k]:
             k += 1
@@ -114,7 +114,7 @@ def summarize(
     accepted = [0] * (block - 1)
     histogram = [0] * block
     for r in runs:
-        for acc, n_draft in zip(r.accepted, r.drafted):
+        for acc, n_draft in zip(r.accepted, r.drafted, strict=True):
             if n_draft == 0:
                 continue
             histogram[acc] += 1
@@ -134,7 +134,7 @@ def summarize(
         "drafter": name,
         "tau": round(sum(lengths) / max(len(lengths), 1), 4),
         "tau_mean_of_requests": round(sum(r.tau for r in runs) / max(len(runs), 1), 4),
-        "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted, strict=True)],
         "acceptance_histogram": histogram,
         "lossless": all(p["lossless"] for p in per_prompt) if greedy and baseline is not None else None,
         "steps": len(lengths),
@@ -197,7 +197,7 @@ def parity(
                            "which reduced-precision numerics do not explain")
     per_pos = [
         round(q / b, 4) if b and q is not None else None
-        for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"])
+        for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"], strict=False)
     ]
     return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons,
             "notes": notes, "lossless_gated": bool(greedy and (exact or status is not None)),

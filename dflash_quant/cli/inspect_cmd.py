@@ -40,7 +40,7 @@ def describe(src: str) -> dict:
             "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
             "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
-            "attention": [dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i))) for i in range(cfg.num_hidden_layers)],
+            "attention": [dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i), strict=True)) for i in range(cfg.num_hidden_layers)],
             "rope_parameters": cfg.rope_parameters,
         },
         "quantization_config": raw.get("quantization_config"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import typer
 from rich.progress import Progress
 from rich.table import Table
@@ -93,10 +95,10 @@ def verify(
     with Progress(console=err_console, transient=True) as bar:
         warm_up(drafters[0].model, tgt.model, encoded[0], settings)
         task = bar.add_task("target-only baseline", total=len(encoded))
-        base = baseline_runs(tgt.model, encoded, settings, lambda: bar.advance(task))
+        base = baseline_runs(tgt.model, encoded, settings, partial(bar.advance, task))
         for d in drafters:
             task = bar.add_task(f"speculative: {d.source.id}", total=len(encoded))
-            runs = spec_runs(d.model, tgt.model, encoded, settings, lambda: bar.advance(task))
+            runs = spec_runs(d.model, tgt.model, encoded, settings, partial(bar.advance, task))
             summaries.append(summarize(d.source.id, runs, base, settings, block))
     par = parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
     report = {

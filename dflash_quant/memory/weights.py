@@ -121,7 +121,7 @@ def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
     params = 0
     nq = 0
     bases = {n[: -len(".qweight")] for n in entries if n.endswith(".qweight")}
-    for name, (dt, shape, nbytes) in entries.items():
+    for name, (_dt, shape, nbytes) in entries.items():
         base, _, suffix = name.rpartition(".")
         if base in bases and suffix in GPTQ_SUFFIXES:
             packed += nbytes

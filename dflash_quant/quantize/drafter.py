@@ -130,9 +130,9 @@ def _quantize_group(
         for w in caught:
             warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
     else:
-        qws = [rtn_quantize(w, spec, name=n) for w, n in zip(weights, names)]
+        qws = [rtn_quantize(w, spec, name=n) for w, n in zip(weights, names, strict=True)]
     results = []
-    for name, weight, qw in zip(names, weights, qws):
+    for name, weight, qw in zip(names, weights, qws, strict=True):
         entry: dict[str, Any] = {
             "name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size,
             "hessian_rows": acc.rows if acc is not None else None, "damp": qw.damp_used, "fallback": qw.fallback,
@@ -174,7 +174,7 @@ def quantize_drafter(
             shared.setdefault(input_group(name, kv_mode), []).append(name)
         for group, names in shared.items():
             modules = [model.get_submodule(n) for n in names]
-            for module, name, (qw, entry) in zip(modules, names, _quantize_group(names, modules, accs.get(group), settings)):
+            for module, name, (qw, entry) in zip(modules, names, _quantize_group(names, modules, accs.get(group), settings), strict=True):
                 with torch.no_grad():
                     module.weight.copy_(qw.dequantize().to(module.weight.dtype))
                 outcome.weights[name] = qw

@@ -279,7 +279,7 @@ def gptq_quantize_shared(
         return [gptq_quantize(weights[0], hessian, spec, name=names[0], **kwargs)]
     stacked = gptq_quantize(torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs)
     out, row = [], 0
-    for w, name in zip(weights, names):
+    for w, name in zip(weights, names, strict=True):
         rows = slice(row, row + w.shape[0])
         # Own copies: views of one stacked tensor would be shared storage in the exported file.
         out.append(replace(stacked, codes=stacked.codes[rows].clone(), scales=stacked.scales[:, rows].clone(),
