@@ -133,6 +133,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     timings["load_s"] = time.perf_counter() - t0
 
     drafter_sha = weights_sha256(drafter.source.path)
+    calib_info: dict[str, Any]
     stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
@@ -159,12 +160,13 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         "seconds": round(outcome.seconds, 3),
     })
     source = source_ref(drafter.source, drafter_sha)
+    target_ref = source_ref(target.source, weights_sha256(target.source.path))
     provenance = Provenance(
         tool="dflash-quant", tool_version=__version__,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         command=portable_command(job.command),
         source_drafter=source,
-        target=source_ref(target.source, weights_sha256(target.source.path)),
+        target=target_ref,
         calibration=Calibration.from_dict({**calib_info, "prompts": prompt_label(calib_info["prompts"]),
                                            "seed": job.seed, "chat_template": job.chat_template}),
         quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}),
@@ -176,7 +178,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
         result.quant_report = quant_report.to_dict()
         # memory of the GPTQ tensors, before any conversion
-        _memory(tmp, final, drafter.source, provenance.target.id, target.source.path, device)
+        _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
         if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
             from dflash_quant.export.convert import convert_artifact
 
@@ -188,7 +190,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             report.write(tmp)
             result.parity = report.to_dict()
             result.passed = report.passed
-            result.reasons = report.reasons
+            result.reasons = report.reasons or []
         if job.write_card:
             from dflash_quant.model_cards.card import write_card
 
@@ -222,7 +224,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     })
 
 
-def _memory(artifact: Path, final: Path, source, target_name: str, target: Path, device: torch.device) -> None:
+def _memory(artifact: Path, final: Path, source, target_name: str | None, target: Path, device: torch.device) -> None:
     """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults).
 
     Measured in the temp dir, recorded under the names the artifact will have (never the temp dir's)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from dflash_quant.errors import DFlashQuantError, UsageError
 
@@ -169,6 +169,13 @@ def text_config(cfg: dict) -> dict:
     return cfg
 
 
+# A required field or an int default always yields an int; the overloads tell the type checker so.
+@overload
+def _int(cfg: dict, *keys: str, default: int, required: bool = ..., what: str = ...) -> int: ...
+@overload
+def _int(cfg: dict, *keys: str, default: None = ..., required: Literal[True], what: str = ...) -> int: ...
+@overload
+def _int(cfg: dict, *keys: str, default: int | None = ..., required: bool = ..., what: str = ...) -> int | None: ...
 def _int(cfg: dict, *keys: str, default: int | None = None, required: bool = False, what: str = "") -> int | None:
     for k in keys:
         v = cfg.get(k)
@@ -279,7 +286,7 @@ def parse_shape(src: str | Path | dict) -> ModelShape:
     if SLIDING in layer_types and not sliding:
         raise DFlashQuantError("layer_types has sliding_attention layers but sliding_window is missing; fix the config")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    dflash = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    dflash = d if isinstance(d := raw.get("dflash_config"), dict) else {}
     archs = [str(a) for a in (raw.get("architectures") or [])]
     taps = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
     is_drafter = bool(dflash) or any("DFlash" in a for a in archs) or taps is not None
