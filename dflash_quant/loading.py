@@ -231,7 +231,7 @@ def load_drafter(
         raise DFlashQuantError(f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights") from exc
     with torch.device(device):  # meta init left inv_freq empty
         model.rotary_emb = type(model.rotary_emb)(config)
-    model.to(device=device, dtype=dtype).eval()
+    model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     return LoadedDrafter(model=model, config=config, source=source, quantization=qcfg, raw_config=raw)
 
 
@@ -254,7 +254,7 @@ def load_target(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise DFlashQuantError(f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM") from exc
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
