@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -244,8 +245,8 @@ def gptq_quantize(
     codes[:, order] = Q
     return QuantizedWeight(
         codes=codes.to(torch.uint8),
-        scales=torch.stack(scales),
-        zeros=torch.stack(zeros).to(torch.int32),
+        scales=torch.stack(cast(list[torch.Tensor], scales)),  # every group has its parameters by now
+        zeros=torch.stack(cast(list[torch.Tensor], zeros)).to(torch.int32),
         g_idx=g_idx,
         spec=spec,
         desc_act=desc_act,
