@@ -140,7 +140,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDra
             f"{source}: selector_top_k {v2['selector_top_k']} exceeds vocab_size {raw['vocab_size']}; fix the config"
         )
 
-    cfg = DFlashDraftConfig(
+    cfg = DFlashDraftConfig(  # type: ignore[call-arg]  # the config keeps unknown kwargs as attributes; its typed __init__ omits them
         **raw,
         block_size=block_size,
         dflash_config={

@@ -263,9 +263,9 @@ def load_target(
 
 def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
     """Raise DFlashQuantError (one line) if the drafter cannot run on this target."""
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tcfg: Any = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config  # type: ignore[operator]
     t_hidden, t_layers = int(tcfg.hidden_size), int(tcfg.num_hidden_layers)
-    t_vocab = int(target.get_input_embeddings().weight.shape[0])
+    t_vocab = int(target.get_input_embeddings().weight.shape[0])  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
     fc_in, want = config.num_taps * config.hidden_size, config.num_taps * t_hidden
     if config.hidden_size != t_hidden:
         raise DFlashQuantError(
@@ -289,7 +289,7 @@ def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
 
 def check_selector_head(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
     """DFlash2's selector takes the top-k of a dense target head and indexes its codebooks by token id."""
-    head = target.get_output_embeddings()
+    head = target.get_output_embeddings()  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not callable(head):
         raise DFlashQuantError(
