@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from dflash_quant.decode import speculative_generate
 from dflash_quant.errors import UsageError
-from dflash_quant.model import DFlashDrafter, DraftCache
+from dflash_quant.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 KV_MODES = ("block", "block+context")
@@ -89,7 +90,7 @@ class _Hooks:
             return hook
 
         self.handles.append(m.fc.register_forward_pre_hook(add("fc")))
-        for i, layer in enumerate(m.layers):
+        for i, layer in enumerate(cast(Sequence[DFlashDecoderLayer], m.layers)):
             p = f"layers.{i}"
 
             def attn_hook(module, args, p=p):

@@ -39,7 +39,7 @@ def describe(src: str) -> dict:
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-            "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+            "layer_types": list(cfg.layer_types or []), "sliding_window": cfg.sliding_window,
             "attention": [dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i), strict=True)) for i in range(cfg.num_hidden_layers)],
             "rope_parameters": cfg.rope_parameters,
         },

@@ -98,17 +98,17 @@ def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bo
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if fmt == "compressed-tensors":
-        from dflash_quant.export.compressed_tensors import grid_problem
+        from dflash_quant.export.compressed_tensors import grid_problem as ct_grid_problem
 
-        return grid_problem(desc_act)
+        return ct_grid_problem(desc_act)
     if fmt == "gguf":
-        from dflash_quant.export.gguf import grid_problem
+        from dflash_quant.export.gguf import grid_problem as gguf_grid_problem
 
-        return grid_problem(bits, group_size, sym, desc_act, requantize)
+        return gguf_grid_problem(bits, group_size, sym, desc_act, requantize)
     if fmt == "mlx":
-        from dflash_quant.export.mlx import grid_problem
+        from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
 
-        return grid_problem(bits, group_size, desc_act)
+        return mlx_grid_problem(bits, group_size, desc_act)
     return None
 
 

@@ -294,7 +294,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def _chain(exc: BaseException | None) -> list[BaseException]:
     out: list[BaseException] = []
     while exc is not None and exc not in out:
         out.append(exc)
@@ -455,6 +455,8 @@ def _read_payloads(root: Path, verified: list[VerifiedFile], stack: contextlib.E
         with os.fdopen(fd, "rb") as fh:
             data = fh.read()
         listed, _ = parse_files(Manifest.loads(data)[0])
+        if listed is None:
+            raise ValueError("no files in the manifest")  # handled below, like any unreadable manifest
         recorded = {name: entry["sha256"] for name, entry in listed.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         recorded = None

@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -82,13 +82,14 @@ class QuantOutcome:
 def select_linears(model: DFlashDrafter, settings: QuantSettings) -> tuple[list[str], list[str]]:
     """(to quantize, kept in bf16), in execution order; norms are never Linears, so never quantized."""
     patterns = [re.compile(p) for p in PROFILES[settings.profile] + list(settings.skip)]
-    chosen, kept = [], []
+    chosen: list[str] = []
+    kept: list[str] = []
     for name in model.linear_names():
         (kept if any(p.search(name) for p in patterns) else chosen).append(name)
     if not chosen:
         raise UsageError("the profile and --skip patterns leave no Linear to quantize; loosen --skip")
     for name in chosen:
-        settings.spec().group_width(model.get_submodule(name).in_features, name)  # group size must divide the width
+        settings.spec().group_width(cast(nn.Linear, model.get_submodule(name)).in_features, name)  # group size must divide the width
     return chosen, kept
 
 
@@ -121,6 +122,8 @@ def _quantize_group(
             )
         hessian = acc.hessian()
     if settings.method == "gptq":
+        if hessian is None:
+            raise DFlashQuantError(f"no calibration rows reached {names[0]}; check the calibration prompts")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GPTQFallbackWarning)
             qws = gptq_quantize_shared(
@@ -168,12 +171,16 @@ def quantize_drafter(
             missing = sorted(g for g in groups if g not in stats.hessians)
             if missing and not settings.sequential:
                 raise DFlashQuantError(f"no calibration rows reached {missing[0]}; check the calibration prompts")
-            accs = replay_capture(model, stats.replay, groups, kv_mode) if settings.sequential else {g: stats.hessians[g] for g in groups}
+            if settings.sequential:
+                assert stats.replay is not None  # calibration keeps the replay when GPTQ is sequential
+                accs = replay_capture(model, stats.replay, groups, kv_mode)
+            else:
+                accs = {g: stats.hessians[g] for g in groups}
         shared: dict[str, list[str]] = {}
         for name in stage:
             shared.setdefault(input_group(name, kv_mode), []).append(name)
         for group, names in shared.items():
-            modules = [model.get_submodule(n) for n in names]
+            modules = [cast(nn.Linear, model.get_submodule(n)) for n in names]
             for module, name, (qw, entry) in zip(modules, names, _quantize_group(names, modules, accs.get(group), settings), strict=True):
                 with torch.no_grad():
                     module.weight.copy_(qw.dequantize().to(module.weight.dtype))
