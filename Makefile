@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup quickstart test test-fast interop mlx-check clean
+.PHONY: setup quickstart lint test test-fast interop mlx-check clean
 
 $(BIN)/dflash-quant: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,14 @@ setup: $(BIN)/dflash-quant
 quickstart: setup
 	$(BIN)/dflash-quant gptq --bits 4 --output out/reference-int4 --overwrite
 
-test: setup
+LINT_PATHS := dflash_quant tests benchmarks scripts
+
+lint: setup
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+	$(BIN)/mypy dflash_quant
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -18,13 +18,12 @@ import statistics
 import sys
 import time
 import warnings
+from functools import partial
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash_quant.quantize.gptq import gptq_quantize_shared  # noqa: E402
-from dflash_quant.quantize.gptq_batched import gptq_quantize_groups  # noqa: E402
 from dflash_quant.quantize import (  # noqa: E402
     HessianAccumulator,
     QuantSpec,
@@ -32,6 +31,8 @@ from dflash_quant.quantize import (  # noqa: E402
     relative_output_error,
     rtn_quantize,
 )
+from dflash_quant.quantize.gptq import gptq_quantize_shared  # noqa: E402
+from dflash_quant.quantize.gptq_batched import gptq_quantize_groups  # noqa: E402
 
 # GPTQModel 7.x turns on group-aware act-order (GAR) by default; the baseline runs the plain algorithm like ours.
 _GPTQMODEL_PLAIN = {"act_group_aware": False}
@@ -166,8 +167,8 @@ def main(argv=None):
     for _ in range(repeats):
         total = 0.0
         for name, _, _, grp in mats:
-            qw, t = timed(lambda: gptq_quantize(weights[name], hessians[grp], spec, desc_act=args.desc_act,
-                                                damp_percent=args.damp, name=name), device)
+            qw, t = timed(partial(gptq_quantize, weights[name], hessians[grp], spec, desc_act=args.desc_act,
+                                  damp_percent=args.damp, name=name), device)
             per_matrix[name] = t
             ours[name] = qw
             total += t
@@ -180,7 +181,7 @@ def main(argv=None):
             for grp in groups:
                 qws = gptq_quantize_shared([weights[n] for n in members[grp]], hessians[grp], spec, names=members[grp],
                                            desc_act=args.desc_act, damp_percent=args.damp)
-                shared.update(zip(members[grp], qws))
+                shared.update(zip(members[grp], qws, strict=True))
 
         _, t = timed(quantize_shared, device)
         shared_times.append(t)
@@ -190,8 +191,8 @@ def main(argv=None):
         def quantize_batched():
             solved = gptq_quantize_groups([([weights[n] for n in members[grp]], hessians[grp], members[grp]) for grp in groups],
                                           spec, desc_act=args.desc_act, damp_percent=args.damp, kernel=args.kernel)
-            for grp, qws in zip(groups, solved):
-                batched.update(zip(members[grp], qws))
+            for grp, qws in zip(groups, solved, strict=False):
+                batched.update(zip(members[grp], qws, strict=False))
 
         _, t = timed(quantize_batched, device)
         batched_times.append(t)

@@ -83,7 +83,7 @@ def main() -> None:
             outcome = quantize_drafter(model, stats[kv] if qs.method == "gptq" else None, qs)
             s = summarize(name, spec_runs(model, target.model, heldout, settings), ref, settings, block)
             qb, bb = packed_bytes(outcome)
-            err = [l["rel_output_error"] for l in outcome.layers if l["rel_output_error"] is not None]
+            err = [layer["rel_output_error"] for layer in outcome.layers if layer["rel_output_error"] is not None]
             rows.append({"method": name, "bits": bits, "tau": s["tau"], "ratio": round(s["tau"] / base["tau"], 4),
                          "lossless": s["lossless"], "per_position_acceptance": s["per_position_acceptance"],
                          "linear_bytes": qb, "linear_bf16_bytes": bb,

@@ -25,7 +25,6 @@ from dflash_quant.decode import GreedyResult, SpecResult
 from dflash_quant.loading import weight_files, weights_sha256
 
 
-
 def default_dir() -> Path:
     """~/.cache/dflash-quant/check (or under $XDG_CACHE_HOME)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-quant" / "check"

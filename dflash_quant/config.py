@@ -9,9 +9,13 @@ from typing import Any
 from transformers import Qwen3Config
 
 from dflash_quant.config_check import (  # noqa: F401  (re-exported: one config model for the drafter)
-    DFLASH2_KEYS, DFLASH_KEYS, REQUIRED_KEYS, default_target_layer_ids, draft_fields, require_object,
+    DFLASH2_KEYS,
+    DFLASH_KEYS,
+    REQUIRED_KEYS,
+    default_target_layer_ids,
+    draft_fields,
+    require_object,
 )
-
 from dflash_quant.errors import DFlashQuantError
 
 DFLASH_ARCH, DFLASH2_ARCH = "DFlashDraftModel", "DFlash2DraftModel"
@@ -74,7 +78,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDra
         raw.pop(key, None)
     raw["architectures"] = [DFLASH2_ARCH if v2 else DFLASH_ARCH]
 
-    cfg = DFlashDraftConfig(
+    cfg = DFlashDraftConfig(  # type: ignore[call-arg]  # the config keeps unknown kwargs as attributes; its typed __init__ omits them
         **raw,
         block_size=fields.block_size,
         dflash_config={**nested, "mask_token_id": fields.mask_token_id, "target_layer_ids": fields.target_layer_ids, **v2},

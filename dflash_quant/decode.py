@@ -127,8 +127,8 @@ def speculative_generate(
     n = input_ids.shape[1]
     max_len = n + max_new_tokens
     stops = set(stop_token_ids or [])
-    embed = target.get_input_embeddings()
-    head = target.get_output_embeddings()
+    embed = target.get_input_embeddings()  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
+    head = target.get_output_embeddings()  # type: ignore[operator]
     scale = float(getattr(drafter.config, "input_embedding_scale", 1.0) or 1.0)
     looker = Lookup(lookup, block) if lookup is not None else None
 
@@ -183,6 +183,7 @@ def speculative_generate(
         if temperature > 0:
             t_probs = _probs(logits, temperature)
             if size > 1:
+                assert draft_probs is not None  # propose returns its proposal when temperature > 0
                 acc, bonus = rejection_step(blk[1:], t_probs, draft_probs, generator)
             else:
                 acc, bonus = 0, int(_sample(t_probs[-1], generator))

@@ -175,7 +175,7 @@ def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: s
     check_layers_present(fields.num_hidden_layers, names, source)
     if not shapes:
         return
-    stored = dict(zip(names, (h.get("shape") for h in headers.values())))
+    stored = dict(zip(names, (h.get("shape") for h in headers.values()), strict=False))
     for part, (n_out, n_in) in _expected_shapes(fields).items():
         base = part if part == "fc" else f"layers.0.{part}"
         weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
@@ -299,7 +299,7 @@ def load_drafter(
         raise DFlashQuantError(f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights") from exc
     with torch.device(device):  # meta init left inv_freq empty
         model.rotary_emb = type(model.rotary_emb)(config)
-    model.to(device=device, dtype=dtype).eval()
+    model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     return LoadedDrafter(model=model, config=config, source=source, quantization=qcfg, raw_config=raw)
 
 
@@ -323,7 +323,7 @@ def load_target(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise DFlashQuantError(f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM") from exc
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
@@ -332,9 +332,9 @@ def load_target(
 
 def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
     """Raise DFlashQuantError (one line) if the drafter cannot run on this target."""
-    tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tcfg: Any = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config  # type: ignore[operator]
     t_hidden, t_layers = int(tcfg.hidden_size), int(tcfg.num_hidden_layers)
-    t_vocab = int(target.get_input_embeddings().weight.shape[0])
+    t_vocab = int(target.get_input_embeddings().weight.shape[0])  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
     fc_in, want = config.num_taps * config.hidden_size, config.num_taps * t_hidden
     if config.hidden_size != t_hidden:
         raise DFlashQuantError(
@@ -358,7 +358,7 @@ def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
 
 def check_selector_head(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
     """DFlash2's selector takes the top-k of a dense target head and indexes its codebooks by token id."""
-    head = target.get_output_embeddings()
+    head = target.get_output_embeddings()  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not callable(head):
         raise DFlashQuantError(

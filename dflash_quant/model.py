@@ -72,7 +72,7 @@ class DFlashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
+        self.n_kv = config.num_key_value_heads or self.n_heads  # typed Optional; Qwen3Config defaults it the same way
         bias = config.attention_bias
         h = config.hidden_size
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
@@ -209,7 +209,7 @@ class DFlashDrafter(PreTrainedModel):
         head: nn.Module,
         temperature: float,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None]:
         """Draft tokens for one block from the drafter's hidden rows [1, g, H] (batch 1).
 
         Returns (tokens [g], proposal): proposal is None at temperature 0, else the distribution the

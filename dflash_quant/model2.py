@@ -18,6 +18,8 @@ The codebooks are plain Parameters so their state-dict keys carry no `.weight` s
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -154,7 +156,7 @@ class DFlash2Drafter(DFlashDrafter):
         """As DFlashDrafter.forward; conv_block splits the block rows into independent blocks of that
         many rows for the convolutions (training several blocks in one pass), None = one block."""
         for layer in self.layers:
-            layer.conv_block = conv_block
+            cast(DFlash2DecoderLayer, layer).conv_block = conv_block
         return super().forward(*args, **kwargs)
 
     def propose(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -20,13 +21,29 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
-from dflash_quant.lookup import LookupSettings
 from dflash_quant.loading import load_drafter, weights_sha256
+from dflash_quant.lookup import LookupSettings
 from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
-from dflash_quant.runtime import (default_prompt_spec, encode_prompts, load_pair, prompt_categories, resolve_device,
-                                  resolve_dtype, stop_tokens)
-from dflash_quant.verify import CheckSettings, baseline_runs, by_category, lookup_summary, parity, spec_runs, summarize, warm_up
+from dflash_quant.runtime import (
+    default_prompt_spec,
+    encode_prompts,
+    load_pair,
+    prompt_categories,
+    resolve_device,
+    resolve_dtype,
+    stop_tokens,
+)
+from dflash_quant.verify import (
+    CheckSettings,
+    baseline_runs,
+    by_category,
+    lookup_summary,
+    parity,
+    spec_runs,
+    summarize,
+    warm_up,
+)
 
 Progress = Callable[[str, int | None], Callable[[], None]]  # (stage label, total) -> advance()
 
@@ -136,6 +153,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 
     drafter_sha = weights_sha256(drafter.source.path)
+    calib_info: dict[str, Any]
     stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
@@ -162,12 +180,13 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         "seconds": round(outcome.seconds, 3),
     })
     source = source_ref(drafter.source, drafter_sha)
+    target_ref = source_ref(target.source, weights_sha256(target.source.path))
     provenance = Provenance(
         tool="dflash-quant", tool_version=__version__,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         command=portable_command(job.command),
         source_drafter=source,
-        target=source_ref(target.source, weights_sha256(target.source.path)),
+        target=target_ref,
         calibration=Calibration.from_dict({**calib_info, "prompts": prompt_label(calib_info["prompts"]),
                                            "seed": job.seed, "chat_template": job.chat_template}),
         quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}),
@@ -179,7 +198,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
         result.quant_report = quant_report.to_dict()
         # memory of the GPTQ tensors, before any conversion
-        _memory(tmp, final, drafter.source, provenance.target.id, target.source.path, device)
+        _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
         if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
             from dflash_quant.export.convert import convert_artifact
 
@@ -191,7 +210,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             report.write(tmp)
             result.parity = report.to_dict()
             result.passed = report.passed
-            result.reasons = report.reasons
+            result.reasons = report.reasons or []
         if job.write_card:
             from dflash_quant.model_cards.card import write_card
 
@@ -254,7 +273,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     })
 
 
-def _memory(artifact: Path, final: Path, source, target_name: str, target: Path, device: torch.device) -> None:
+def _memory(artifact: Path, final: Path, source, target_name: str | None, target: Path, device: torch.device) -> None:
     """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults).
 
     Measured in the temp dir, recorded under the names the artifact will have (never the temp dir's)."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.atomic import check_writable_dir, guard_output

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.preflight import check_count, check_temperature, check_tolerance  # noqa: F401  (used by the CLI)
 from dflash_quant.loading import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
+from dflash_quant.preflight import check_count, check_temperature, check_tolerance  # noqa: F401  (used by the CLI)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 

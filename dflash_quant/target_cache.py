@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -106,6 +107,7 @@ class TargetCache:
 
     def _crop(self, tokens: int) -> None:
         """Remove `tokens` from every layer; crop(0) also trims recorded pasts back to their working size."""
+        layer: Any  # cache layer classes differ across transformers versions: duck-typed via _is_linear/_has_attention
         for layer in self.cache.layers:
             if _DUMMY is not None and isinstance(layer, _DUMMY):
                 continue
@@ -121,7 +123,7 @@ class TargetCache:
         self._crop(0)
         saved = Saved(length=length, size=size)
         for i in self.stateful:
-            layer = self.cache.layers[i]
+            layer: Any = self.cache.layers[i]
             saved.states[i] = {
                 "conv": {k: None if v is None else v.clone() for k, v in layer.conv_states.items()},
                 "recurrent": {k: None if v is None else v.clone() for k, v in layer.recurrent_states.items()},
@@ -131,7 +133,7 @@ class TargetCache:
 
     def _restore(self, saved: Saved) -> None:
         for i, state in saved.states.items():
-            layer = self.cache.layers[i]
+            layer: Any = self.cache.layers[i]
             for k, v in state["conv"].items():
                 layer.conv_states[k] = v
             for k, v in state["recurrent"].items():

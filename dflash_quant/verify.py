@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -89,7 +90,7 @@ def divergences(runs: list[SpecResult], baseline: list[GreedyResult]) -> tuple[f
     diverges and the target-only run's top-1/top-2 logit margin there."""
     matched = total = 0
     found = []
-    for i, (r, b) in enumerate(zip(runs, baseline)):
+    for i, (r, b) in enumerate(zip(runs, baseline, strict=True)):
         k = 0
         while k < min(len(r.tokens), len(b.tokens)) and r.tokens[k] == b.tokens[k]:
             k += 1
@@ -117,7 +118,7 @@ def summarize(
     accepted = [0] * widest
     histogram = [0] * (widest + 1)
     for r in runs:
-        for acc, n_draft in zip(r.accepted, r.drafted):
+        for acc, n_draft in zip(r.accepted, r.drafted, strict=True):
             if n_draft == 0:
                 continue
             histogram[acc] += 1
@@ -137,7 +138,7 @@ def summarize(
         "drafter": name,
         "tau": round(sum(lengths) / max(len(lengths), 1), 4),
         "tau_mean_of_requests": round(sum(r.tau for r in runs) / max(len(runs), 1), 4),
-        "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "per_position_acceptance": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted, strict=True)],
         "acceptance_histogram": histogram,
         "lossless": all(p["lossless"] for p in per_prompt) if greedy and baseline is not None else None,
         "steps": len(lengths),
@@ -200,7 +201,7 @@ def parity(
                            "which reduced-precision numerics do not explain")
     per_pos = [
         round(q / b, 4) if b and q is not None else None
-        for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"])
+        for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"], strict=False)
     ]
     return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons,
             "notes": notes, "lossless_gated": bool(greedy and (exact or status is not None)),
@@ -222,7 +223,7 @@ def by_category(runs: list[SpecResult], categories: Sequence[str | None]) -> dic
         return None
     out: dict[str, dict[str, Any]] = {}
     for cat in dict.fromkeys(c or "other" for c in categories):
-        picked = [r for r, c in zip(runs, categories) if (c or "other") == cat]
+        picked = [r for r, c in zip(runs, categories, strict=False) if (c or "other") == cat]
         out[cat] = {"prompts": len(picked), "tau": _tau(picked)}
     return out
 
@@ -233,7 +234,7 @@ def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[
     counts: dict[str, list[list[int]]] = {"drafter": [], "lookup": []}
     lookup_steps = 0
     for r in runs:
-        for acc, n_draft, d in zip(r.accepted, r.drafted, r.drafter_drafts):
+        for acc, n_draft, d in zip(r.accepted, r.drafted, r.drafter_drafts, strict=False):
             lookup_steps += n_draft > d
             for k in range(n_draft):
                 source, j = ("drafter", k) if k < d else ("lookup", k - d)
@@ -274,7 +275,7 @@ def lookup_summary(
     if without and with_:
         cats = {}
         for cat, row in with_.items():
-            picked = [r for r, c in zip(runs, categories) if (c or "other") == cat]
+            picked = [r for r, c in zip(runs, categories, strict=False) if (c or "other") == cat]
             _, _, steps = _split_acceptance(picked)
             n_steps = sum(len(r.acceptance_lengths) for r in picked)
             cats[cat] = {"prompts": row["prompts"], "tau_without": without[cat]["tau"], "tau": row["tau"],

@@ -21,10 +21,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import dflash.model as dm
 import torch
 import torch.nn.functional as F
-
-import dflash.model as dm
 from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate, extract_context_feature
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM

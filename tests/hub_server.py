@@ -85,7 +85,7 @@ class HubState:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_Server"
+    server: _Server
 
     def log_message(self, fmt: str, *args: Any) -> None:  # keep test output clean; requests are recorded
         pass
@@ -343,7 +343,7 @@ class FakeHub:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.state = self.state
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
@@ -356,7 +356,7 @@ class FakeHub:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

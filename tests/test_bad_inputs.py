@@ -17,19 +17,19 @@ import signal
 import struct
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from hub_fixtures import make_artifact
+from test_output_safety import cmd as gptq_cmd
+from tiny import drafter_raw_config, save_dflash2_drafter, save_drafter, save_target
 from typer.testing import CliRunner
 
 from dflash_quant.cli.app import app
 from dflash_quant.export import atomic
 from dflash_quant.export.manifest import write_manifest
-from hub_fixtures import make_artifact
-from test_output_safety import cmd as gptq_cmd
-from tiny import drafter_raw_config, save_drafter, save_dflash2_drafter, save_target
 
 LINE = "w1 w2 w3 w4 w5 w6 w7 w8"
 

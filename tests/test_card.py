@@ -36,7 +36,7 @@ def test_budget_section_shows_the_24gb_budget(reference_artifact):
     assert "Target `reference:target`" in section and budget.gpu.name in section
     fits = re.search(r"^\| fits \| (yes|\*\*no\*\*) \| (yes|\*\*no\*\*) \|$", section, re.MULTILINE)
     assert fits, section
-    for form, shown in zip(("bf16", "int4"), fits.groups()):
+    for form, shown in zip(("bf16", "int4"), fits.groups(), strict=True):
         assert shown == ("yes" if budget.budgets[form].fits else "**no**")
     headroom = re.search(r"^\| headroom \| (.+) \| (.+) \|$", section, re.MULTILINE)
     assert headroom and all("GiB" in h for h in headroom.groups()), section
@@ -59,7 +59,7 @@ def test_numbers_match_reports(reference_artifact):
     qr = QuantReport.read(reference_artifact)
     base, quant = parity.baseline, parity.quantized
     assert f"| this drafter | {base.tau:.3f} | {quant.tau:.3f} | {parity.tau_ratio * 100:.1f}% |" in text
-    for k, (b, q) in enumerate(zip(base.per_position_acceptance, quant.per_position_acceptance), start=1):
+    for k, (b, q) in enumerate(zip(base.per_position_acceptance, quant.per_position_acceptance, strict=True), start=1):
         assert f"| {k} | {fmt_float(b)} | {fmt_float(q)} |" in text
     assert (f"| weights in memory | {fmt_bytes(memory.baseline.total_bytes)} | "
             f"{fmt_bytes(memory.weights.total_bytes)} |") in text

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import save_dflash2_drafter, save_target
 
 from dflash_quant.loading import load_drafter
-from tiny import save_dflash2_drafter, save_target
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 
@@ -20,7 +20,10 @@ CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 @pytest.mark.slow
 def test_gptq_quantizes_backbone_and_keeps_conv_and_selector(tmp_path):
     rng = random.Random(0)
-    line = lambda: " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
+    def line():
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
     (tmp_path / "calib.txt").write_text("\n".join(line() for _ in range(4)))
     (tmp_path / "eval.txt").write_text("\n".join(line() for _ in range(2)))
     drafter, target = save_dflash2_drafter(tmp_path / "drafter", std=0.2), save_target(tmp_path / "target")
@@ -40,7 +43,7 @@ def test_gptq_quantizes_backbone_and_keeps_conv_and_selector(tmp_path):
     assert {r"-:(^|.*\.)attention_conv\.kernel_projection$", r"-:(^|.*\.)mlp_conv\.kernel_projection$",
             r"-:(^|.*\.)candidate_selector\.hidden_projection$"} <= skips, skips
     report = json.loads((art / "quant_report.json").read_text())
-    quantized = sorted(l["name"] for l in report["layers"])
+    quantized = sorted(layer["name"] for layer in report["layers"])
     assert len(quantized) == 15 and "fc" in quantized  # fc + 2 layers x (q, k, v, o, gate, up, down)
     assert not any("conv" in n or "selector" in n for n in quantized)
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import save_dflash2_drafter, save_drafter, save_target
 
 from dflash_quant.calibration.capture import capture
 from dflash_quant.errors import UsageError
@@ -15,14 +16,15 @@ from dflash_quant.loading import load_drafter
 from dflash_quant.memory.weights import DRAFTER_PARTS, part_of, read_header
 from dflash_quant.pipeline import GptqJob, run_gptq
 from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, select_linears
-from tiny import save_dflash2_drafter, save_drafter, save_target
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("d2scope")
     rng = random.Random(0)
-    line = lambda: " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+    def line() -> str:
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
     (root / "calib.txt").write_text("\n".join(line() for _ in range(4)))
     return {
         "root": root,
@@ -44,7 +46,7 @@ def _prompts(pair):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pair["target"])
-    return [tok(l)["input_ids"] for l in (pair["root"] / "calib.txt").read_text().splitlines()]
+    return [tok(text)["input_ids"] for text in (pair["root"] / "calib.txt").read_text().splitlines()]
 
 
 def test_extra_hooks_only_when_asked_and_they_see_what_the_linears_see(pair):
@@ -91,7 +93,7 @@ def test_extra_hooks_only_when_asked_and_they_see_what_the_linears_see(pair):
 def test_quantized_conv_and_selector_round_trip(pair):
     res = run_gptq(_job(pair, "extras", quantize_conv=True, quantize_selector=True))
     art = pair["root"] / "extras"
-    names = [l["name"] for l in res.quant_report["layers"]]
+    names = [layer["name"] for layer in res.quant_report["layers"]]
     assert names[:2] == ["fc", "layers.0.attention_conv.kernel_projection"]  # execution order
     assert {"layers.1.mlp_conv.kernel_projection", "candidate_selector.hidden_projection"} <= set(names)
     assert len(names) == 1 + 2 * (7 + 2) + 1
@@ -136,7 +138,9 @@ def test_whole_drafter_bytes_match_the_written_file(pair):
     on_disk = sum(i["data_offsets"][1] - i["data_offsets"][0] for i in header.values())
     assert rep["drafter_bytes_quantized"] == on_disk
     source = read_header(pair["drafter"] / "model.safetensors")
-    numel = lambda info: torch.Size(info["shape"]).numel()
+    def numel(info) -> int:
+        return torch.Size(info["shape"]).numel()
+
     assert rep["drafter_bytes_bf16"] == sum(2 * numel(i) for i in source.values())
     for form, total in (("bf16", rep["drafter_bytes_bf16"]), ("quantized", rep["drafter_bytes_quantized"])):
         parts = rep["by_part"][form]
@@ -259,7 +263,7 @@ def test_cli_flag_on_v1_drafter_exits_2_with_one_line(tmp_path):
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
     )
     assert res.returncode == 2, res.stderr
-    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--quantize-selector only apply to a DFlash2 drafter" in lines[0], res.stderr
     assert not out.exists()
 
@@ -267,6 +271,6 @@ def test_cli_flag_on_v1_drafter_exits_2_with_one_line(tmp_path):
 def test_sequential_gptq_replays_the_extras(pair):
     # replay never proposes, so the selector's rows must come from the drafter's forward output
     res = run_gptq(_job(pair, "sequential", sequential=True, quantize_conv=True, quantize_selector=True))
-    rows = {l["name"]: l["hessian_rows"] for l in res.quant_report["layers"]}
+    rows = {layer["name"]: layer["hessian_rows"] for layer in res.quant_report["layers"]}
     assert rows["candidate_selector.hidden_projection"] > 0
     assert rows["layers.1.mlp_conv.kernel_projection"] == rows["layers.1.self_attn.o_proj"]  # block rows, same count

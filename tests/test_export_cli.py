@@ -102,7 +102,7 @@ def test_asymmetric_g128_mlx_within_bias_rounding_and_gguf_refused(arts):
     res = export(arts["g128-asym"], "gguf", arts["root"] / "asym-gguf")
     assert res.returncode == 2 and "group size 128" in res.stderr and "--group-size 32" in res.stderr
     assert not (arts["root"] / "asym-gguf").exists()
-    assert len([l for l in res.stderr.strip().splitlines() if l.strip()]) <= 3  # one message (rich may wrap it)
+    assert len([ln for ln in res.stderr.strip().splitlines() if ln.strip()]) <= 3  # one message (rich may wrap it)
     res = export(arts["g128-asym"], "gguf", arts["root"] / "asym-gguf-rq", "--requantize")
     assert res.returncode == 0, res.stderr
     assert json.loads((arts["root"] / "asym-gguf-rq" / "provenance.json").read_text())["export"]["requantized"] is True

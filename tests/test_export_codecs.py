@@ -4,12 +4,12 @@ and the MLX affine formula (mlx itself: tests/test_export_mlx.py). Exact where t
 import numpy as np
 import pytest
 import torch
+from test_gptq_v1_pack import _random_qw
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export import compressed_tensors as ct
 from dflash_quant.export import gguf as gg
 from dflash_quant.export import mlx as mx_codec
-from test_gptq_v1_pack import _random_qw
 
 gguf = pytest.importorskip("gguf")
 
@@ -64,7 +64,10 @@ def test_ignore_rules_match_engine_names():
     kept = [f"layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv"] + ["fc", "layers.1.mlp.down_proj"]
     rules = ct.ignore_rules(kept, n_layers=2)
     pats = [re.compile(r[3:]) for r in rules]
-    hit = lambda name: any(p.fullmatch(name) for p in pats)
+
+    def hit(name):
+        return any(p.fullmatch(name) for p in pats)
+
     assert all(r.startswith("re:") for r in rules)
     # vLLM: fc under model., draft layers offset by the target's layer count, q/k/v fused
     assert hit("model.fc") and hit("model.layers.38.self_attn.qkv_proj") and hit("layers.0.self_attn.k_proj")

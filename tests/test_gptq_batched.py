@@ -55,7 +55,7 @@ def test_batched_equals_textbook_per_matrix(bits, group, sym, desc_act, static, 
     if (group != -1) and 144 % group:
         problems = [p for p in problems if p[0].shape[1] != 144]
     got = gptq_quantize_many(problems, spec, kernel="torch", **kw)
-    for (w, h, name), qw in zip(problems, got):
+    for (w, h, name), qw in zip(problems, got, strict=False):
         _same(qw, gptq_quantize(w, h, spec, name=name, **kw))
 
 
@@ -64,7 +64,7 @@ def test_batches_split_by_memory_cap_give_the_same_result():
     problems = [(torch.randn(32, 64), _hessian(64, 200, k), f"m{k}") for k in range(4)]
     whole = gptq_quantize_many(problems, spec, kernel="torch")
     split = gptq_quantize_many(problems, spec, kernel="torch", max_batch_bytes=1)  # one matrix per batch
-    for a, b in zip(whole, split):
+    for a, b in zip(whole, split, strict=False):
         _same(a, b)
 
 
@@ -77,10 +77,10 @@ def test_groups_equal_shared_input_passes():
                        [f"l{layer}.q", f"l{layer}.k", f"l{layer}.v"]))
         groups.append(([torch.randn(64, 64)], _hessian(64, 256, 10 + layer), [f"l{layer}.o"]))
     got = gptq_quantize_groups(groups, spec, kernel="torch", desc_act=True)
-    for (ws, h, names), qws in zip(groups, got):
+    for (ws, h, names), qws in zip(groups, got, strict=False):
         want = gptq_quantize_shared(ws, h, spec, names=names, desc_act=True)
         assert [q.name for q in qws] == names
-        for a, b in zip(qws, want):
+        for a, b in zip(qws, want, strict=False):
             _same(a, b)
             assert a.codes.untyped_storage().data_ptr() != qws[0].codes.untyped_storage().data_ptr() or a is qws[0]
 
@@ -121,5 +121,5 @@ def test_triton_kernel_equals_textbook_on_cuda(bits, group, sym, desc_act, stati
     if group != -1 and 384 % group:
         pytest.skip("group does not divide 384")
     got = gptq_quantize_many(problems, spec, kernel="triton", **kw)
-    for (w, h, name), qw in zip(problems, got):
+    for (w, h, name), qw in zip(problems, got, strict=False):
         _same(qw, gptq_quantize(w, h, spec, name=name, **kw))

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny import save_drafter, save_target
 
 from dflash_quant.export.manifest import verify_manifest
 from dflash_quant.loading import load_drafter
-from tiny import save_drafter, save_target
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 pytestmark = pytest.mark.slow
@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("gptq")
     rng = random.Random(0)
-    line = lambda: " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
+    def line():
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
     (root / "calib.txt").write_text("\n".join(line() for _ in range(6)))
     (root / "eval.txt").write_text("\n".join(line() for _ in range(3)))
     return {
@@ -67,7 +70,7 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
     assert "fc.weight" not in keys and "layers.1.mlp.down_proj.g_idx" in keys
     report = json.loads((art / "quant_report.json").read_text())
     assert 0.25 < report["quantized_bytes"] / report["original_bytes"] < 0.35  # 4-bit codes + g32 scales/zeros/g_idx
-    assert len(report["layers"]) == 15 and all(l["hessian_rows"] > 0 and l["rel_output_error"] < 0.5 for l in report["layers"])
+    assert len(report["layers"]) == 15 and all(layer["hessian_rows"] > 0 and layer["rel_output_error"] < 0.5 for layer in report["layers"])
     prov = json.loads((art / "provenance.json").read_text())
     assert prov["source_drafter"]["sha256"] and prov["calibration"]["num_prompts"] == 6
     assert prov["target"]["id"] == prov["target"]["path"] == "target" and prov["target"]["kind"] == "local"

@@ -14,7 +14,7 @@ def test_shared_input_pass_equals_per_matrix_gptq(desc_act):
     ws = [torch.randn(48, 64), torch.randn(16, 64), torch.randn(16, 64)]
     spec = QuantSpec(4, 32, True)
     together = gptq_quantize_shared(ws, acc, spec, names=["q", "k", "v"], desc_act=desc_act)
-    for w, name, got in zip(ws, "qkv", together):
+    for w, name, got in zip(ws, "qkv", together, strict=True):
         alone = gptq_quantize(w, acc, spec, desc_act=desc_act, name=name)
         assert got.name == name and got.codes.shape == (w.shape[0], 64)
         assert torch.equal(got.codes, alone.codes) and torch.equal(got.g_idx, alone.g_idx)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
+from hub_server import FakeHub
 from huggingface_hub import ModelCard
 
 from dflash_quant.export.manifest import write_manifest
-from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
-from hub_server import FakeHub
 
 pytestmark = pytest.mark.slow
 

@@ -58,7 +58,7 @@ def _crop_only(self, saved, ids, length, final=False):
 
 def _expected_replays(spec):
     """Every partially accepted step but the last needs one replay of its anchor + accepted drafts."""
-    steps = list(zip(spec.accepted, spec.drafted))[:-1]
+    steps = list(zip(spec.accepted, spec.drafted, strict=True))[:-1]
     partial = [a for a, d in steps if a < d]
     return len(partial), sum(a + 1 for a in partial)
 

@@ -4,16 +4,16 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import save_drafter, save_target
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import check_pair, load_drafter, load_target
-from tiny import save_drafter, save_target
 
 
 def test_both_key_layouts_load_to_the_same_weights(tmp_path):
     plain = load_drafter(save_drafter(tmp_path / "plain"))
     prefixed = load_drafter(save_drafter(tmp_path / "prefixed", prefix="model."))
-    for (k1, v1), (k2, v2) in zip(plain.model.state_dict().items(), prefixed.model.state_dict().items()):
+    for (k1, v1), (k2, v2) in zip(plain.model.state_dict().items(), prefixed.model.state_dict().items(), strict=True):
         assert k1 == k2 and torch.equal(v1, v2)
     assert plain.model.rotary_emb.inv_freq.abs().sum() > 0
 
@@ -24,7 +24,7 @@ def test_save_pretrained_layout_reloads(tmp_path):
     cfg = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["block_size"] == 4
     again = load_drafter(tmp_path / "saved")
-    assert all(torch.equal(a, b) for a, b in zip(d.model.state_dict().values(), again.model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(d.model.state_dict().values(), again.model.state_dict().values(), strict=True))
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path):

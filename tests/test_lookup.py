@@ -36,7 +36,7 @@ def _brute_match(h, lo, hi):
 def test_vectorised_search_equals_a_plain_scan():
     gen = torch.Generator().manual_seed(0)
     found = 0
-    for trial in range(300):
+    for _ in range(300):
         length = int(torch.randint(1, 40, (1,), generator=gen))
         vocab = int(torch.randint(2, 6, (1,), generator=gen))
         h = torch.randint(0, vocab, (length,), generator=gen)
@@ -76,9 +76,9 @@ def test_greedy_output_equals_target_greedy_with_lookup(pair, mode):
         assert spec.tokens == ref, f"{mode} prompt {seed}"
         assert sum(spec.acceptance_lengths) == 39
         assert len(spec.drafter_drafts) == len(spec.drafted)
-        used += sum(d > k for d, k in zip(spec.drafted, spec.drafter_drafts))
+        used += sum(d > k for d, k in zip(spec.drafted, spec.drafter_drafts, strict=False))
         if mode == "prefer":  # a lookup step skips the drafter
-            lookup_steps = sum(k == 0 and d > 0 for d, k in zip(spec.drafted, spec.drafter_drafts))
+            lookup_steps = sum(k == 0 and d > 0 for d, k in zip(spec.drafted, spec.drafter_drafts, strict=False))
             assert spec.drafter_forwards == len(spec.drafted) - lookup_steps - (spec.drafted[-1] == 0)
     if mode != "agree":  # a random drafter never agrees with the lookup
         assert used > 0

@@ -23,7 +23,7 @@ from dflash_quant.memory.mtp import (
 from tests.tiny import hybrid_target_config, save_hybrid_target
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-H, I, V = 5120, 17408, 248320
+H, INTER, V = 5120, 17408, 248320
 
 
 def _settings(**kw):
@@ -42,7 +42,7 @@ def test_qwen35_27b_mtp_head_weights_by_hand():
     assert (head.num_layers, head.dedicated_embeddings) == (1, False)
     fc = 2 * H * H
     attn = H * (2 * 24 * 256) + 2 * H * (4 * 256) + (24 * 256) * H  # gated q, k, v, o
-    mlp = 3 * H * I
+    mlp = 3 * H * INTER
     norms = 2 * 256 + 2 * H + H + 2 * H  # q/k norm, 2 layer norms, final norm, 2 pre-fc norms
     params = fc + attn + mlp + norms
     assert mtp_param_count(shape, head).total_params == params == 424_699_392
@@ -222,10 +222,9 @@ def test_cli_no_mtp_head_is_a_one_line_error(tmp_path):
 
 
 def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
+    from dflash_quant.artifact.reports import MemoryReport
     from dflash_quant.memory.plan import embedded_budget
     from dflash_quant.model_cards.card import _mtp_comparison, _section_mtp_comparison
-
-    from dflash_quant.artifact.reports import MemoryReport
 
     with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
     cmp = with_head.compare_mtp

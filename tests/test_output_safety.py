@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny import save_drafter, save_target
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export import atomic
 from dflash_quant.export.manifest import verify_manifest, write_manifest
-from tiny import save_drafter, save_target
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 
@@ -24,7 +24,10 @@ def pair(tmp_path_factory):
     """A user's folder holding drafter, target, prompt files, a note, and (hostile) a manifest.json of its own."""
     root = tmp_path_factory.mktemp("safety") / "models"
     rng = random.Random(0)
-    line = lambda: " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
+    def line():
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
     save_drafter(root / "drafter", std=0.2)
     save_target(root / "target")
     (root / "calib.txt").write_text("\n".join(line() for _ in range(8)))
@@ -53,7 +56,7 @@ def gptq(pair, output, *extra, cwd=None, umask=None, timeout=300):
 def one_error(res, code: int, *words: str) -> str:
     assert res.returncode == code, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
-    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, res.stderr
     for word in words:
         assert word in errors[0], errors[0]
@@ -209,7 +212,10 @@ def test_files_follow_the_umask(tmp_path):
             (tmp / "sub").mkdir(mode=0o700)
     finally:
         os.umask(old)
-    mode = lambda p: p.stat().st_mode & 0o777
+
+    def mode(p):
+        return p.stat().st_mode & 0o777
+
     assert (mode(tmp_path / "art"), mode(tmp_path / "art" / "sub"), mode(tmp_path / "art" / "weights")) == (0o750, 0o750, 0o640)
 
 

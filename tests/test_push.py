@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
+from hub_server import FakeHub
 from huggingface_hub import ModelCard
 
 import dflash_quant.hub.push as push_mod
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.hub.push import check_artifact, plan_push, push_artifact
-from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
-from hub_server import FakeHub
 
 REPO = "dflash-org/qwen3-8b-dflash-int4"
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dflash_quant.artifact.reports import REPORT_FILES, Budget, Check
-from dflash_quant.artifact.schema import Record, _type_name
+from dflash_quant.artifact.schema import Record, ReportFile, _type_name
 
 BEGIN = "<!-- BEGIN GENERATED: python -m dflash_quant.artifact.docgen -->"
 END = "<!-- END GENERATED -->"
@@ -59,7 +59,7 @@ def render() -> str:
         if cls in seen:
             continue
         seen.add(cls)
-        head = f"### `{cls.FILE}`: `{cls.__name__}` (written by {cls.WRITER})" if hasattr(cls, "FILE") else f"### `{cls.__name__}`"
+        head = f"### `{cls.FILE}`: `{cls.__name__}` (written by {cls.WRITER})" if issubclass(cls, ReportFile) and hasattr(cls, "FILE") else f"### `{cls.__name__}`"
         out += [head, ""]
         if cls.__doc__ and not hasattr(cls, "FILE") and not cls.__doc__.startswith(cls.__name__ + "("):
             out += [cls.__doc__.strip(), ""]

@@ -110,7 +110,7 @@ class Record:
     @classmethod
     def fields(cls) -> list[tuple[str, Any, dict]]:
         hints = typing.get_type_hints(cls)
-        return [(f.name, hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls) if f.name != "extra"]
+        return [(f.name, hints[f.name], dict(f.metadata)) for f in dataclasses.fields(typing.cast(Any, cls)) if f.name != "extra"]
 
     @classmethod
     def _from(cls, data: Any, where: str = ""):

@@ -29,7 +29,7 @@ def source_ref(source, sha256: str | None = None, cwd: Path | None = None) -> So
         return SourceRef(id=shipped_name(source.path) or source.id, kind="shipped", sha256=sha256)
     snap = hub_snapshot(source.path)
     if source.kind == "hub" or snap:
-        repo = source.id if source.kind == "hub" else snap[0]
+        repo = source.id if source.kind == "hub" or snap is None else snap[0]
         commit = snap[1] if snap and _COMMIT.match(snap[1]) else None
         return SourceRef(id=repo, kind="hub", revision=commit or source.revision, sha256=sha256)
     where = portable_path(source.path, cwd)

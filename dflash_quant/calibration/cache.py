@@ -73,6 +73,7 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
         acc = HessianAccumulator.from_state_dict(
             {"xtx": flat[f"{name}.xtx"], "rows": flat[f"{name}.rows"]}, name=name, device=device
         )
+        assert acc.xtx is not None  # from_state_dict always loads one
         if not torch.isfinite(acc.xtx).all():
             raise DFlashQuantError(f"cached Hessian {name} contains NaN/inf; delete the --calib-cache directory and recollect")
         hessians[name] = acc

@@ -12,14 +12,15 @@ DFlash2 extras, hooked only when they are to be quantized (`extra`):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import cast
 
 import torch
 
 from dflash_quant.decode import speculative_generate
 from dflash_quant.errors import UsageError
-from dflash_quant.model import DFlashDrafter, DraftCache
+from dflash_quant.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 KV_MODES = ("block", "block+context")
@@ -82,7 +83,7 @@ class _Hooks:
     def _wanted(self, key: str) -> bool:
         return self.groups is None or key in self.groups
 
-    def attach(self) -> "_Hooks":
+    def attach(self) -> _Hooks:
         m = self.model
 
         def add(key: str):
@@ -93,7 +94,7 @@ class _Hooks:
             return hook
 
         self.handles.append(m.fc.register_forward_pre_hook(add("fc")))
-        for i, layer in enumerate(m.layers):
+        for i, layer in enumerate(cast(Sequence[DFlashDecoderLayer], m.layers)):
             p = f"layers.{i}"
 
             def attn_hook(module, args, p=p):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -44,9 +43,9 @@ def export(
     fmt: str = typer.Option(..., "--format", "-f", help="compressed-tensors | gguf | mlx"),
     output: Path = typer.Option(..., "--output", "-o", help="Directory to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="GGUF: the target model (its tokenizer becomes the vocabulary); default: the one in provenance.json."),
+    target: str | None = typer.Option(None, "--target", "-t", help="GGUF: the target model (its tokenizer becomes the vocabulary); default: the one in provenance.json."),
     requantize: bool = typer.Option(False, help="GGUF: requantize grids with no exact GGUF type (gguf round-to-nearest) instead of refusing."),
-    gguf_pre: Optional[str] = typer.Option(None, help="GGUF: llama.cpp pre-tokenizer name (default: qwen2 for 151k Qwen vocabularies, else gpt-2)."),
+    gguf_pre: str | None = typer.Option(None, help="GGUF: llama.cpp pre-tokenizer name (default: qwen2 for 151k Qwen vocabularies, else gpt-2)."),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -57,7 +56,7 @@ def _summary(result) -> Table:
 @handle_errors
 def gptq(
     drafter: str = typer.Argument("reference", help="bf16 drafter dir or Hub id (default: the shipped reference pair)."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the reference target for 'reference')."),
+    target: str | None = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the reference target for 'reference')."),
     bits: int = typer.Option(4, help="2, 3, 4 or 8."),
     group_size: int = typer.Option(128, help="-1 (per channel), 32, 64, 128, ..."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (vLLM Marlin) or asymmetric grid."),
@@ -69,23 +68,23 @@ def gptq(
     profile: str = typer.Option("full", help="full | vllm (keeps q/k/v bf16) | sglang (keeps q/k/v and fc bf16)."),
     quantize_conv: bool = typer.Option(False, "--quantize-conv", help="DFlash2: also quantize the convolutions' kernel_projection Linears (engines keep them bf16; base_kernel always stays bf16)."),
     quantize_selector: bool = typer.Option(False, "--quantize-selector", help="DFlash2: also quantize the selector's hidden_projection (engines keep it bf16; the codebooks always stay bf16)."),
-    skip: List[str] = typer.Option([], "--skip", help="Regex of Linear names to keep in bf16 (repeatable)."),
+    skip: list[str] = typer.Option([], "--skip", help="Regex of Linear names to keep in bf16 (repeatable)."),
     output: Path = typer.Option(Path("out/drafter-gptq"), "--output", "-o", help="Artifact directory to create."),
     overwrite: bool = typer.Option(False, help="Replace a previous dflash-quant artifact (one with manifest.json) at --output; never a directory that overlaps an input."),
-    calib_prompts: Optional[str] = typer.Option(None, help="Calibration prompts: builtin:calib (default), reference:calib, or a file."),
-    num_prompts: Optional[int] = typer.Option(None, help="Use only the first N calibration prompts."),
+    calib_prompts: str | None = typer.Option(None, help="Calibration prompts: builtin:calib (default), reference:calib, or a file."),
+    num_prompts: int | None = typer.Option(None, help="Use only the first N calibration prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens generated per calibration prompt."),
     kv_hessian: str = typer.Option("block+context", help="Rows in the k/v Hessian: block, or block+context (default: measured better)."),
-    calib_cache: Optional[Path] = typer.Option(None, help="Directory to save/reuse calibration statistics."),
+    calib_cache: Path | None = typer.Option(None, help="Directory to save/reuse calibration statistics."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the bf16-vs-quantized parity gate."),
-    eval_prompts: Optional[str] = typer.Option(None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."),
-    eval_num_prompts: Optional[int] = typer.Option(None, help="Use only the first N parity prompts."),
+    eval_prompts: str | None = typer.Option(None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."),
+    eval_num_prompts: int | None = typer.Option(None, help="Use only the first N parity prompts."),
     eval_max_new_tokens: int = typer.Option(128, min=1, help="Tokens generated per parity prompt."),
     tolerance: float = typer.Option(0.03, help="Fail when tau_q / tau_bf16 < 1 - tolerance; in [0, 1)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
-    check_cache: Optional[Path] = typer.Option(None, help="Where the parity check's target-only and bf16 drafter runs are cached (default ~/.cache/dflash-quant/check)."),
+    check_cache: Path | None = typer.Option(None, help="Where the parity check's target-only and bf16 drafter runs are cached (default ~/.cache/dflash-quant/check)."),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),

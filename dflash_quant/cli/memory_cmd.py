@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -182,17 +181,17 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def memory(
         artifact: Path = typer.Argument(..., help="Quantized artifact (or any drafter) directory."),
-        baseline: Optional[Path] = typer.Option(None, "--baseline", help="The bf16 drafter directory to compare with."),
+        baseline: Path | None = typer.Option(None, "--baseline", help="The bf16 drafter directory to compare with."),
         device: str = typer.Option("cpu", "--device", help="Where to load it to measure resident memory: cpu|cuda|none."),
-        budget_target: Optional[str] = typer.Option(
+        budget_target: str | None = typer.Option(
             None, "--budget-target", help="Also budget a 24 GB card for this target (preset, dir or config.json)."
         ),
         budget_gpu: str = typer.Option("rtx4090", "--budget-gpu", help="Card for the embedded budget."),
         budget_context: int = typer.Option(8192, "--budget-context", help="Context for the embedded budget."),
-        budget_target_weights: Optional[str] = typer.Option(
+        budget_target_weights: str | None = typer.Option(
             "int4", "--budget-target-weights", help="Target weight format for the embedded budget."
         ),
-        out: Optional[Path] = typer.Option(None, "--out", help="Write memory.json here instead of into the artifact."),
+        out: Path | None = typer.Option(None, "--out", help="Write memory.json here instead of into the artifact."),
         no_write: bool = typer.Option(False, "--no-write", help="Do not write memory.json."),
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     ) -> None:
@@ -247,31 +246,31 @@ def register(app: typer.Typer) -> None:
         gpu: str = typer.Option("rtx4090", "--gpu", help="Card name (rtx3090, rtx4090, a10g, l4, h100, ...) or size (24GiB)."),
         context: int = typer.Option(8192, "--context", help="Tokens per request (prompt + generated)."),
         concurrency: int = typer.Option(1, "--concurrency", help="Requests decoded at once."),
-        spec_tokens: Optional[int] = typer.Option(None, "--spec-tokens", help="K drafted tokens per step (default block_size - 1)."),
-        target_weights: Optional[str] = typer.Option(
+        spec_tokens: int | None = typer.Option(None, "--spec-tokens", help="K drafted tokens per step (default block_size - 1)."),
+        target_weights: str | None = typer.Option(
             None, "--target-weights", help="bf16|fp8|int8|int4 or a size (17.8GB); default: files, else the config dtype."
         ),
-        kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV cache dtype: auto|bf16|fp16|fp8."),
-        drafter_kv_dtype: Optional[str] = typer.Option(None, "--drafter-kv-dtype", help="Drafter KV dtype (default: --kv-dtype)."),
-        state_dtype: Optional[str] = typer.Option(
+        kv_dtype: str | None = typer.Option(None, "--kv-dtype", help="KV cache dtype: auto|bf16|fp16|fp8."),
+        drafter_kv_dtype: str | None = typer.Option(None, "--drafter-kv-dtype", help="Drafter KV dtype (default: --kv-dtype)."),
+        state_dtype: str | None = typer.Option(
             None, "--state-dtype", help="Linear-attention recurrent state dtype: auto (config mamba_ssm_dtype)|bf16|fp32."
         ),
         engine: str = typer.Option("vllm", "--engine", help="vllm (paged serving engine) or reference (this project's loop)."),
-        utilization: Optional[float] = typer.Option(
+        utilization: float | None = typer.Option(
             None, "--gpu-memory-utilization", help="Engine memory fraction (vllm default 0.90; reference 1.0)."
         ),
-        runtime_overhead: Optional[str] = typer.Option(None, "--runtime-overhead", help="Non-torch memory (default 0.75GiB)."),
-        cuda_graphs: Optional[str] = typer.Option(None, "--cuda-graphs", help="CUDA-graph reserve (vllm default 0.5GiB; 0 = eager)."),
+        runtime_overhead: str | None = typer.Option(None, "--runtime-overhead", help="Non-torch memory (default 0.75GiB)."),
+        cuda_graphs: str | None = typer.Option(None, "--cuda-graphs", help="CUDA-graph reserve (vllm default 0.5GiB; 0 = eager)."),
         prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="Tokens per prefill forward (vLLM max_num_batched_tokens)."),
         max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="vLLM max_num_seqs (rows of the profiled sampler)."),
-        activation: Optional[str] = typer.Option(None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."),
+        activation: str | None = typer.Option(None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
         compare_mtp: bool = typer.Option(
             False, "--compare-mtp", help="Side by side: no speculation, the target's MTP head (K=1..3), DFlash bf16/int4."
         ),
-        mtp_tokens: Optional[str] = typer.Option(None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."),
-        mtp_weights: Optional[str] = typer.Option(
+        mtp_tokens: str | None = typer.Option(None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."),
+        mtp_weights: str | None = typer.Option(
             None, "--mtp-weights", help="MTP weight format bf16|fp8|int8|int4 (default: mtp.* in the files, else bf16)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),

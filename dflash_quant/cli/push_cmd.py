@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
             notes = check.notes if check else []
             if json_out:
                 print_json({"dry_run": True, "plan": plan.to_dict(), "problems": blocking, "notes": notes,
-                            "would_push": bool(check) and not check.integrity and (not check.gate or force)})
+                            "would_push": check is not None and not check.integrity and (not check.gate or force)})
             else:
                 target = f"{plan.repo_id} ({'pull request against main' if plan.create_pr else 'branch ' + plan.revision})"
                 err_console.print(f"dry run: nothing is sent to {plan.endpoint}", highlight=False, markup=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import Progress
@@ -77,26 +76,26 @@ def _category_table(summaries: list[dict]) -> Table | None:
 @handle_errors
 def verify(
     drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
-    prompts: Optional[str] = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
-    num_prompts: Optional[int] = typer.Option(None, help="Use only the first N prompts."),
+    target: str | None = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
+    prompts: str | None = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
+    num_prompts: int | None = typer.Option(None, help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy (the parity signal); >0 = rejection sampling."),
-    block_size: Optional[int] = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
+    block_size: int | None = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."),
-    compare: Optional[str] = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
+    compare: str | None = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
     tolerance: float = typer.Option(0.03, help="Parity tolerance on the tau ratio with --compare, in [0, 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
-    check_cache: Optional[Path] = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
+    check_cache: Path | None = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
     lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Also run each drafter with the lookup proposer (history n-gram matches) and report both."),
     lookup_mode: str = typer.Option("prefer", help="Which proposal a step verifies: prefer | agree | extend (see dflash_quant/lookup.py)."),
     lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
     lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
-    lookup_tokens: Optional[int] = typer.Option(None, help="Lookup tokens per step at most (default: block size - 1)."),
+    lookup_tokens: int | None = typer.Option(None, help="Lookup tokens per step at most (default: block size - 1)."),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
@@ -104,9 +103,28 @@ def verify(
 
     from dflash_quant.loading import check_pair, load_drafter
     from dflash_quant.lookup import LookupSettings
-    from dflash_quant.runtime import (check_count, check_temperature, check_tolerance, default_prompt_spec, encode_prompts,
-                                      load_pair, prompt_categories, resolve_device, resolve_dtype, stop_tokens)
-    from dflash_quant.verify import CheckSettings, baseline_runs, by_category, lookup_summary, parity, spec_runs, summarize, warm_up
+    from dflash_quant.runtime import (
+        check_count,
+        check_temperature,
+        check_tolerance,
+        default_prompt_spec,
+        encode_prompts,
+        load_pair,
+        prompt_categories,
+        resolve_device,
+        resolve_dtype,
+        stop_tokens,
+    )
+    from dflash_quant.verify import (
+        CheckSettings,
+        baseline_runs,
+        by_category,
+        lookup_summary,
+        parity,
+        spec_runs,
+        summarize,
+        warm_up,
+    )
 
     # every argument is checked before a model is loaded
     check_temperature(temperature)
@@ -155,7 +173,7 @@ def verify(
             dkey = check_key(target=key["target"], prompts=encoded, settings=settings, device=dev, dtype=dt,
                              drafter=weights_sha256(d.source.path))
             runs = cached_runs(cache, "spec", dkey, SpecResult,
-                               lambda: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")))
+                               lambda d=d: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")))
             cached[d.source.id] = cache.events["spec"]
             summaries.append(summarize(d.source.id, runs, base, settings, block))
             if cats := by_category(runs, categories):
@@ -163,7 +181,7 @@ def verify(
             if look is not None:
                 with_lookup = CheckSettings(max_new_tokens, temperature, block, seed, settings.stop_token_ids, look)
                 task = bar.add_task(f"speculative + lookup: {d.source.id}", total=len(encoded))
-                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, lambda: bar.advance(task))
+                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, lambda task=task: bar.advance(task))
                 summaries[-1]["lookup"] = lookup_summary(summaries[-1], runs, looked, base, with_lookup, block, categories)
     par = parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
     report = {

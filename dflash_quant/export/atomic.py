@@ -19,8 +19,9 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any
 
 from dflash_quant.errors import UsageError
 
@@ -145,7 +146,7 @@ def signals_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or _signal_depth:
         yield  # an outer level (or no main thread) owns the handlers
         return
-    previous = {}
+    previous: dict[int, Any] = {}
 
     def handler(signum, frame):
         for sig in previous:  # a second signal must not interrupt the cleanup the first one started

@@ -98,17 +98,17 @@ def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bo
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if fmt == "compressed-tensors":
-        from dflash_quant.export.compressed_tensors import grid_problem
+        from dflash_quant.export.compressed_tensors import grid_problem as ct_grid_problem
 
-        return grid_problem(desc_act)
+        return ct_grid_problem(desc_act)
     if fmt == "gguf":
-        from dflash_quant.export.gguf import grid_problem
+        from dflash_quant.export.gguf import grid_problem as gguf_grid_problem
 
-        return grid_problem(bits, group_size, sym, desc_act, requantize)
+        return gguf_grid_problem(bits, group_size, sym, desc_act, requantize)
     if fmt == "mlx":
-        from dflash_quant.export.mlx import grid_problem
+        from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
 
-        return grid_problem(bits, group_size, desc_act)
+        return mlx_grid_problem(bits, group_size, desc_act)
     return None
 
 
@@ -157,7 +157,7 @@ def convert_artifact(
             data = dict(data)
             data["export"] = {
                 "format": fmt, "from": None if src.resolve() == dst.resolve() else portable_path(src), "from_quant_method": "gptq", "tool_version": __version__,
-                "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                 "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
             }
         if name == "quant_report.json":

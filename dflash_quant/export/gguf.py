@@ -235,7 +235,7 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
     fname = f"drafter-{main}.gguf"
     writer = gguf.GGUFWriter(str(dst / fname), ARCH)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(Path(str((art.config.get("_name_or_path") or art.path.name))).name or "dflash-drafter")
+    writer.add_name(Path(str(art.config.get("_name_or_path") or art.path.name)).name or "dflash-drafter")
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

@@ -19,9 +19,9 @@ import contextlib
 import os
 import re
 import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
 
 from dflash_quant.artifact.files import sha256_file, sha256_fileobj  # noqa: F401 (sha256_file re-exported)
 from dflash_quant.artifact.reports import Manifest
@@ -155,6 +155,7 @@ def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[
     listed, problem = read_manifest(root)
     if problem:
         return [problem], []
+    assert listed is not None  # read_manifest gives a problem or the files
     problems: list[str] = []
     verified: list[VerifiedFile] = []
     for name, entry in sorted(listed.items(), key=lambda kv: str(kv[0])):
@@ -167,6 +168,7 @@ def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[
             if not (name in skip and bad.endswith("but missing")):
                 problems.append(bad)
             continue
+        assert st is not None  # _file_problem gives a problem or the stat
         if name in skip:
             continue
         if st.st_size != entry["bytes"]:
@@ -268,6 +270,7 @@ def record_files(root: Path, names: Iterable[str]) -> dict:
         listed, problem = read_manifest(root)
         if problem:
             raise DFlashQuantError(f"cannot update {root / MANIFEST}: {problem}; {REEXPORT}")
+        assert listed is not None  # read_manifest gives a problem or the files
         files = dict(listed)
         for name in names:
             bad = name_problem(name)

@@ -102,7 +102,7 @@ def read_mlx(tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[st
             continue
         out[key] = value
     for base in sorted(bases):
-        layer_q = quant.get(base) if isinstance(quant.get(base), dict) else {}
+        layer_q = q if isinstance(q := quant.get(base), dict) else {}
         out[f"{base}.weight"] = dequantize_affine(
             tensors[f"{base}.weight"], tensors[f"{base}.scales"], tensors[f"{base}.biases"],
             int(layer_q.get("bits", bits)), int(layer_q.get("group_size", group)),

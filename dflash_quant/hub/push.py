@@ -32,13 +32,14 @@ import io
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dflash_quant import __version__
-from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.artifact.reports import Manifest, Parity
+from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check_artifact_files, parse_files, summarize
 from dflash_quant.export.provenance import provenance_problem
 
@@ -215,7 +216,8 @@ def _resolve_endpoint(endpoint: str | None) -> str:
 
 
 def validate_repo_id(repo_id: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id as _hf_validate
+    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as _hf_validate
 
     if not repo_id or repo_id.count("/") != 1:
         raise UsageError(f"--repo-id must be ORG/NAME (got {repo_id!r})")
@@ -292,7 +294,7 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def _chain(exc: BaseException | None) -> list[BaseException]:
     out: list[BaseException] = []
     while exc is not None and exc not in out:
         out.append(exc)
@@ -453,6 +455,8 @@ def _read_payloads(root: Path, verified: list[VerifiedFile], stack: contextlib.E
         with os.fdopen(fd, "rb") as fh:
             data = fh.read()
         listed, _ = parse_files(Manifest.loads(data)[0])
+        if listed is None:
+            raise ValueError("no files in the manifest")  # handled below, like any unreadable manifest
         recorded = {name: entry["sha256"] for name, entry in listed.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         recorded = None

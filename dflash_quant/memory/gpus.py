@@ -108,7 +108,7 @@ def resolve_gpu(spec: str) -> GPU:
     key = _ALIASES.get(key, key)
     if key in _GPUS:
         return _GPUS[key]
-    if _SIZE_RE.match(key) and _SIZE_RE.match(key).group(2).lower() in _UNITS:
+    if (m := _SIZE_RE.match(key)) and m.group(2).lower() in _UNITS:
         total = parse_bytes(key, what="GPU memory")
         if total <= 0:
             raise UsageError(f"GPU memory must be positive (got {spec!r})")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from dflash_quant.errors import DFlashQuantError, UsageError
 
@@ -169,6 +169,13 @@ def text_config(cfg: dict) -> dict:
     return cfg
 
 
+# A required field or an int default always yields an int; the overloads tell the type checker so.
+@overload
+def _int(cfg: dict, *keys: str, default: int, required: bool = ..., what: str = ...) -> int: ...
+@overload
+def _int(cfg: dict, *keys: str, default: None = ..., required: Literal[True], what: str = ...) -> int: ...
+@overload
+def _int(cfg: dict, *keys: str, default: int | None = ..., required: bool = ..., what: str = ...) -> int | None: ...
 def _int(cfg: dict, *keys: str, default: int | None = None, required: bool = False, what: str = "") -> int | None:
     for k in keys:
         v = cfg.get(k)

@@ -21,6 +21,7 @@ the 48 GDN layers are padded to 51 and every request pays 3 more state pages per
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dflash_quant.errors import UsageError
@@ -36,7 +37,16 @@ from dflash_quant.memory.budget import (
     cache_bytes,
     validate_settings,
 )
-from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape, dtype_bytes, recurrent_state_bytes, text_config
+from dflash_quant.memory.kv import (
+    FULL,
+    LINEAR,
+    MAMBA,
+    SLIDING,
+    ModelShape,
+    dtype_bytes,
+    recurrent_state_bytes,
+    text_config,
+)
 from dflash_quant.memory.weights import count_params, priced_bytes, weight_files, weights_from_files
 
 DEFAULT_MTP_TOKENS = (1, 2, 3)
@@ -141,6 +151,7 @@ def kv_buckets(target: ModelShape, draft_layers: list[tuple]) -> dict[tuple, int
     layer joins the target's bucket only with the same heads and head_dim (an MTP layer always does)."""
     out: dict[tuple, int] = {}
     for kind in target.layer_types:
+        key: tuple
         if kind in (LINEAR, MAMBA):
             key = ("state",)
         elif kind == SLIDING:
@@ -175,6 +186,7 @@ def padding_bytes(target: ModelShape, buckets: dict[tuple, int], s: BudgetSettin
         if not n:
             continue
         if key == ("state",):
+            assert r is not None  # a state bucket exists only for a target with recurrent layers
             per_layer = recurrent_state_bytes(target, k, ssm_dtype=s.state_dtype) // r.num_layers
         else:
             _, heads, hd, window = key
@@ -196,8 +208,8 @@ class Method:
     spec_tokens: int
     draft_weights: int
     draft_weights_source: str
-    activation: callable  # concurrency -> bytes
-    per_request: callable  # tokens -> {term: bytes}
+    activation: Callable[[int], int]  # concurrency -> bytes
+    per_request: Callable[[int], dict[str, int]]  # tokens -> {term: bytes}
     state_slots: int
     padding_layers: dict = field(default_factory=dict)
 

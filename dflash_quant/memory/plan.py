@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from dflash_quant.errors import UsageError
 
@@ -16,18 +16,18 @@ def budget_objects(
     gpu: str,
     context: int,
     concurrency: int,
-    spec_tokens: Optional[int],
-    target_weights: Optional[str],
-    kv_dtype: Optional[str],
-    drafter_kv_dtype: Optional[str],
-    state_dtype: Optional[str],
+    spec_tokens: int | None,
+    target_weights: str | None,
+    kv_dtype: str | None,
+    drafter_kv_dtype: str | None,
+    state_dtype: str | None,
     engine: str,
-    utilization: Optional[float],
-    runtime_overhead: Optional[str],
-    cuda_graphs: Optional[str],
+    utilization: float | None,
+    runtime_overhead: str | None,
+    cuda_graphs: str | None,
     prefill_chunk: int,
     max_num_seqs: int,
-    activation: Optional[str],
+    activation: str | None,
     new_tokens: int,
     group_size: int,
 ):
@@ -123,7 +123,7 @@ def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: in
 
 
 
-def parse_mtp_tokens(text: Optional[str]) -> tuple[int, ...]:
+def parse_mtp_tokens(text: str | None) -> tuple[int, ...]:
     """'1,2,3' -> (1, 2, 3); None -> the default K = 1..3."""
     from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS
 
@@ -138,7 +138,7 @@ def parse_mtp_tokens(text: Optional[str]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ks))
 
 
-def mtp_comparison(target: str, t, d, settings, mtp_tokens=None, mtp_weights: Optional[str] = None) -> dict:
+def mtp_comparison(target: str, t, d, settings, mtp_tokens=None, mtp_weights: str | None = None) -> dict:
     """`budget --compare-mtp`: no speculation, MTP (each K), DFlash bf16 / quantized, side by side."""
     from dflash_quant.memory.budget import _load_config
     from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS, compare_mtp

@@ -18,6 +18,7 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape
@@ -180,7 +181,7 @@ def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
     params = 0
     nq = 0
     bases = {n[: -len(".qweight")] for n in entries if n.endswith(".qweight")}
-    for name, (dt, shape, nbytes) in entries.items():
+    for name, (_dt, shape, nbytes) in entries.items():
         base, _, suffix = name.rpartition(".")
         if base in bases and suffix in GPTQ_SUFFIXES:
             packed += nbytes
@@ -305,8 +306,8 @@ def _dflash2_params(shape: ModelShape, other: dict[str, int]) -> None:
     """DFlash2 parts, kept bf16: the convolutions around every sublayer and the candidate selector."""
     if not shape.is_drafter:
         return
-    nested = shape.raw.get("dflash_config") if isinstance(shape.raw.get("dflash_config"), dict) else {}
-    keys = {k: nested.get(k, shape.raw.get(k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")}
+    nested = d if isinstance(d := shape.raw.get("dflash_config"), dict) else {}
+    keys: dict[str, Any] = {k: nested.get(k, shape.raw.get(k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")}
     if any(not isinstance(v, int) or v < 1 for v in keys.values()):
         return
     h, kernel, rank = shape.hidden_size, keys["conv_kernel_size"], keys["selector_rank"]

@@ -77,7 +77,9 @@ def _get(d: Any, *keys: str, default: Any = None) -> Any:
 
 
 def is_hub_id(value: str | None) -> bool:
-    return bool(value) and bool(_HUB_ID.match(value)) and not Path(value).exists()
+    if not value:
+        return False
+    return bool(_HUB_ID.match(value)) and not Path(value).exists()
 
 
 def _hub_id_from_path(value: str) -> str | None:
@@ -358,7 +360,7 @@ def _section_recipe(ctx: dict) -> str:
     else:
         layers = [layer for layer in qr.get("layers", []) if isinstance(layer, dict)]
         fallbacks = [layer for layer in layers if layer.get("fallback")]
-        errors = [(layer.get("rel_output_error"), layer.get("name")) for layer in layers
+        errors: list[tuple[float, Any]] = [(layer["rel_output_error"], layer.get("name")) for layer in layers
                   if isinstance(layer.get("rel_output_error"), (int, float))]
         rows = [
             ["quantized Linear layers", f"{len(layers)}"],
@@ -497,7 +499,7 @@ def _budget_lines(budget: Budget | None) -> list[str]:
         ["drafter weights"] + [fmt_bytes((x.components or {}).get("drafter_weights")) for x in b],
         ["required"] + [fmt_bytes(x.required_bytes) for x in b],
         ["usable"] + [fmt_bytes(x.usable_bytes) for x in b],
-        ["fits"] + [{True: "yes", False: "**no**"}.get(x.fits, NOT_MEASURED) for x in b],
+        ["fits"] + [NOT_MEASURED if x.fits is None else "yes" if x.fits else "**no**" for x in b],
         ["headroom"] + [fmt_bytes(x.headroom_bytes) for x in b],
         ["max context"] + [ctx_text(x) for x in b],
     ]))
@@ -518,6 +520,7 @@ def _mtp_comparison(ctx: dict) -> dict | None:
 def _section_mtp_comparison(ctx: dict) -> str:
     """The target ships an MTP head: this drafter against it, from memory.json's budget (`budget --compare-mtp`)."""
     cmp = _mtp_comparison(ctx)
+    assert cmp is not None  # the card adds this section only when there is a comparison
     budget = ctx["memory"].budget_24gb
     gpu = budget.gpu.name if budget.gpu else None
     methods = cmp["methods"]

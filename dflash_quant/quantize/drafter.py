@@ -6,8 +6,9 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ class QuantSettings:
     quantize_conv: bool = False  # the convolutions' kernel_projection Linears (base_kernel always stays bf16)
     quantize_selector: bool = False  # the selector's hidden_projection Linear (the codebooks always stay bf16)
 
-    def normalized(self) -> "QuantSettings":
+    def normalized(self) -> QuantSettings:
         """RTN has no column order: act-order flags would only mislabel the checkpoint."""
         return replace(self, desc_act=False, static_groups=False) if self.method == "rtn" else self
 
@@ -175,6 +176,8 @@ def _quantize_groups(
             hessian = acc.hessian()
         prepared.append((names, [m.weight.detach().float() for m in modules], acc, hessian))
     if settings.method == "gptq":
+        if hessian is None:
+            raise DFlashQuantError(f"no calibration rows reached {names[0]}; check the calibration prompts")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GPTQFallbackWarning)
             solved = gptq_quantize_groups(
@@ -185,11 +188,11 @@ def _quantize_groups(
         for w in caught:
             warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
     else:
-        solved = [[rtn_quantize(w, spec, name=n) for w, n in zip(weights, names)] for names, weights, _, _ in prepared]
+        solved = [[rtn_quantize(w, spec, name=n) for w, n in zip(weights, names, strict=False)] for names, weights, _, _ in prepared]
     out = []
-    for (names, weights, acc, hessian), qws in zip(prepared, solved):
+    for (names, weights, acc, hessian), qws in zip(prepared, solved, strict=False):
         results = []
-        for name, weight, qw in zip(names, weights, qws):
+        for name, weight, qw in zip(names, weights, qws, strict=False):
             entry: dict[str, Any] = {
                 "name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size,
                 "hessian_rows": acc.rows if acc is not None else None, "damp": qw.damp_used, "fallback": qw.fallback,
@@ -229,7 +232,11 @@ def quantize_drafter(
             missing = sorted(g for g in groups if g not in stats.hessians)
             if missing and not settings.sequential:
                 raise DFlashQuantError(f"no calibration rows reached {missing[0]}; check the calibration prompts")
-            accs = replay_capture(model, stats.replay, groups, kv_mode) if settings.sequential else {g: stats.hessians[g] for g in groups}
+            if settings.sequential:
+                assert stats.replay is not None  # calibration keeps the replay when GPTQ is sequential
+                accs = replay_capture(model, stats.replay, groups, kv_mode)
+            else:
+                accs = {g: stats.hessians[g] for g in groups}
         shared: dict[str, list[str]] = {}
         for name in stage:
             shared.setdefault(input_group(name, kv_mode), []).append(name)
@@ -249,8 +256,8 @@ def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress) -> 
     """Quantize `groups` and write the dequantized weights back into their modules, in order."""
     if not groups:
         return
-    for (names, modules, _), results in zip(groups, _quantize_groups(groups, settings)):
-        for module, name, (qw, entry) in zip(modules, names, results):
+    for (names, modules, _), results in zip(groups, _quantize_groups(groups, settings), strict=False):
+        for module, name, (qw, entry) in zip(modules, names, results, strict=False):
             with torch.no_grad():
                 module.weight.copy_(qw.dequantize().to(module.weight.dtype))
             outcome.weights[name] = qw

@@ -8,8 +8,9 @@ the Cholesky factor of H^-1. Updates are applied lazily in blocks of `block_size
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import warnings
+from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -76,7 +77,7 @@ class HessianAccumulator:
             self._xtx.addmm_(chunk.T, chunk)
         self.rows += x.shape[0]
 
-    def merge(self, other: "HessianAccumulator") -> "HessianAccumulator":
+    def merge(self, other: HessianAccumulator) -> HessianAccumulator:
         """Add another accumulator's rows into this one (e.g. q/k/v sharing one input)."""
         if other.in_features != self.in_features:
             raise DFlashQuantError(
@@ -106,7 +107,7 @@ class HessianAccumulator:
     @classmethod
     def from_state_dict(
         cls, state: dict[str, torch.Tensor], *, name: str = "", device: torch.device | str | None = None
-    ) -> "HessianAccumulator":
+    ) -> HessianAccumulator:
         if "xtx" not in state or "rows" not in state:
             raise DFlashQuantError(f"layer {name!r}: Hessian cache lacks 'xtx'/'rows'; delete the cache and recollect")
         xtx = state["xtx"]
@@ -244,8 +245,8 @@ def gptq_quantize(
     codes[:, order] = Q
     return QuantizedWeight(
         codes=codes.to(torch.uint8),
-        scales=torch.stack(scales),
-        zeros=torch.stack(zeros).to(torch.int32),
+        scales=torch.stack(cast(list[torch.Tensor], scales)),  # every group has its parameters by now
+        zeros=torch.stack(cast(list[torch.Tensor], zeros)).to(torch.int32),
         g_idx=g_idx,
         spec=spec,
         desc_act=desc_act,
@@ -279,7 +280,7 @@ def gptq_quantize_shared(
         return [gptq_quantize(weights[0], hessian, spec, name=names[0], **kwargs)]
     stacked = gptq_quantize(torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs)
     out, row = [], 0
-    for w, name in zip(weights, names):
+    for w, name in zip(weights, names, strict=True):
         rows = slice(row, row + w.shape[0])
         # Own copies: views of one stacked tensor would be shared storage in the exported file.
         out.append(replace(stacked, codes=stacked.codes[rows].clone(), scales=stacked.scales[:, rows].clone(),

@@ -259,12 +259,12 @@ def gptq_quantize_groups(
         problems.append((stacked, hessian, names[0] if len(names) == 1 else "+".join(names)))
     solved = gptq_quantize_many(problems, spec, **kwargs)
     out = []
-    for (weights, _, names), qw in zip(groups, solved):
+    for (weights, _, names), qw in zip(groups, solved, strict=False):
         if len(weights) == 1:
             out.append([qw])
             continue
         parts, row = [], 0
-        for w, name in zip(weights, names):
+        for w, name in zip(weights, names, strict=False):
             rows = slice(row, row + w.shape[0])
             parts.append(replace(qw, codes=qw.codes[rows].clone(), scales=qw.scales[:, rows].clone(),
                                  zeros=qw.zeros[:, rows].clone(), g_idx=qw.g_idx.clone(), name=name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.quantize.grid import QuantSpec, QuantizedWeight, group_params, quantize_codes
+from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec, group_params, quantize_codes
 
 
 def rtn_quantize(weight: torch.Tensor, spec: QuantSpec, *, name: str = "", fallback: str | None = None) -> QuantizedWeight:

@@ -41,14 +41,14 @@ def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int = 128, sy
 def _quantizer(bits: int, group_size: int, sym: bool):
     """The project's RTN (dflash_quant.quantize.rtn) when present, else the local min-max RTN."""
     try:
-        from dflash_quant.quantize.rtn import QuantSpec, rtn_quantize  # type: ignore[attr-defined]
+        from dflash_quant.quantize.rtn import QuantSpec, rtn_quantize
     except ImportError:
         return lambda w: rtn_fake_quantize(w, bits, group_size if w.shape[1] % group_size == 0 else -1, sym)
 
     def fn(w: torch.Tensor) -> torch.Tensor:
         g = group_size if group_size > 0 and w.shape[1] % group_size == 0 else -1
-        out = rtn_quantize(w, QuantSpec(bits=bits, group_size=g, sym=sym))
-        out = out.dequantize() if hasattr(out, "dequantize") else out
+        qw = rtn_quantize(w, QuantSpec(bits=bits, group_size=g, sym=sym))
+        out = qw.dequantize() if hasattr(qw, "dequantize") else qw
         if not isinstance(out, torch.Tensor) or out.shape != w.shape:
             return rtn_fake_quantize(w, bits, g, sym)
         return out.to(device=w.device, dtype=w.dtype)

@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -315,7 +316,7 @@ def train_target(r: Recipe, train: torch.Tensor, heldout: torch.Tensor, eos_id: 
     val_gen = torch.Generator().manual_seed(r.seed + 3)
     n_val = 64 if r.max_docs is None else 8
     val = sample_windows(heldout, n_val, min(r.target_seq + 1, heldout.numel() - 1), val_gen)
-    best = (float("inf"), None, -1)
+    best: tuple[float, dict[str, torch.Tensor], int] = (float("inf"), {}, -1)
     t_start = time.perf_counter()
     for step in range(r.target_steps):
         for g in opt.param_groups:
@@ -426,7 +427,7 @@ def target_taps(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor
 def drafter_config(r: Recipe, mask_id: int):
     from dflash_quant.config import parse_draft_config
 
-    raw = {
+    raw: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "vocab_size": r.vocab_size,
@@ -536,7 +537,7 @@ def train_drafter(r: Recipe, target, seqs: torch.Tensor, mask_id: int, device: t
 
     torch.manual_seed(r.seed + 5)
     config = drafter_config(r, mask_id)
-    drafter = build_drafter(config).to(device)
+    drafter = build_drafter(config).to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     drafter.train()
     n_params = sum(p.numel() for p in drafter.parameters())
     log(f"drafter: {n_params / 1e6:.2f} M parameters", drafter_params=n_params)
@@ -728,12 +729,15 @@ def run(args: argparse.Namespace) -> dict:
         if args.reuse_target:
             tok_path = Path(args.reuse_target) / "target" / "tokenizer.json"
         else:
+            assert r.tokenizer_file is not None  # the branch condition
             tok_path = Path(__file__).resolve().parent / r.tokenizer_file
         tok = Tokenizer.from_file(str(tok_path))
         log(f"tokenizer: reused {tok_path}")
     else:
         tok = train_tokenizer(train_docs, r.vocab_size)
     eos_id, mask_id = tok.token_to_id(EOS), tok.token_to_id(MASK)
+    if eos_id is None or mask_id is None:
+        raise SystemExit(f"the tokenizer has no {EOS} or {MASK} token; reuse only a tokenizer this script trained")
     r.vocab_size = tok.get_vocab_size()
     train_stream = encode_stream(tok, train_docs, eos_id)
     held_stream = encode_stream(tok, held_docs, eos_id)
@@ -759,10 +763,10 @@ def run(args: argparse.Namespace) -> dict:
 
     gen = torch.Generator().manual_seed(r.seed + 7)
     prefixes = sample_windows(train_stream, r.gen_sequences, r.gen_prefix, gen)
-    seqs = []
+    batches = []
     for i in range(0, prefixes.shape[0], r.gen_batch):
-        seqs.append(greedy_continue(target, prefixes[i : i + r.gen_batch].to(device), r.gen_new))
-    seqs = torch.cat(seqs)
+        batches.append(greedy_continue(target, prefixes[i : i + r.gen_batch].to(device), r.gen_new))
+    seqs = torch.cat(batches)
     log(f"drafter data: {seqs.shape[0]} greedy continuations of {r.gen_new} tokens after {r.gen_prefix}-token prefixes",
         drafter_sequences=seqs.shape[0])
 
