@@ -94,7 +94,9 @@ def gptqmodel_runner():
     def run(weight, x, bits, group_size, damp):
         lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
         lin.weight.data.copy_(weight)
-        cfg = QuantizeConfig(bits=bits, group_size=group_size, sym=True, desc_act=False, damp_percent=damp, **_GPTQMODEL_PLAIN)
+        cfg = QuantizeConfig(
+            bits=bits, group_size=group_size, sym=True, desc_act=False, damp_percent=damp, **_GPTQMODEL_PLAIN
+        )
         g = GPTQ(lin, cfg)
         g.quantizer.configure(perchannel=True)
         _, t_acc = timed(lambda: g.add_batch(x.unsqueeze(0), None), weight.device)
@@ -114,12 +116,22 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--rows", type=int, default=None, help="calibration rows per layer (default 4096, small 512)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported); default 3 small, 2 full")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats (median reported); default 3 small, 2 full"
+    )
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip the GPTQModel baseline")
-    ap.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=False,
-                    help="act-order (`gptq --desc-act`); the GPTQModel baseline always runs without")
-    ap.add_argument("--kernel", default="auto", choices=["auto", "triton", "torch"],
-                    help="batched solver's column loop: Triton on CUDA when available (auto), or torch")
+    ap.add_argument(
+        "--desc-act",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="act-order (`gptq --desc-act`); the GPTQModel baseline always runs without",
+    )
+    ap.add_argument(
+        "--kernel",
+        default="auto",
+        choices=["auto", "triton", "torch"],
+        help="batched solver's column loop: Triton on CUDA when available (auto), or torch",
+    )
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
 
@@ -145,12 +157,18 @@ def main(argv=None):
     a1 = HessianAccumulator(512)
     a1.add(torch.randn(600, 512, device=device))
     for grp in (4, 1):
-        gptq_quantize_groups([([torch.randn(64, 512, device=device)], a1.hessian(), ["w"])] * grp, spec,
-                             desc_act=args.desc_act, damp_percent=args.damp, kernel=args.kernel)
+        gptq_quantize_groups(
+            [([torch.randn(64, 512, device=device)], a1.hessian(), ["w"])] * grp,
+            spec,
+            desc_act=args.desc_act,
+            damp_percent=args.damp,
+            kernel=args.kernel,
+        )
 
     # (a) Hessian accumulation: one accumulator per distinct input (q/k/v and gate/up share theirs).
     acc_times = []
     for _ in range(repeats):
+
         def accumulate():
             accs = {}
             for grp in groups:
@@ -167,8 +185,18 @@ def main(argv=None):
     for _ in range(repeats):
         total = 0.0
         for name, _, _, grp in mats:
-            qw, t = timed(partial(gptq_quantize, weights[name], hessians[grp], spec, desc_act=args.desc_act,
-                                  damp_percent=args.damp, name=name), device)
+            qw, t = timed(
+                partial(
+                    gptq_quantize,
+                    weights[name],
+                    hessians[grp],
+                    spec,
+                    desc_act=args.desc_act,
+                    damp_percent=args.damp,
+                    name=name,
+                ),
+                device,
+            )
             per_matrix[name] = t
             ours[name] = qw
             total += t
@@ -177,10 +205,17 @@ def main(argv=None):
     members = {grp: [m[0] for m in mats if m[3] == grp] for grp in groups}
     shared_times, shared = [], {}
     for _ in range(repeats):
+
         def quantize_shared():
             for grp in groups:
-                qws = gptq_quantize_shared([weights[n] for n in members[grp]], hessians[grp], spec, names=members[grp],
-                                           desc_act=args.desc_act, damp_percent=args.damp)
+                qws = gptq_quantize_shared(
+                    [weights[n] for n in members[grp]],
+                    hessians[grp],
+                    spec,
+                    names=members[grp],
+                    desc_act=args.desc_act,
+                    damp_percent=args.damp,
+                )
                 shared.update(zip(members[grp], qws, strict=True))
 
         _, t = timed(quantize_shared, device)
@@ -188,9 +223,15 @@ def main(argv=None):
     # (d) The batched solver (what `gptq` runs now): every shared-input group, same-shape groups as one batch.
     batched_times, batched = [], {}
     for _ in range(repeats):
+
         def quantize_batched():
-            solved = gptq_quantize_groups([([weights[n] for n in members[grp]], hessians[grp], members[grp]) for grp in groups],
-                                          spec, desc_act=args.desc_act, damp_percent=args.damp, kernel=args.kernel)
+            solved = gptq_quantize_groups(
+                [([weights[n] for n in members[grp]], hessians[grp], members[grp]) for grp in groups],
+                spec,
+                desc_act=args.desc_act,
+                damp_percent=args.damp,
+                kernel=args.kernel,
+            )
             for grp, qws in zip(groups, solved, strict=False):
                 batched.update(zip(members[grp], qws, strict=False))
 
@@ -198,8 +239,12 @@ def main(argv=None):
         batched_times.append(t)
 
     def differing(a, b):
-        return sum(int((a[n].codes != b[n].codes).sum()) + int((a[n].scales != b[n].scales).sum())
-                   + int((a[n].zeros != b[n].zeros).sum()) for n in a)
+        return sum(
+            int((a[n].codes != b[n].codes).sum())
+            + int((a[n].scales != b[n].scales).sum())
+            + int((a[n].zeros != b[n].zeros).sum())
+            for n in a
+        )
 
     rtn, t_rtn = timed(lambda: {n: rtn_quantize(weights[n], spec) for n, *_ in mats}, device)
 
@@ -273,25 +318,37 @@ def main(argv=None):
         }
 
     g = result["gptqmodel"]
-    print(f"{result['matrices']} matrices, {result['weights'] / 1e9:.3f} B weights, {shapes['rows']} rows/layer, "
-          f"{args.bits}-bit g{args.group_size}, {result['device']}, torch {result['torch']}, median of {repeats}")
+    print(
+        f"{result['matrices']} matrices, {result['weights'] / 1e9:.3f} B weights, {shapes['rows']} rows/layer, "
+        f"{args.bits}-bit g{args.group_size}, {result['device']}, torch {result['torch']}, median of {repeats}"
+    )
     print(f"{'method':<22}{'hessian s':>12}{'gptq s':>12}{'rel out err':>14}")
-    print(f"{'dflash-quant':<22}{result['ours']['hessian_s']:>12.3f}{result['ours']['gptq_s']:>12.3f}"
-          f"{result['ours']['rel_output_error_mean']:>14.5f}")
+    print(
+        f"{'dflash-quant':<22}{result['ours']['hessian_s']:>12.3f}{result['ours']['gptq_s']:>12.3f}"
+        f"{result['ours']['rel_output_error_mean']:>14.5f}"
+    )
     sh = result["ours_shared_input"]
-    print(f"{'dflash-quant shared':<22}{'-':>12}{sh['gptq_s']:>12.3f}{sh['rel_output_error_mean']:>14.5f}"
-          f"   ({sh['passes']} passes; ratio to per-matrix {sh['gptq_s'] / result['ours']['gptq_s']:.3f})")
+    print(
+        f"{'dflash-quant shared':<22}{'-':>12}{sh['gptq_s']:>12.3f}{sh['rel_output_error_mean']:>14.5f}"
+        f"   ({sh['passes']} passes; ratio to per-matrix {sh['gptq_s'] / result['ours']['gptq_s']:.3f})"
+    )
     bt = result["ours_batched"]
-    print(f"{'dflash-quant batched':<22}{'-':>12}{bt['gptq_s']:>12.3f}{bt['rel_output_error_mean']:>14.5f}"
-          f"   (ratio to textbook {bt['ratio_to_textbook']:.4f}; differing codes/scales/zeros vs textbook "
-          f"{bt['differing_codes_scales_zeros_vs_textbook']})")
+    print(
+        f"{'dflash-quant batched':<22}{'-':>12}{bt['gptq_s']:>12.3f}{bt['rel_output_error_mean']:>14.5f}"
+        f"   (ratio to textbook {bt['ratio_to_textbook']:.4f}; differing codes/scales/zeros vs textbook "
+        f"{bt['differing_codes_scales_zeros_vs_textbook']})"
+    )
     if "skipped" in g:
         print(f"{'gptqmodel':<22}  {g['skipped']}")
     else:
-        print(f"{'gptqmodel':<22}{g['hessian_s']:>12.3f}{g['gptq_s']:>12.3f}{g['rel_output_error_mean']:>14.5f}"
-              f"   (batched / gptqmodel {bt['gptq_s'] / g['gptq_s']:.4f})")
+        print(
+            f"{'gptqmodel':<22}{g['hessian_s']:>12.3f}{g['gptq_s']:>12.3f}{g['rel_output_error_mean']:>14.5f}"
+            f"   (batched / gptqmodel {bt['gptq_s'] / g['gptq_s']:.4f})"
+        )
         g["ratio_batched_to_gptqmodel"] = bt["gptq_s"] / g["gptq_s"]
-    print(f"{'round-to-nearest':<22}{'-':>12}{result['rtn']['seconds']:>12.3f}{result['rtn']['rel_output_error_mean']:>14.5f}")
+    print(
+        f"{'round-to-nearest':<22}{'-':>12}{result['rtn']['seconds']:>12.3f}{result['rtn']['rel_output_error_mean']:>14.5f}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

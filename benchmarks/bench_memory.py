@@ -270,7 +270,9 @@ def main(argv=None) -> int:
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['case']} | {r.get('context', '-')} | - | - | - | - | - | skipped: {r['skipped'][:80]} |")
+            lines.append(
+                f"| {r['case']} | {r.get('context', '-')} | - | - | - | - | - | skipped: {r['skipped'][:80]} |"
+            )
             continue
         lines.append(
             f"| {r['case']} | {r['context']} | {r['prompt_tokens']} | {r['generated_tokens']} | "

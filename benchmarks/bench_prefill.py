@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dflash_quant.config import parse_draft_config  # noqa: E402
 from dflash_quant.model import DFlashDrafter, DraftCache  # noqa: E402
 
-PRESET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dflash_quant", "memory", "presets", "qwen3-8b-dflash-b16.json")
+PRESET = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "dflash_quant", "memory", "presets", "qwen3-8b-dflash-b16.json"
+)
 
 
 def build(device, dtype, small):
@@ -34,13 +36,25 @@ def build(device, dtype, small):
 
     raw = json.load(open(PRESET))
     if small:
-        raw.update(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   vocab_size=1024, num_target_layers=6)
+        raw.update(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=1024,
+            num_target_layers=6,
+        )
         raw["dflash_config"] = {**raw["dflash_config"], "target_layer_ids": [0, 2, 4], "mask_token_id": 3}
     tcfg = Qwen3Config(
-        vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=6 if small else 36, num_attention_heads=raw["num_attention_heads"],
-        num_key_value_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"], max_position_embeddings=40960,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=6 if small else 36,
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=raw["head_dim"],
+        max_position_embeddings=40960,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -94,7 +108,9 @@ def main(argv=None):
     with torch.no_grad():
         for name in int4.linear_names():
             mod = int4.get_submodule(name)
-            mod.weight.copy_(rtn_quantize(mod.weight.float(), QuantSpec(4, 128, True), name=name).dequantize().to(dtype))
+            mod.weight.copy_(
+                rtn_quantize(mod.weight.float(), QuantSpec(4, 128, True), name=name).dequantize().to(dtype)
+            )
     rows = []
     g = torch.Generator().manual_seed(0)
     for n in [int(x) for x in args.lengths.split(",")]:
@@ -108,18 +124,29 @@ def main(argv=None):
             times["bf16_drafter"].append(ttft(target, drafter, ids, True, device))
             times["int4_drafter"].append(ttft(target, int4, ids, True, device))
         med = {k: statistics.median(v) for k, v in times.items()}
-        row = {"prompt_tokens": n, **{f"{k}_ttft_s": round(v, 5) for k, v in med.items()},
-               **{f"{k}_prefill_tok_s": round(n / v, 1) for k, v in med.items()},
-               "bf16_overhead": round(med["bf16_drafter"] / med["target_only"] - 1, 4),
-               "int4_overhead": round(med["int4_drafter"] / med["target_only"] - 1, 4),
-               "runs_s": times}
+        row = {
+            "prompt_tokens": n,
+            **{f"{k}_ttft_s": round(v, 5) for k, v in med.items()},
+            **{f"{k}_prefill_tok_s": round(n / v, 1) for k, v in med.items()},
+            "bf16_overhead": round(med["bf16_drafter"] / med["target_only"] - 1, 4),
+            "int4_overhead": round(med["int4_drafter"] / med["target_only"] - 1, 4),
+            "runs_s": times,
+        }
         rows.append(row)
-        print(f"{n:>6} tokens: target-only {med['target_only'] * 1e3:8.1f} ms ({n / med['target_only']:9.0f} tok/s) | "
-              f"+bf16 drafter {med['bf16_drafter'] * 1e3:8.1f} ms ({row['bf16_overhead']:+.1%}) | "
-              f"+int4 drafter {med['int4_drafter'] * 1e3:8.1f} ms ({row['int4_overhead']:+.1%})", flush=True)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "dtype": str(dtype), "shapes": "small" if args.small else "Qwen3-8B target + Qwen3-8B-DFlash-b16 drafter",
-              "repeats": args.repeats, "rows": rows}
+        print(
+            f"{n:>6} tokens: target-only {med['target_only'] * 1e3:8.1f} ms ({n / med['target_only']:9.0f} tok/s) | "
+            f"+bf16 drafter {med['bf16_drafter'] * 1e3:8.1f} ms ({row['bf16_overhead']:+.1%}) | "
+            f"+int4 drafter {med['int4_drafter'] * 1e3:8.1f} ms ({row['int4_overhead']:+.1%})",
+            flush=True,
+        )
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "shapes": "small" if args.small else "Qwen3-8B target + Qwen3-8B-DFlash-b16 drafter",
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     if args.out:
         json.dump(result, open(args.out, "w"), indent=2)
     return result

@@ -59,8 +59,10 @@ def main() -> None:
 
         forward = _time(verify, 10)
     print(f"device {dev}, history {args.history} tokens, torch threads {torch.get_num_threads()}")
-    print(f"lookup search (n-gram 2-4): {search * 1e3:.3f} ms; target verify forward ({args.block} tokens, reference "
-          f"target, {args.history}-token cache): {forward * 1e3:.2f} ms; ratio {search / forward:.4f}")
+    print(
+        f"lookup search (n-gram 2-4): {search * 1e3:.3f} ms; target verify forward ({args.block} tokens, reference "
+        f"target, {args.history}-token cache): {forward * 1e3:.2f} ms; ratio {search / forward:.4f}"
+    )
 
 
 if __name__ == "__main__":

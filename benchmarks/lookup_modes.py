@@ -24,7 +24,9 @@ def main() -> None:
     ap.add_argument("--pair", default="reference")
     ap.add_argument("--prompts", default="builtin:calib")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--settings", default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14")
+    ap.add_argument(
+        "--settings", default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if "heldout" in args.prompts:
@@ -47,14 +49,24 @@ def main() -> None:
         lo, hi = map(int, grams.split("-"))
         lk = LookupSettings(mode, lo, hi, int(tokens[0]) if tokens else None)
         settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target), lk)
-        rec = lookup_summary(plain, plain_runs, spec_runs(drafter.model, target.model, ids, settings), reference, settings, block, cats)
+        rec = lookup_summary(
+            plain, plain_runs, spec_runs(drafter.model, target.model, ids, settings), reference, settings, block, cats
+        )
         rows[spec] = rec
         by = " ".join(f"{c}:{v['tau_without']}->{v['tau']}" for c, v in (rec.get("by_category") or {}).items())
-        print(f"{spec}: tau {rec['tau']} ratio {rec['tau_ratio']} lossless {rec['lossless']} "
-              f"lookup share {rec['lookup_step_share']} | {by}", flush=True)
+        print(
+            f"{spec}: tau {rec['tau']} ratio {rec['tau_ratio']} lossless {rec['lossless']} "
+            f"lookup share {rec['lookup_step_share']} | {by}",
+            flush=True,
+        )
     if args.out:
-        args.out.write_text(json.dumps({"pair": args.pair, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                                        "rows": rows}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {"pair": args.pair, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rows": rows},
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

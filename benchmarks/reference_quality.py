@@ -37,8 +37,12 @@ GRID = {
 
 
 def packed_bytes(outcome) -> tuple[int, int]:
-    q = sum(qw.out_features * qw.in_features * qw.spec.bits // 8 + qw.n_groups * qw.out_features * (2 + qw.spec.bits / 8) + 4 * qw.in_features
-            for qw in outcome.weights.values())
+    q = sum(
+        qw.out_features * qw.in_features * qw.spec.bits // 8
+        + qw.n_groups * qw.out_features * (2 + qw.spec.bits / 8)
+        + 4 * qw.in_features
+        for qw in outcome.weights.values()
+    )
     b = sum(2 * qw.out_features * qw.in_features for qw in outcome.weights.values())
     return int(q), b
 
@@ -71,9 +75,21 @@ def main() -> None:
     settings = CheckSettings(args.eval_new_tokens, 0.0, block, 0, stops)
     ref = baseline_runs(target.model, heldout, settings)
     base = summarize("bf16", spec_runs(pristine, target.model, heldout, settings), ref, settings, block)
-    rows = [{"method": "bf16", "bits": 16, "tau": base["tau"], "ratio": 1.0, "lossless": base["lossless"],
-             "per_position_acceptance": base["per_position_acceptance"], "linear_bytes": None}]
-    print(f"bf16: tau {base['tau']:.3f}  ({len(heldout)} held-out prompts x {args.eval_new_tokens} tokens)", file=sys.stderr)
+    rows = [
+        {
+            "method": "bf16",
+            "bits": 16,
+            "tau": base["tau"],
+            "ratio": 1.0,
+            "lossless": base["lossless"],
+            "per_position_acceptance": base["per_position_acceptance"],
+            "linear_bytes": None,
+        }
+    ]
+    print(
+        f"bf16: tau {base['tau']:.3f}  ({len(heldout)} held-out prompts x {args.eval_new_tokens} tokens)",
+        file=sys.stderr,
+    )
     for bits in [int(b) for b in args.bits.split(",")]:
         for name in args.recipes.split(","):
             opts = dict(GRID[name])
@@ -84,13 +100,30 @@ def main() -> None:
             s = summarize(name, spec_runs(model, target.model, heldout, settings), ref, settings, block)
             qb, bb = packed_bytes(outcome)
             err = [layer["rel_output_error"] for layer in outcome.layers if layer["rel_output_error"] is not None]
-            rows.append({"method": name, "bits": bits, "tau": s["tau"], "ratio": round(s["tau"] / base["tau"], 4),
-                         "lossless": s["lossless"], "per_position_acceptance": s["per_position_acceptance"],
-                         "linear_bytes": qb, "linear_bf16_bytes": bb,
-                         "mean_rel_output_error": round(sum(err) / len(err), 5) if err else None})
-            print(f"{bits}-bit {name:24s} tau {s['tau']:.3f} ratio {s['tau'] / base['tau']:.4f} lossless {s['lossless']}", file=sys.stderr)
-    result = {"pair": "reference", "group_size": args.group_size, "calibration": {"prompts": len(calib), "new_tokens": args.calib_new_tokens,
-              "seconds": round(calib_s, 1)}, "eval": {"prompts": len(heldout), "new_tokens": args.eval_new_tokens}, "rows": rows}
+            rows.append(
+                {
+                    "method": name,
+                    "bits": bits,
+                    "tau": s["tau"],
+                    "ratio": round(s["tau"] / base["tau"], 4),
+                    "lossless": s["lossless"],
+                    "per_position_acceptance": s["per_position_acceptance"],
+                    "linear_bytes": qb,
+                    "linear_bf16_bytes": bb,
+                    "mean_rel_output_error": round(sum(err) / len(err), 5) if err else None,
+                }
+            )
+            print(
+                f"{bits}-bit {name:24s} tau {s['tau']:.3f} ratio {s['tau'] / base['tau']:.4f} lossless {s['lossless']}",
+                file=sys.stderr,
+            )
+    result = {
+        "pair": "reference",
+        "group_size": args.group_size,
+        "calibration": {"prompts": len(calib), "new_tokens": args.calib_new_tokens, "seconds": round(calib_s, 1)},
+        "eval": {"prompts": len(heldout), "new_tokens": args.eval_new_tokens},
+        "rows": rows,
+    }
     print("| method | bits | tau | tau / bf16 | lossless | quantized Linear bytes / bf16 |")
     print("|---|---|---|---|---|---|")
     for r in rows:

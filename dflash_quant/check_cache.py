@@ -46,8 +46,15 @@ def model_identity(path: Path) -> str:
     return _FINGERPRINTS[stats]
 
 
-def check_key(*, target: str, prompts: list[list[int]], settings, device: torch.device, dtype: torch.dtype,
-              drafter: str | None = None) -> dict[str, Any]:
+def check_key(
+    *,
+    target: str,
+    prompts: list[list[int]],
+    settings,
+    device: torch.device,
+    dtype: torch.dtype,
+    drafter: str | None = None,
+) -> dict[str, Any]:
     """The cache key of one kind of run; `drafter` (its weight hash) only for speculative runs."""
     key = {
         "target": target,
@@ -60,7 +67,9 @@ def check_key(*, target: str, prompts: list[list[int]], settings, device: torch.
         "version": __version__,
     }
     if drafter is not None:
-        key.update(drafter=drafter, temperature=settings.temperature, block_size=settings.block_size, seed=settings.seed)
+        key.update(
+            drafter=drafter, temperature=settings.temperature, block_size=settings.block_size, seed=settings.seed
+        )
     return key
 
 
@@ -73,6 +82,7 @@ class CheckCache:
 
     def _path(self, kind: str, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        assert self.directory is not None, "the cache is off"
         return self.directory / f"{kind}-{digest[:32]}.json"
 
     def get(self, kind: str, key: dict[str, Any], cls: type) -> list | None:
@@ -96,7 +106,11 @@ class CheckCache:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(kind, key)
-        body = {"key": key, "type": type(runs[0]).__name__ if runs else "", "runs": [dataclasses.asdict(r) for r in runs]}
+        body = {
+            "key": key,
+            "type": type(runs[0]).__name__ if runs else "",
+            "runs": [dataclasses.asdict(r) for r in runs],
+        }
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
         try:
             with os.fdopen(fd, "w") as fh:

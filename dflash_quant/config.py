@@ -81,7 +81,12 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config") -> DFlashDra
     cfg = DFlashDraftConfig(  # type: ignore[call-arg]  # the config keeps unknown kwargs as attributes; its typed __init__ omits them
         **raw,
         block_size=fields.block_size,
-        dflash_config={**nested, "mask_token_id": fields.mask_token_id, "target_layer_ids": fields.target_layer_ids, **v2},
+        dflash_config={
+            **nested,
+            "mask_token_id": fields.mask_token_id,
+            "target_layer_ids": fields.target_layer_ids,
+            **v2,
+        },
     )
     cfg.mask_token_id = fields.mask_token_id
     cfg.target_layer_ids = list(fields.target_layer_ids)
@@ -100,7 +105,9 @@ def read_config_json(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise DFlashQuantError(f"{file} is not UTF-8 text (byte {exc.start}); fix or re-download it") from exc
     except json.JSONDecodeError as exc:
-        raise DFlashQuantError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from exc
+        raise DFlashQuantError(
+            f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it"
+        ) from exc
     return require_object(data, str(file))
 
 

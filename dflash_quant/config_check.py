@@ -18,15 +18,25 @@ DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Fields of a transformers config that are counts or sizes: when present they must be positive integers.
-MODEL_INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "vocab_size", "max_position_embeddings")
+MODEL_INT_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 _LAYER_KEY = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.")
 
 
 def require_object(data: Any, source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise DFlashQuantError(f"{source} holds a JSON {type(data).__name__}, not an object; it must be a "
-                               "transformers config.json (re-download it)")
+        raise DFlashQuantError(
+            f"{source} holds a JSON {type(data).__name__}, not an object; it must be a "
+            "transformers config.json (re-download it)"
+        )
     return data
 
 
@@ -37,8 +47,9 @@ def _is_int(value: Any) -> bool:
 def positive_int(value: Any, key: str, source: str, minimum: int = 1) -> int:
     """value as an int >= minimum; a string, float, bool or small value is named with the fix."""
     if not _is_int(value):
-        raise DFlashQuantError(f"{source}: {key} is {value!r} ({type(value).__name__}); it must be an integer "
-                               f">= {minimum}; fix the config")
+        raise DFlashQuantError(
+            f"{source}: {key} is {value!r} ({type(value).__name__}); it must be an integer >= {minimum}; fix the config"
+        )
     if value < minimum:
         raise DFlashQuantError(f"{source}: {key} is {value}; it must be >= {minimum}; fix the config")
     return value
@@ -51,12 +62,19 @@ def check_model_fields(cfg: dict[str, Any], source: str) -> None:
             positive_int(cfg[key], key, source)
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads is not None and kv is not None and heads % kv:
-        raise DFlashQuantError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                               f"{kv}; fix the config")
-    if heads is not None and cfg.get("head_dim") is None and cfg.get("hidden_size") is not None \
-            and cfg["hidden_size"] % heads:
-        raise DFlashQuantError(f"{source}: hidden_size {cfg['hidden_size']} is not divisible by num_attention_heads "
-                               f"{heads} and no head_dim is given; fix the config")
+        raise DFlashQuantError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; fix the config"
+        )
+    if (
+        heads is not None
+        and cfg.get("head_dim") is None
+        and cfg.get("hidden_size") is not None
+        and cfg["hidden_size"] % heads
+    ):
+        raise DFlashQuantError(
+            f"{source}: hidden_size {cfg['hidden_size']} is not divisible by num_attention_heads "
+            f"{heads} and no head_dim is given; fix the config"
+        )
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,11 @@ def draft_fields(raw: dict[str, Any], source: str = "config", shape_only: bool =
     heads = raw["num_attention_heads"]
     kv = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
-    mask = None if pick("mask_token_id") is None else positive_int(pick("mask_token_id"), "mask_token_id", source, minimum=0)
+    mask = (
+        None
+        if pick("mask_token_id") is None
+        else positive_int(pick("mask_token_id"), "mask_token_id", source, minimum=0)
+    )
     # Absent block_size means the official default 16; present, it must be a real block (never silently 16).
     block = 16 if pick("block_size") is None else positive_int(pick("block_size"), "block_size", source, minimum=2)
     taps = pick("target_layer_ids")
@@ -142,22 +164,32 @@ def draft_fields(raw: dict[str, Any], source: str = "config", shape_only: bool =
         n_target = raw.get("num_target_layers")
         if n_target is None and not shape_only:
             raise DFlashQuantError(f"{source} has neither `target_layer_ids` nor `num_target_layers`; add one of them")
-        taps = [] if n_target is None else default_target_layer_ids(positive_int(n_target, "num_target_layers", source), layers)
+        taps = (
+            []
+            if n_target is None
+            else default_target_layer_ids(positive_int(n_target, "num_target_layers", source), layers)
+        )
     if not isinstance(taps, list) or not (taps or shape_only) or not all(_is_int(t) and t >= 0 for t in taps):
-        raise DFlashQuantError(f"{source}: target_layer_ids is {taps!r}; it must be a non-empty list of layer "
-                               "indices (integers >= 0); fix the config")
+        raise DFlashQuantError(
+            f"{source}: target_layer_ids is {taps!r}; it must be a non-empty list of layer "
+            "indices (integers >= 0); fix the config"
+        )
     if v2 and hidden % v2["conv_group_size"]:
         raise DFlashQuantError(
             f"{source}: hidden_size {hidden} is not divisible by conv_group_size {v2['conv_group_size']}; fix the config"
         )
     vocab = raw.get("vocab_size")
     if v2 and vocab is not None and v2["selector_top_k"] > vocab:
-        raise DFlashQuantError(f"{source}: selector_top_k {v2['selector_top_k']} exceeds vocab_size {vocab}; fix the config")
+        raise DFlashQuantError(
+            f"{source}: selector_top_k {v2['selector_top_k']} exceeds vocab_size {vocab}; fix the config"
+        )
     layer_types = raw.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != layers):
         n = len(layer_types) if isinstance(layer_types, list) else type(layer_types).__name__
         raise DFlashQuantError(f"{source}: layer_types has {n} entries for {layers} layers; fix the config")
-    return DraftFields(hidden, layers, heads, kv, head_dim, raw.get("intermediate_size"), vocab, block, mask, list(taps), v2)
+    return DraftFields(
+        hidden, layers, heads, kv, head_dim, raw.get("intermediate_size"), vocab, block, mask, list(taps), v2
+    )
 
 
 def layers_in_headers(names: list[str]) -> int | None:
@@ -172,5 +204,7 @@ def check_layers_present(configured: int, names: list[str], source: str, exact: 
     if present is None:
         return
     if present < configured or (exact and present != configured):
-        raise DFlashQuantError(f"{source}: config.json says num_hidden_layers {configured} but the weights hold "
-                               f"{present} layers; fix the config or re-download the model")
+        raise DFlashQuantError(
+            f"{source}: config.json says num_hidden_layers {configured} but the weights hold "
+            f"{present} layers; fix the config or re-download the model"
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,8 @@ def speculative_generate(
     while start + 1 < max_len and not stopped:
         size = min(block, max_len - start)
         blk = ids[start : start + size].clone()
-        draft_probs, keep, ran_drafter = None, size - 1, False
+        draft_probs: Any = None  # full distribution (v1), (ids, probs) (DFlash2 / lookup), or None at T=0
+        keep, ran_drafter = size - 1, False
         look = ids[:0]
         if looker is not None and size > 1 and not looker.runs_drafter_always:  # `prefer`: lookup first
             look = looker.search(ids[: start + 1], min(looker.count, max_len - start - 1))
@@ -235,7 +237,9 @@ def target_generate(
     t0 = _sync(device)
     out = target(input_ids, **{kw: cache}, use_cache=True, logits_to_keep=1)
     forwards = 1
-    result = GreedyResult(tokens=[], seconds=0.0, target_forwards=0, logits_dtype=str(out.logits.dtype).replace("torch.", ""))
+    result = GreedyResult(
+        tokens=[], seconds=0.0, target_forwards=0, logits_dtype=str(out.logits.dtype).replace("torch.", "")
+    )
 
     def take(logits: torch.Tensor) -> None:
         top = logits.float().topk(min(2, logits.shape[-1])).values

@@ -79,7 +79,9 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
         hint = "it is not in the local cache (HF_HUB_OFFLINE is set)" if offline else "download failed"
         raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
     except HfHubHTTPError as exc:
-        raise DFlashQuantError(f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token") from exc
+        raise DFlashQuantError(
+            f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token"
+        ) from exc
     return Source(id=text, path=Path(local), revision=revision, kind="hub")
 
 
@@ -92,16 +94,27 @@ def _cache_repo(root: Path) -> Path | None:
 
 def confined(root: Path, name: str) -> Path:
     """root/name, refused unless it stays inside root (or, for an HF cache snapshot, inside its repo folder)."""
-    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or "\0" in name \
-            or re.match(r"^[A-Za-z]:", name) or any(p in ("", ".", "..") for p in name.split("/")):
-        raise DFlashQuantError(f"{root}: file name {name!r} points outside the model directory; only plain "
-                               "relative names are read (fix the index or re-download the model)")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or re.match(r"^[A-Za-z]:", name)
+        or any(p in ("", ".", "..") for p in name.split("/"))
+    ):
+        raise DFlashQuantError(
+            f"{root}: file name {name!r} points outside the model directory; only plain "
+            "relative names are read (fix the index or re-download the model)"
+        )
     real_root = Path(root).resolve()
     allowed = _cache_repo(real_root) or real_root
     real = (Path(root) / name).resolve()
     if not real.is_relative_to(allowed):
-        raise DFlashQuantError(f"{Path(root) / name} resolves to {real}, outside the model directory {root}; "
-                               "copy the file into the model directory instead of linking to it")
+        raise DFlashQuantError(
+            f"{Path(root) / name} resolves to {real}, outside the model directory {root}; "
+            "copy the file into the model directory instead of linking to it"
+        )
     return Path(root) / name
 
 
@@ -141,7 +154,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 for key in fh.keys():
                     tensors[key] = fh.get_tensor(key)
         except (SafetensorError, OSError, ValueError) as exc:
-            raise DFlashQuantError(f"{file} is not a readable safetensors file ({exc}); re-download or re-export it") from exc
+            raise DFlashQuantError(
+                f"{file} is not a readable safetensors file ({exc}); re-download or re-export it"
+            ) from exc
     return tensors
 
 
@@ -159,19 +174,26 @@ def read_headers(path: Path, required: bool = True) -> dict[str, dict]:
     return out
 
 
-def _expected_shapes(f: DraftFields) -> dict[str, tuple[int, int]]:
+def _expected_shapes(f: DraftFields) -> dict[str, tuple[int | None, int | None]]:
     """(out, in) of the Linears whose shapes follow from the config alone."""
     q, kv = f.num_attention_heads * f.head_dim, f.num_key_value_heads * f.head_dim
     h, i = f.hidden_size, f.intermediate_size
-    return {"fc": (h, len(f.target_layer_ids) * h), "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-            "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h),
-            "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    return {
+        "fc": (h, len(f.target_layer_ids) * h),
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
 
 
 def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
     """The drafter config against its safetensors headers, before any model is built: layer count and the
     shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
-    names = [k[len("model."):] if k.startswith("model.") else k for k in headers]
+    names = [k[len("model.") :] if k.startswith("model.") else k for k in headers]
     check_layers_present(fields.num_hidden_layers, names, source)
     if not shapes:
         return
@@ -180,11 +202,15 @@ def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: s
         base = part if part == "fc" else f"layers.0.{part}"
         weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
         if weight is not None and list(weight) != [n_out, n_in]:
-            raise DFlashQuantError(f"{source}: {base}.weight is {list(weight)} but config.json implies "
-                                   f"[{n_out}, {n_in}]; fix the config or re-download the weights")
+            raise DFlashQuantError(
+                f"{source}: {base}.weight is {list(weight)} but config.json implies "
+                f"[{n_out}, {n_in}]; fix the config or re-download the weights"
+            )
         if qweight is not None and (len(qweight) != 2 or qweight[1] != n_out):
-            raise DFlashQuantError(f"{source}: {base}.qweight is {list(qweight)} but config.json implies "
-                                   f"{n_out} outputs; fix the config or re-export the artifact")
+            raise DFlashQuantError(
+                f"{source}: {base}.qweight is {list(qweight)} but config.json implies "
+                f"{n_out} outputs; fix the config or re-export the artifact"
+            )
 
 
 def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig]:
@@ -231,9 +257,13 @@ def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> 
             continue
         out[key] = value
     for base in sorted(bases):
-        parts = {s: tensors[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{base}.{s}" in tensors}
+        parts = {
+            s: tensors[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{base}.{s}" in tensors
+        }
         if len(parts) < 4:
-            raise DFlashQuantError(f"quantized layer {base} lacks {sorted({'qweight','qzeros','scales','g_idx'} - set(parts))}; re-export")
+            raise DFlashQuantError(
+                f"quantized layer {base} lacks {sorted({'qweight', 'qzeros', 'scales', 'g_idx'} - set(parts))}; re-export"
+            )
         out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=int(qcfg["bits"]), group_size=int(qcfg["group_size"]))
         if f"{base}.bias" in tensors:
             out[f"{base}.bias"] = tensors[f"{base}.bias"]
@@ -274,7 +304,7 @@ def load_drafter(
     raw, config = read_draft_config(source)
     qcfg = raw.get("quantization_config") or raw.get("quantization")
     tensors = _read_weights(source, raw)
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+    tensors = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in tensors.items()}
     for key, value in tensors.items():
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise DFlashQuantError(f"{source.id}: tensor {key} contains NaN or inf; the checkpoint is damaged")
@@ -296,7 +326,9 @@ def load_drafter(
         model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[-1].strip()
-        raise DFlashQuantError(f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights") from exc
+        raise DFlashQuantError(
+            f"{source.id}: weight shapes do not match config.json ({first}); fix the config or weights"
+        ) from exc
     with torch.device(device):  # meta init left inv_freq empty
         model.rotary_emb = type(model.rotary_emb)(config)
     model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
@@ -322,7 +354,9 @@ def load_target(
             source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True
         )
     except (OSError, ValueError, KeyError) as exc:
-        raise DFlashQuantError(f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM") from exc
+        raise DFlashQuantError(
+            f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
+        ) from exc
     model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -372,4 +406,6 @@ def check_selector_head(config: DFlashDraftConfig, target: torch.nn.Module) -> N
             "pair the drafter with the target it was trained for"
         )
     if config.selector_top_k > head_vocab:
-        raise DFlashQuantError(f"selector_top_k {config.selector_top_k} exceeds the target vocabulary ({head_vocab}); fix the config")
+        raise DFlashQuantError(
+            f"selector_top_k {config.selector_top_k} exceeds the target vocabulary ({head_vocab}); fix the config"
+        )

@@ -48,7 +48,9 @@ class LookupSettings:
         if self.mode not in MODES:
             raise UsageError(f"unknown lookup mode {self.mode!r}; use one of {', '.join(MODES)}")
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise UsageError(f"lookup n-gram lengths must satisfy 1 <= min ({self.min_ngram}) <= max ({self.max_ngram})")
+            raise UsageError(
+                f"lookup n-gram lengths must satisfy 1 <= min ({self.min_ngram}) <= max ({self.max_ngram})"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UsageError(f"lookup max tokens must be at least 1, got {self.max_tokens}")
 

@@ -38,7 +38,7 @@ class DraftCache:
 
     def put(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None) -> None:
         if window is not None and k.shape[-2] > window - 1:
-            k, v, pos = k[..., -(window - 1):, :], v[..., -(window - 1):, :], pos[-(window - 1):]
+            k, v, pos = k[..., -(window - 1) :, :], v[..., -(window - 1) :, :], pos[-(window - 1) :]
         self.keys[layer], self.values[layer], self.positions[layer] = k, v, pos
 
     def nbytes(self) -> int:

@@ -94,14 +94,25 @@ def _calibrate(
     job, drafter, target, spec: str, prompts: list[list[int]], drafter_sha: str, device, progress: Progress
 ) -> tuple[CalibrationStats, dict[str, Any]]:
     key = {
-        "drafter_sha256": drafter_sha, "target": target.source.id, "prompts": spec,
-        "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian,
-        "chat_template": job.chat_template, "dtype": str(next(drafter.model.parameters()).dtype),
+        "drafter_sha256": drafter_sha,
+        "target": target.source.id,
+        "prompts": spec,
+        "num_prompts": len(prompts),
+        "max_new_tokens": job.calib_max_new_tokens,
+        "kv_hessian": job.kv_hessian,
+        "chat_template": job.chat_template,
+        "dtype": str(next(drafter.model.parameters()).dtype),
     }
     extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
-    info = {"prompts": spec, "num_prompts": len(prompts), "max_new_tokens": job.calib_max_new_tokens, "kv_hessian": job.kv_hessian, "cached": False}
+    info = {
+        "prompts": spec,
+        "num_prompts": len(prompts),
+        "max_new_tokens": job.calib_max_new_tokens,
+        "kv_hessian": job.kv_hessian,
+        "cached": False,
+    }
     if job.calib_cache is not None:
         stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, device)
         if stats is not None:
@@ -109,8 +120,15 @@ def _calibrate(
             return stats, info
     advance = progress("calibrating (drafter speculating with its target)", len(prompts))
     stats = capture(
-        drafter.model, target.model, prompts, job.calib_max_new_tokens, job.kv_hessian,
-        stop_token_ids=stop_tokens(target), keep_replay=job.quant.sequential, progress=advance, extra=extra,
+        drafter.model,
+        target.model,
+        prompts,
+        job.calib_max_new_tokens,
+        job.kv_hessian,
+        stop_token_ids=stop_tokens(target),
+        keep_replay=job.quant.sequential,
+        progress=advance,
+        extra=extra,
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
@@ -120,9 +138,18 @@ def _calibrate(
 def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
     spec = job.eval_prompts or default_prompt_spec(target, "heldout")
     if spec == calib_spec:
-        raise UsageError(f"parity prompts {spec!r} are the calibration prompts; pass held-out prompts with --eval-prompts")
-    return spec, encode_prompts(target, spec, job.eval_num_prompts, job.chat_template, job.eval_max_new_tokens,
-                                "--eval-max-new-tokens", "--eval-num-prompts")
+        raise UsageError(
+            f"parity prompts {spec!r} are the calibration prompts; pass held-out prompts with --eval-prompts"
+        )
+    return spec, encode_prompts(
+        target,
+        spec,
+        job.eval_num_prompts,
+        job.chat_template,
+        job.eval_max_new_tokens,
+        "--eval-max-new-tokens",
+        "--eval-num-prompts",
+    )
 
 
 def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
@@ -154,11 +181,16 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     drafter_sha = weights_sha256(drafter.source.path)
     calib_info: dict[str, Any]
-    stats, calib_info = None, {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
+    stats, calib_info = (
+        None,
+        {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False},
+    )
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
     if job.quant.method == "gptq":
-        calib_ids = encode_prompts(target, calib_spec, job.calib_num_prompts, job.chat_template, job.calib_max_new_tokens)
+        calib_ids = encode_prompts(
+            target, calib_spec, job.calib_num_prompts, job.chat_template, job.calib_max_new_tokens
+        )
         seen = set(map(tuple, calib_ids))
         if any(tuple(p) in seen for p in eval_ids):  # checked before the target runs
             raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
@@ -172,25 +204,37 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 
-    quant_report = QuantReport.from_dict({
-        "layers": outcome.layers,
-        "kept_bf16": outcome.kept,
-        "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
-        "quantized_bytes": None,  # export fills it from the written file
-        "seconds": round(outcome.seconds, 3),
-    })
+    quant_report = QuantReport.from_dict(
+        {
+            "layers": outcome.layers,
+            "kept_bf16": outcome.kept,
+            "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
+            "quantized_bytes": None,  # export fills it from the written file
+            "seconds": round(outcome.seconds, 3),
+        }
+    )
     source = source_ref(drafter.source, drafter_sha)
     target_ref = source_ref(target.source, weights_sha256(target.source.path))
     provenance = Provenance(
-        tool="dflash-quant", tool_version=__version__,
+        tool="dflash-quant",
+        tool_version=__version__,
         created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         command=portable_command(job.command),
         source_drafter=source,
         target=target_ref,
-        calibration=Calibration.from_dict({**calib_info, "prompts": prompt_label(calib_info["prompts"]),
-                                           "seed": job.seed, "chat_template": job.chat_template}),
-        quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}),
-        device=str(device), dtype=str(dtype).replace("torch.", ""),
+        calibration=Calibration.from_dict(
+            {
+                **calib_info,
+                "prompts": prompt_label(calib_info["prompts"]),
+                "seed": job.seed,
+                "chat_template": job.chat_template,
+            }
+        ),
+        quantization=Quantization.from_dict(
+            {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}
+        ),
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
     )
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
@@ -232,27 +276,52 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     from dflash_quant.decode import GreedyResult, SpecResult
 
     cache = CheckCache(job.check_cache)
-    tkey = check_key(target=model_identity(target.source.path), prompts=eval_ids, settings=settings, device=device, dtype=dtype)
-    dkey = check_key(target=tkey["target"], prompts=eval_ids, settings=settings, device=device, dtype=dtype,
-                     drafter=weights_sha256(base.source.path))
-    reference = cached_runs(cache, "baseline", tkey, GreedyResult, lambda: baseline_runs(
-        target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))))
-    base_runs = cached_runs(cache, "spec", dkey, SpecResult, lambda: spec_runs(
-        base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))))
+    tkey = check_key(
+        target=model_identity(target.source.path), prompts=eval_ids, settings=settings, device=device, dtype=dtype
+    )
+    dkey = check_key(
+        target=tkey["target"],
+        prompts=eval_ids,
+        settings=settings,
+        device=device,
+        dtype=dtype,
+        drafter=weights_sha256(base.source.path),
+    )
+    reference = cached_runs(
+        cache,
+        "baseline",
+        tkey,
+        GreedyResult,
+        lambda: baseline_runs(
+            target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))
+        ),
+    )
+    base_runs = cached_runs(
+        cache,
+        "spec",
+        dkey,
+        SpecResult,
+        lambda: spec_runs(
+            base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))
+        ),
+    )
     categories = prompt_categories(spec, job.eval_num_prompts)
     checks = []
     drafters = ((source_id, "bf16", base.model, base_runs), (portable_path(job.output), "quantized", quant.model, None))
     for name, label, model, runs in drafters:
         if runs is None:
-            runs = spec_runs(model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)))
+            runs = spec_runs(
+                model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids))
+            )
         check = summarize(name, runs, reference, settings, block)
         if cats := by_category(runs, categories):
             check["by_category"] = cats
         if job.lookup is not None:  # reported beside the gate; the gate's tau stays the drafter's own
             looked = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, settings.stop_token_ids, job.lookup)
             adv = progress(f"parity: {label} drafter + lookup", len(eval_ids))
-            check["lookup"] = lookup_summary(check, runs, spec_runs(model, target.model, eval_ids, looked, adv), reference,
-                                             looked, block, categories)
+            check["lookup"] = lookup_summary(
+                check, runs, spec_runs(model, target.model, eval_ids, looked, adv), reference, looked, block, categories
+            )
         checks.append(check)
     s_base, s_quant = checks
     verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
@@ -260,17 +329,36 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
         for check in checks:
             if check["lookup"]["lossless"] is False:
                 verdict["passed"] = False
-                verdict["reasons"].append(f"greedy output of {check['drafter']} with lookup differs from the target's own")
-    return Parity.from_dict({
-        "passed": verdict["passed"], "tolerance": job.tolerance, "tau_ratio": verdict["tau_ratio"],
-        "per_position_ratio": verdict["per_position_ratio"], "lossless": s_quant["lossless"], "reasons": verdict["reasons"],
-        "notes": verdict["notes"], "lossless_gated": verdict["lossless_gated"], "lossless_status": verdict["lossless_status"],
-        "temperature": 0.0, "prompt_set": prompt_label(spec), "num_prompts": len(eval_ids), "max_new_tokens": job.eval_max_new_tokens,
-        "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "baseline": s_base, "quantized": s_quant,
-        # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
-        "cache": {"target_only": cache.events.get("baseline", "off"), "bf16_drafter": cache.events.get("spec", "off")},
-    })
+                verdict["reasons"].append(
+                    f"greedy output of {check['drafter']} with lookup differs from the target's own"
+                )
+    return Parity.from_dict(
+        {
+            "passed": verdict["passed"],
+            "tolerance": job.tolerance,
+            "tau_ratio": verdict["tau_ratio"],
+            "per_position_ratio": verdict["per_position_ratio"],
+            "lossless": s_quant["lossless"],
+            "reasons": verdict["reasons"],
+            "notes": verdict["notes"],
+            "lossless_gated": verdict["lossless_gated"],
+            "lossless_status": verdict["lossless_status"],
+            "temperature": 0.0,
+            "prompt_set": prompt_label(spec),
+            "num_prompts": len(eval_ids),
+            "max_new_tokens": job.eval_max_new_tokens,
+            "block_size": block,
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "baseline": s_base,
+            "quantized": s_quant,
+            # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
+            "cache": {
+                "target_only": cache.events.get("baseline", "off"),
+                "bf16_drafter": cache.events.get("spec", "off"),
+            },
+        }
+    )
 
 
 def _memory(artifact: Path, final: Path, source, target_name: str | None, target: Path, device: torch.device) -> None:
@@ -282,6 +370,12 @@ def _memory(artifact: Path, final: Path, source, target_name: str | None, target
 
     name = portable_path(final)
     budget = embedded_budget(str(target), str(artifact), target_label=target_name, drafter_label=name)
-    report = build_memory_report(artifact, baseline=source.path, device=device.type, budget_24gb=budget,
-                                 artifact_name=name, baseline_name=source_ref(source).id)
+    report = build_memory_report(
+        artifact,
+        baseline=source.path,
+        device=device.type,
+        budget_24gb=budget,
+        artifact_name=name,
+        baseline_name=source_ref(source).id,
+    )
     write_memory_json(report, artifact)

@@ -49,7 +49,9 @@ def _default_target(drafter: str) -> str | None:
     return provenance.target.recorded_spec() if provenance and provenance.target else None
 
 
-def input_paths(drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None) -> list[Path]:
+def input_paths(
+    drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None
+) -> list[Path]:
     paths = _model_paths(drafter)
     target = target or _default_target(drafter)
     if target:
@@ -64,7 +66,12 @@ def input_paths(drafter: str, target: str | None, prompt_specs: Iterable[str | N
 
 @contextlib.contextmanager
 def guard_run(
-    output: Path, overwrite: bool, drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None
+    output: Path,
+    overwrite: bool,
+    drafter: str,
+    target: str | None,
+    prompt_specs: Iterable[str | None],
+    calib_cache: Path | None,
 ) -> Iterator[Path]:
     """Every path check of a gptq run, then its output lock (see export.atomic.guard_output); yields the resolved output."""
     if calib_cache is not None:

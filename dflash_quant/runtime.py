@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,7 +12,14 @@ from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.loading import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
 from dflash_quant.preflight import check_count, check_temperature, check_tolerance  # noqa: F401  (used by the CLI)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _cpu_threads() -> None:
@@ -97,8 +105,13 @@ def default_prompt_spec(target: LoadedTarget, split: str) -> str:
 
 
 def encode_prompts(
-    target: LoadedTarget, spec: str, limit: int | None, chat_template: bool, max_new_tokens: int | None = None,
-    option: str = "--max-new-tokens", count_option: str = "--num-prompts",
+    target: LoadedTarget,
+    spec: str,
+    limit: int | None,
+    chat_template: bool,
+    max_new_tokens: int | None = None,
+    option: str = "--max-new-tokens",
+    count_option: str = "--num-prompts",
 ) -> list[list[int]]:
     """Token ids of the prompts. A prompt that cannot fit the target's positions with max_new_tokens after it
     is refused (exit 2) rather than truncated: a cut prompt would be a different, silently measured prompt."""
@@ -111,7 +124,8 @@ def encode_prompts(
     if limit is not None:
         prompts = prompts[:limit]
     encoded = [encode_prompt(target.tokenizer, p, chat_template=chat_template) for p in prompts]
-    cfg = target.model.config.get_text_config() if hasattr(target.model.config, "get_text_config") else target.model.config
+    model_cfg: Any = target.model.config
+    cfg = model_cfg.get_text_config() if hasattr(model_cfg, "get_text_config") else model_cfg
     positions = getattr(cfg, "max_position_embeddings", None)
     for i, ids in enumerate(encoded):
         if not ids:
@@ -133,7 +147,11 @@ def prompt_categories(spec: str, limit: int | None) -> list[str | None]:
 
 
 def stop_tokens(target: LoadedTarget) -> list[int]:
-    eos = getattr(target.model.generation_config, "eos_token_id", None) if hasattr(target.model, "generation_config") else None
+    eos = (
+        getattr(target.model.generation_config, "eos_token_id", None)
+        if hasattr(target.model, "generation_config")
+        else None
+    )
     if eos is None and target.tokenizer is not None:
         eos = target.tokenizer.eos_token_id
     if eos is None:

@@ -137,7 +137,11 @@ class TargetCache:
             for k, v in state["conv"].items():
                 layer.conv_states[k] = v
             for k, v in state["recurrent"].items():
-                if v is not None and layer.recurrent_states[k] is not None and layer.recurrent_states[k].shape == v.shape:
+                if (
+                    v is not None
+                    and layer.recurrent_states[k] is not None
+                    and layer.recurrent_states[k].shape == v.shape
+                ):
                     layer.recurrent_states[k].copy_(v)  # keep the tensor the layer handed out (static address)
                 else:
                     layer.recurrent_states[k] = v

@@ -25,13 +25,20 @@ class CheckSettings:
 
 
 def baseline_runs(
-    target: torch.nn.Module, prompts: Sequence[list[int]], settings: CheckSettings, progress: Callable[[], None] | None = None
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    settings: CheckSettings,
+    progress: Callable[[], None] | None = None,
 ) -> list[GreedyResult]:
     """Target-only greedy decoding of every prompt (the lossless reference and the speed baseline)."""
     device = next(target.parameters()).device
     runs = []
     for ids in prompts:
-        runs.append(target_generate(target, torch.tensor([ids], device=device), settings.max_new_tokens, settings.stop_token_ids))
+        runs.append(
+            target_generate(
+                target, torch.tensor([ids], device=device), settings.max_new_tokens, settings.stop_token_ids
+            )
+        )
         if progress:
             progress()
     return runs
@@ -68,7 +75,9 @@ def spec_runs(
 
 def warm_up(drafter: DFlashDrafter, target: torch.nn.Module, ids: list[int], settings: CheckSettings) -> None:
     """One short run of each path so one-time costs (kernels, allocator) stay out of the timings."""
-    short = CheckSettings(max_new_tokens=min(8, settings.max_new_tokens), block_size=settings.block_size, lookup=settings.lookup)
+    short = CheckSettings(
+        max_new_tokens=min(8, settings.max_new_tokens), block_size=settings.block_size, lookup=settings.lookup
+    )
     spec_runs(drafter, target, [ids], short)
     baseline_runs(target, [ids], short)
 
@@ -100,11 +109,15 @@ def divergences(runs: list[SpecResult], baseline: list[GreedyResult]) -> tuple[f
             continue
         margin = b.margins[k] if k < len(b.margins) else None
         limit = near_tie_margin(b.top1_logits[k], b.logits_dtype) if margin is not None else None
-        found.append({
-            "prompt_index": i, "position": k, "target_margin": None if margin is None else round(margin, 6),
-            "near_tie_margin": None if limit is None else round(limit, 6),
-            "near_tie": margin is not None and limit is not None and margin <= limit,
-        })
+        found.append(
+            {
+                "prompt_index": i,
+                "position": k,
+                "target_margin": None if margin is None else round(margin, 6),
+                "near_tie_margin": None if limit is None else round(limit, 6),
+                "near_tie": margin is not None and limit is not None and margin <= limit,
+            }
+        )
     return (matched / total if total else 1.0), found
 
 
@@ -128,7 +141,12 @@ def summarize(
     greedy = settings.temperature == 0
     per_prompt = []
     for i, r in enumerate(runs):
-        entry: dict[str, Any] = {"prompt_index": i, "tau": round(r.tau, 4), "steps": len(r.acceptance_lengths), "new_tokens": len(r.tokens)}
+        entry: dict[str, Any] = {
+            "prompt_index": i,
+            "tau": round(r.tau, 4),
+            "steps": len(r.acceptance_lengths),
+            "new_tokens": len(r.tokens),
+        }
         if greedy and baseline is not None:
             entry["lossless"] = r.tokens == baseline[i].tokens
         per_prompt.append(entry)
@@ -192,20 +210,30 @@ def parity(
             reasons.append(message)
         elif status == "near-ties":
             n = len(quantized.get("divergences") or [])
-            notes.append(f"lossless up to {quantized.get('logits_dtype', 'reduced-precision')} numerics: {n} prompt(s) "
-                         f"diverge, each at a near-tie of the target (top-1/top-2 margin <= {NEAR_TIE_ULPS} ulps)")
+            notes.append(
+                f"lossless up to {quantized.get('logits_dtype', 'reduced-precision')} numerics: {n} prompt(s) "
+                f"diverge, each at a near-tie of the target (top-1/top-2 margin <= {NEAR_TIE_ULPS} ulps)"
+            )
         elif status is None:  # no margins recorded (a summary from an older run): report only
             notes.append(message + " (reduced-precision run without divergence margins: reported, not gated)")
         else:
-            reasons.append(message + f" at a clear margin (more than {NEAR_TIE_ULPS} ulps of the top-1 logit), "
-                           "which reduced-precision numerics do not explain")
+            reasons.append(
+                message + f" at a clear margin (more than {NEAR_TIE_ULPS} ulps of the top-1 logit), "
+                "which reduced-precision numerics do not explain"
+            )
     per_pos = [
         round(q / b, 4) if b and q is not None else None
         for b, q in zip(baseline["per_position_acceptance"], quantized["per_position_acceptance"], strict=False)
     ]
-    return {"tau_ratio": round(ratio, 4), "per_position_ratio": per_pos, "passed": not reasons, "reasons": reasons,
-            "notes": notes, "lossless_gated": bool(greedy and (exact or status is not None)),
-            "lossless_status": status}
+    return {
+        "tau_ratio": round(ratio, 4),
+        "per_position_ratio": per_pos,
+        "passed": not reasons,
+        "reasons": reasons,
+        "notes": notes,
+        "lossless_gated": bool(greedy and (exact or status is not None)),
+        "lossless_status": status,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -248,8 +276,13 @@ def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[
 
 
 def lookup_summary(
-    plain: dict[str, Any], plain_runs: list[SpecResult], runs: list[SpecResult], baseline: list[GreedyResult] | None,
-    settings: CheckSettings, block: int, categories: Sequence[str | None] = (),
+    plain: dict[str, Any],
+    plain_runs: list[SpecResult],
+    runs: list[SpecResult],
+    baseline: list[GreedyResult] | None,
+    settings: CheckSettings,
+    block: int,
+    categories: Sequence[str | None] = (),
 ) -> dict[str, Any]:
     """The same drafter with the lookup proposer (Check.lookup): tau with and without it, where it helped."""
     lk = settings.lookup
@@ -257,16 +290,26 @@ def lookup_summary(
     full = summarize(plain["drafter"], runs, baseline, settings, block)
     drafter_pos, lookup_pos, lookup_steps = _split_acceptance(runs)
     out: dict[str, Any] = {
-        "mode": lk.mode, "min_ngram": lk.min_ngram, "max_ngram": lk.max_ngram, "max_tokens": lk.max_tokens or block - 1,
-        "tau": full["tau"], "tau_without": plain["tau"], "tau_ratio": _ratio(full["tau"], plain["tau"]),
+        "mode": lk.mode,
+        "min_ngram": lk.min_ngram,
+        "max_ngram": lk.max_ngram,
+        "max_tokens": lk.max_tokens or block - 1,
+        "tau": full["tau"],
+        "tau_without": plain["tau"],
+        "tau_ratio": _ratio(full["tau"], plain["tau"]),
         "lossless": full["lossless"],
-        "steps": full["steps"], "lookup_steps": lookup_steps,
+        "steps": full["steps"],
+        "lookup_steps": lookup_steps,
         "lookup_step_share": round(lookup_steps / full["steps"], 4) if full["steps"] else None,
-        "per_position_acceptance_drafter": drafter_pos, "per_position_acceptance_lookup": lookup_pos,
-        "target_forwards": full["target_forwards"], "drafter_forwards": full["drafter_forwards"],
+        "per_position_acceptance_drafter": drafter_pos,
+        "per_position_acceptance_lookup": lookup_pos,
+        "target_forwards": full["target_forwards"],
+        "drafter_forwards": full["drafter_forwards"],
         "target_replay_forwards": full["target_replay_forwards"],
-        "spec_seconds": full["spec_seconds"], "lookup_seconds": round(sum(r.lookup_seconds for r in runs), 4),
-        "spec_tokens_per_s": full["spec_tokens_per_s"], "speedup": full.get("speedup"),
+        "spec_seconds": full["spec_seconds"],
+        "lookup_seconds": round(sum(r.lookup_seconds for r in runs), 4),
+        "spec_tokens_per_s": full["spec_tokens_per_s"],
+        "speedup": full.get("speedup"),
     }
     for key in ("lossless_status", "token_match_rate", "divergences"):
         if key in full:
@@ -278,8 +321,12 @@ def lookup_summary(
             picked = [r for r, c in zip(runs, categories, strict=False) if (c or "other") == cat]
             _, _, steps = _split_acceptance(picked)
             n_steps = sum(len(r.acceptance_lengths) for r in picked)
-            cats[cat] = {"prompts": row["prompts"], "tau_without": without[cat]["tau"], "tau": row["tau"],
-                         "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
-                         "lookup_step_share": round(steps / n_steps, 4) if n_steps else None}
+            cats[cat] = {
+                "prompts": row["prompts"],
+                "tau_without": without[cat]["tau"],
+                "tau": row["tau"],
+                "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
+                "lookup_step_share": round(steps / n_steps, 4) if n_steps else None,
+            }
         out["by_category"] = cats
     return out

@@ -588,7 +588,9 @@ def make_pair(pair_dir: Path, prompts_file: Path, out: Path, drafter_sub: str, m
         ids = list(tok(row["prompt"])["input_ids"])
         stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
         r = run_generate(drafter, target, ids, max_new_tokens, stop)
-        records.append({"id": row.get("id", str(n)), "prompt": row["prompt"], "input_ids": ids, "stop_token_ids": stop, **r})
+        records.append(
+            {"id": row.get("id", str(n)), "prompt": row["prompt"], "input_ids": ids, "stop_token_ids": stop, **r}
+        )
         print(f"  {records[-1]['id']}: {len(r['new_tokens'])} tokens, tau {r['tau']:.3f}", file=sys.stderr)
     taus = [r["tau"] for r in records if r["tau"] is not None]
     golden = {
@@ -613,7 +615,13 @@ def make_pair(pair_dir: Path, prompts_file: Path, out: Path, drafter_sub: str, m
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", nargs="?", default="tiny", choices=["tiny", "dflash2"], help="tiny (default) unless --pair is given; dflash2 needs tiny first")
+    ap.add_argument(
+        "mode",
+        nargs="?",
+        default="tiny",
+        choices=["tiny", "dflash2"],
+        help="tiny (default) unless --pair is given; dflash2 needs tiny first",
+    )
     ap.add_argument("--out", type=Path, default=None, help="output folder (tiny: the fixture folder)")
     ap.add_argument("--train-steps", type=int, default=400, help="tiny: drafter training steps (0 = random drafters)")
     ap.add_argument("--pair", type=Path, default=None, help="DIR with DIR/target (HF + tokenizer) and DIR/drafter")

@@ -28,8 +28,15 @@ def reference_artifact(tmp_path_factory):
     from dflash_quant.pipeline import GptqJob, run_gptq
 
     out = tmp_path_factory.mktemp("reference_run") / "reference-int4"
-    job = GptqJob(output=out, calib_num_prompts=4, calib_max_new_tokens=16, eval_num_prompts=2,
-                  eval_max_new_tokens=16, device="cpu", command=["dflash-quant", "gptq", "--output", str(out)])
+    job = GptqJob(
+        output=out,
+        calib_num_prompts=4,
+        calib_max_new_tokens=16,
+        eval_num_prompts=2,
+        eval_max_new_tokens=16,
+        device="cpu",
+        command=["dflash-quant", "gptq", "--output", str(out)],
+    )
     run_gptq(job)
     return out
 

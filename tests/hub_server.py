@@ -127,7 +127,12 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization")
         auth_ok = state.token is None or auth == f"Bearer {state.token}"
         body_json = None
-        if body and "json" in (self.headers.get("Content-Type") or "") and "ndjson" not in (self.headers.get("Content-Type") or "") and len(body) < 100_000:
+        if (
+            body
+            and "json" in (self.headers.get("Content-Type") or "")
+            and "ndjson" not in (self.headers.get("Content-Type") or "")
+            and len(body) < 100_000
+        ):
             try:
                 body_json = json.loads(body)
             except ValueError:
@@ -138,9 +143,19 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # a server bug must show up as a 500, not a hang
             self._send(500, {"error": f"test server error: {exc!r}"})
         with state.lock:
-            state.requests.append(Recorded(method, path, {k: v[0] for k, v in query.items()}, self._status,
-                                           auth is not None, auth is not None and auth_ok,
-                                           self.headers.get("User-Agent", ""), len(body), body_json))
+            state.requests.append(
+                Recorded(
+                    method,
+                    path,
+                    {k: v[0] for k, v in query.items()},
+                    self._status,
+                    auth is not None,
+                    auth is not None and auth_ok,
+                    self.headers.get("User-Agent", ""),
+                    len(body),
+                    body_json,
+                )
+            )
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -159,14 +174,16 @@ class _Handler(BaseHTTPRequestHandler):
                 if failure.times != 0 and failure.method in (method, "*") and re.search(failure.pattern, path):
                     if failure.times > 0:
                         failure.times -= 1
-                    self._send(failure.status, failure.body or {"error": f"injected {failure.status}"},
-                               failure.headers)
+                    self._send(failure.status, failure.body or {"error": f"injected {failure.status}"}, failure.headers)
                     return
         if path.startswith("/lfs-upload/"):  # presigned-style URL: no Authorization expected
             return self._lfs_put(path.rsplit("/", 1)[1], body)
         if not auth_ok:
-            return self._send(401, {"error": "Invalid credentials in Authorization header"},
-                              {"X-Error-Message": "Invalid credentials in Authorization header"})
+            return self._send(
+                401,
+                {"error": "Invalid credentials in Authorization header"},
+                {"X-Error-Message": "Invalid credentials in Authorization header"},
+            )
         if method == "POST" and path == "/api/repos/create":
             return self._create_repo(data or {})
         if method == "POST" and path == "/api/validate-yaml":
@@ -184,12 +201,21 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
             rest = m.group("rest") or ""
             if method == "GET" and (rest == "" or rest.startswith("/revision/")):
-                rev = unquote(rest[len("/revision/"):]) if rest else "main"
+                rev = unquote(rest[len("/revision/") :]) if rest else "main"
                 return self._repo_info(repo, rev)
             if method == "GET" and rest == "/refs":
-                return self._send(200, {"branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": h}
-                                                     for b, h in repo.heads.items() if not b.startswith("refs/pr/")],
-                                        "converts": [], "tags": []})
+                return self._send(
+                    200,
+                    {
+                        "branches": [
+                            {"name": b, "ref": f"refs/heads/{b}", "targetCommit": h}
+                            for b, h in repo.heads.items()
+                            if not b.startswith("refs/pr/")
+                        ],
+                        "converts": [],
+                        "tags": [],
+                    },
+                )
             mm = re.fullmatch(r"/branch/(?P<b>.+)", rest)
             if mm and method == "POST":
                 return self._create_branch(repo, unquote(mm.group("b")), data or {})
@@ -207,7 +233,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _create_repo(self, data: dict) -> None:
         state = self.server.state
-        repo_id = f"{data.get('organization')}/{data.get('name')}" if data.get("organization") else f"user/{data.get('name')}"
+        repo_id = (
+            f"{data.get('organization')}/{data.get('name')}" if data.get("organization") else f"user/{data.get('name')}"
+        )
         url = f"{self._base()}/{repo_id}"
         with state.lock:
             if repo_id in state.repos:
@@ -234,8 +262,16 @@ class _Handler(BaseHTTPRequestHandler):
         if rev not in repo.heads:
             return self._send(404, {"error": "Revision not found"}, {"X-Error-Code": "RevisionNotFound"})
         files = repo.branches[rev]
-        return self._send(200, {"id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.heads[rev],
-                                "private": repo.private, "siblings": [{"rfilename": p} for p in sorted(files)]})
+        return self._send(
+            200,
+            {
+                "id": repo.repo_id,
+                "modelId": repo.repo_id,
+                "sha": repo.heads[rev],
+                "private": repo.private,
+                "siblings": [{"rfilename": p} for p in sorted(files)],
+            },
+        )
 
     def _create_branch(self, repo: Repo, branch: str, data: dict) -> None:
         start = data.get("startingPoint") or "main"
@@ -322,11 +358,25 @@ class _Handler(BaseHTTPRequestHandler):
                 repo.prs.append(target)
             repo.branches[target] = files
             repo.heads[target] = oid
-            repo.commits.append({"oid": oid, "revision": target, "summary": header.get("summary"),
-                                 "description": header.get("description"), "paths": sorted(files),
-                                 "kinds": {v["value"]["path"]: v["key"] for v in lines if v.get("key") != "header"}})
-        return self._send(200, {"success": True, "commitOid": oid,
-                                "commitUrl": f"{self._base()}/{repo.repo_id}/commit/{oid}", "pullRequestUrl": pr_url})
+            repo.commits.append(
+                {
+                    "oid": oid,
+                    "revision": target,
+                    "summary": header.get("summary"),
+                    "description": header.get("description"),
+                    "paths": sorted(files),
+                    "kinds": {v["value"]["path"]: v["key"] for v in lines if v.get("key") != "header"},
+                }
+            )
+        return self._send(
+            200,
+            {
+                "success": True,
+                "commitOid": oid,
+                "commitUrl": f"{self._base()}/{repo.repo_id}/commit/{oid}",
+                "pullRequestUrl": pr_url,
+            },
+        )
 
 
 class _Server(ThreadingHTTPServer):
@@ -337,8 +387,14 @@ class _Server(ThreadingHTTPServer):
 class FakeHub:
     """Start with `with FakeHub(...) as hub:`; `hub.url` is the endpoint."""
 
-    def __init__(self, token: str | None = None, *, upload_mode: str = "auto", lfs_threshold: int = 10 * 1024 * 1024,
-                 send_verify: bool = True):
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        upload_mode: str = "auto",
+        lfs_threshold: int = 10 * 1024 * 1024,
+        send_verify: bool = True,
+    ):
         self.state = HubState(token, upload_mode, lfs_threshold, send_verify)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -369,8 +425,15 @@ class FakeHub:
         return f"http://{host}:{port}"
 
     # ------------------------------------------------------------------ test helpers
-    def fail(self, method: str, pattern: str, status: int, times: int = 1, body: dict | None = None,
-             headers: dict | None = None) -> None:
+    def fail(
+        self,
+        method: str,
+        pattern: str,
+        status: int,
+        times: int = 1,
+        body: dict | None = None,
+        headers: dict | None = None,
+    ) -> None:
         with self.state.lock:
             self.state.failures.append(Failure(method, pattern, status, times, body, headers))
 

@@ -55,12 +55,15 @@ def test_unknown_keys_survive_a_rewrite(reference_artifact, tmp_path):
     assert isinstance(parity.baseline, Check) and parity.baseline.tau == raw["baseline"]["tau"]
 
 
-@pytest.mark.parametrize("content, why", [
-    ("{not json", "is not valid JSON"),
-    ('{"budget_24gb": {"gpu": "RTX 4090", "fits": true}}', "field 'budget_24gb.gpu' must be an object"),
-    ('{"weights": {"total_bytes": "1 GB"}}', "field 'weights.total_bytes' must be an integer"),
-    ("[1, 2]", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"budget_24gb": {"gpu": "RTX 4090", "fits": true}}', "field 'budget_24gb.gpu' must be an object"),
+        ('{"weights": {"total_bytes": "1 GB"}}', "field 'weights.total_bytes' must be an integer"),
+        ("[1, 2]", "must be an object"),
+    ],
+)
 def test_malformed_report_is_one_line_naming_file_and_fix(tmp_path, content, why):
     (tmp_path / "memory.json").write_text(content)
     with pytest.raises(DFlashQuantError) as exc:
@@ -100,8 +103,13 @@ def test_no_machine_paths_in_any_file(reference_artifact):
 
 
 def test_shipped_names_old_and_new_spellings():
-    for spec, want in (("reference", "reference"), ("reference/drafter", "reference"), ("reference:drafter", "reference"),
-                       ("reference/target", "reference:target"), ("reference:target", "reference:target")):
+    for spec, want in (
+        ("reference", "reference"),
+        ("reference/drafter", "reference"),
+        ("reference:drafter", "reference"),
+        ("reference/target", "reference:target"),
+        ("reference:target", "reference:target"),
+    ):
         src = resolve(spec)
         assert (src.id, src.kind) == (want, "shipped"), spec
         assert source_ref(src).to_dict() == {"id": want, "kind": "shipped", "revision": None, "sha256": None}
@@ -134,9 +142,31 @@ def test_local_and_hub_cache_sources(tmp_path, monkeypatch):
 def test_portable_command_and_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
-    argv = ["dflash-quant", "gptq", "--output", str(tmp_path / "out" / "x"), f"--calib-cache={Path.home()}/cache",
-            "--drafter", "~/models/d", "--bits", "4", "org/name", "rel/dir"]
-    assert portable_command(argv) == ["dflash-quant", "gptq", "--output", "out/x", "--calib-cache=cache",
-                                      "--drafter", "d", "--bits", "4", "org/name", "rel/dir"]
+    argv = [
+        "dflash-quant",
+        "gptq",
+        "--output",
+        str(tmp_path / "out" / "x"),
+        f"--calib-cache={Path.home()}/cache",
+        "--drafter",
+        "~/models/d",
+        "--bits",
+        "4",
+        "org/name",
+        "rel/dir",
+    ]
+    assert portable_command(argv) == [
+        "dflash-quant",
+        "gptq",
+        "--output",
+        "out/x",
+        "--calib-cache=cache",
+        "--drafter",
+        "d",
+        "--bits",
+        "4",
+        "org/name",
+        "rel/dir",
+    ]
     assert portable_path(tmp_path) == "."
     assert portable_path("/") == "."

@@ -12,9 +12,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_small_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_gptq.py"), "--device", "cpu", "--small",
-         "--repeats", "1", "--no-gptqmodel", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_gptq.py"),
+            "--device",
+            "cpu",
+            "--small",
+            "--repeats",
+            "1",
+            "--no-gptqmodel",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dflash-quant" in proc.stdout

@@ -21,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _section(text: str, heading: str) -> str:
     start = text.index(heading)
     end = text.find("\n## ", start + len(heading))
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 # --------------------------------------------------------------------------- the real artifact
@@ -61,8 +61,9 @@ def test_numbers_match_reports(reference_artifact):
     assert f"| this drafter | {base.tau:.3f} | {quant.tau:.3f} | {parity.tau_ratio * 100:.1f}% |" in text
     for k, (b, q) in enumerate(zip(base.per_position_acceptance, quant.per_position_acceptance, strict=True), start=1):
         assert f"| {k} | {fmt_float(b)} | {fmt_float(q)} |" in text
-    assert (f"| weights in memory | {fmt_bytes(memory.baseline.total_bytes)} | "
-            f"{fmt_bytes(memory.weights.total_bytes)} |") in text
+    assert (
+        f"| weights in memory | {fmt_bytes(memory.baseline.total_bytes)} | {fmt_bytes(memory.weights.total_bytes)} |"
+    ) in text
     assert f"{qr.quantized_bytes:,}" in text and f"{qr.original_bytes:,}" in text
     assert ("Parity check: **passed**" if parity.passed else "Parity check: **FAILED**") in text
     assert f"quantized Linear layers | {len(qr.layers)}" in text
@@ -75,7 +76,9 @@ def test_png_and_manifest(reference_artifact):
     png = (reference_artifact / "acceptance.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and b"IEND" in png[-16:]
     assert verify_manifest(reference_artifact) == []
-    assert {"README.md", "acceptance.png", "memory.json", "parity.json"} <= set(load_manifest(reference_artifact)["files"])
+    assert {"README.md", "acceptance.png", "memory.json", "parity.json"} <= set(
+        load_manifest(reference_artifact)["files"]
+    )
 
 
 def test_rewriting_the_card_keeps_it(reference_artifact, tmp_path):
@@ -151,8 +154,11 @@ def test_license_inherited_from_local_source(tmp_path):
     src.mkdir()
     (src / "README.md").write_text("---\nlicense: mit\nlibrary_name: transformers\n---\n# drafter\n")
     art = make_artifact(tmp_path / "l", big_bytes=0, source_id=str(src), card=False)
-    write_card(art, command=["dflash-quant", "gptq", "--token", "hf_secretsecretsecretsecret", "--output", str(art)],
-               repo_id="me/d-int4")
+    write_card(
+        art,
+        command=["dflash-quant", "gptq", "--token", "hf_secretsecretsecretsecret", "--output", str(art)],
+        repo_id="me/d-int4",
+    )
     card = ModelCard.load(art / "README.md")
     assert card.data.license == "mit"
     assert card.data.base_model is None  # a local path is not a Hub id

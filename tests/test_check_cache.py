@@ -20,20 +20,50 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
 
 
 def _greedy(seed):
-    return [GreedyResult(tokens=[seed, 2, 3], seconds=0.125 + seed, target_forwards=3, top1_logits=[1.5, 2.0 / 3, 3.0],
-                         margins=[0.1, 1e-7, 2.0], logits_dtype="bfloat16")]
+    return [
+        GreedyResult(
+            tokens=[seed, 2, 3],
+            seconds=0.125 + seed,
+            target_forwards=3,
+            top1_logits=[1.5, 2.0 / 3, 3.0],
+            margins=[0.1, 1e-7, 2.0],
+            logits_dtype="bfloat16",
+        )
+    ]
 
 
 def _spec():
-    return [SpecResult(tokens=[5, 6], acceptance_lengths=[2], accepted=[1], drafted=[3], target_forwards=2,
-                       drafter_forwards=1, seconds=0.5, replay_forwards=1, replayed_tokens=2, replay_seconds=0.1)]
+    return [
+        SpecResult(
+            tokens=[5, 6],
+            acceptance_lengths=[2],
+            accepted=[1],
+            drafted=[3],
+            target_forwards=2,
+            drafter_forwards=1,
+            seconds=0.5,
+            replay_forwards=1,
+            replayed_tokens=2,
+            replay_seconds=0.1,
+        )
+    ]
 
 
 def _key(**over):
-    settings = CheckSettings(**{**dict(max_new_tokens=16, temperature=0.0, block_size=4, seed=0, stop_token_ids=[2]),
-                                **over.pop("settings", {})})
-    kw = dict(target="sha256:t", prompts=PROMPTS, settings=settings, device=torch.device("cpu"), dtype=torch.float32,
-              drafter="d")
+    settings = CheckSettings(
+        **{
+            **dict(max_new_tokens=16, temperature=0.0, block_size=4, seed=0, stop_token_ids=[2]),
+            **over.pop("settings", {}),
+        }
+    )
+    kw = dict(
+        target="sha256:t",
+        prompts=PROMPTS,
+        settings=settings,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        drafter="d",
+    )
     kw.update(over)
     return check_key(**kw)
 
@@ -48,18 +78,21 @@ def test_round_trip_is_exact_for_both_kinds(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # atomic write leaves no temp file
 
 
-@pytest.mark.parametrize("change", [
-    dict(drafter="other drafter"),
-    dict(target="sha256:other target"),
-    dict(prompts=[[1, 2, 3], [4, 5, 6, 8]]),
-    dict(settings=dict(max_new_tokens=17)),
-    dict(settings=dict(temperature=0.7)),
-    dict(settings=dict(block_size=3)),
-    dict(settings=dict(seed=1)),
-    dict(settings=dict(stop_token_ids=[2, 9])),
-    dict(device=torch.device("cuda")),
-    dict(dtype=torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(drafter="other drafter"),
+        dict(target="sha256:other target"),
+        dict(prompts=[[1, 2, 3], [4, 5, 6, 8]]),
+        dict(settings=dict(max_new_tokens=17)),
+        dict(settings=dict(temperature=0.7)),
+        dict(settings=dict(block_size=3)),
+        dict(settings=dict(seed=1)),
+        dict(settings=dict(stop_token_ids=[2, 9])),
+        dict(device=torch.device("cuda")),
+        dict(dtype=torch.bfloat16),
+    ],
+)
 def test_any_changed_key_part_is_a_miss(tmp_path, change):
     cache = CheckCache(tmp_path)
     calls = []
@@ -103,9 +136,29 @@ def test_model_identity_follows_the_weights(tmp_path):
 
 
 def _gptq(out, cache, *extra):
-    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", "--bits", "4", "--output", str(out), "--overwrite",
-           "--num-prompts", "6", "--max-new-tokens", "16", "--eval-num-prompts", "3", "--eval-max-new-tokens", "24",
-           "--check-cache", str(cache), "--no-card", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_quant.cli.app",
+        "gptq",
+        "--bits",
+        "4",
+        "--output",
+        str(out),
+        "--overwrite",
+        "--num-prompts",
+        "6",
+        "--max-new-tokens",
+        "16",
+        "--eval-num-prompts",
+        "3",
+        "--eval-max-new-tokens",
+        "24",
+        "--check-cache",
+        str(cache),
+        "--no-card",
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((out / "parity.json").read_text())

@@ -11,7 +11,12 @@ def test_keys_inside_dflash_config():
 
 
 def test_keys_top_level_and_rope_parameters():
-    raw = drafter_raw_config(mask_token_id=7, target_layer_ids=[1, 3], block_size=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    raw = drafter_raw_config(
+        mask_token_id=7,
+        target_layer_ids=[1, 3],
+        block_size=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     raw.pop("dflash_config")
     raw.pop("rope_theta")
     cfg = parse_draft_config(raw)
@@ -74,7 +79,11 @@ def test_bad_configs(edit, message):
 def test_roundtrip_through_to_dict():
     cfg = parse_draft_config(drafter_raw_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6))
     again = parse_draft_config(cfg.to_dict())
-    assert again.target_layer_ids == cfg.target_layer_ids and again.sliding_window == 6 and again.block_size == cfg.block_size
+    assert (
+        again.target_layer_ids == cfg.target_layer_ids
+        and again.sliding_window == 6
+        and again.block_size == cfg.block_size
+    )
 
 
 def _v2(**nested) -> dict:
@@ -89,7 +98,12 @@ def test_dflash2_keys_nested_or_top_level():
     from tiny import dflash2_raw_config
 
     cfg = parse_draft_config(dflash2_raw_config())
-    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (2, 16, 8, 4)
+    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
+        2,
+        16,
+        8,
+        4,
+    )
     assert cfg.attention_kind(0) == (False, 16) and cfg.attention_kind(1) == (False, 16)
     raw = dflash2_raw_config()
     nested = raw["dflash_config"]

@@ -33,7 +33,11 @@ class _Oracle(torch.nn.Module):
     def __init__(self, drafter, ref, prompt_len):
         super().__init__()
         self.config, self.ref, self.n = drafter.config, ref + [0] * 16, prompt_len
-        self.block_size, self.mask_token_id, self.target_layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
+        self.block_size, self.mask_token_id, self.target_layer_ids = (
+            drafter.block_size,
+            drafter.mask_token_id,
+            drafter.target_layer_ids,
+        )
 
     def forward(self, noise, ctx, positions, cache=None):
         q = noise.shape[1]
@@ -79,7 +83,9 @@ def test_context_cache_matches_one_shot_forward(pair):
 
 
 def test_sliding_window_cache_is_trimmed_without_changing_outputs(tmp_path):
-    drafter = load_drafter(save_drafter(tmp_path / "swa", layer_types=["sliding_attention", "full_attention"], sliding_window=5, std=0.2)).model
+    drafter = load_drafter(
+        save_drafter(tmp_path / "swa", layer_types=["sliding_attention", "full_attention"], sliding_window=5, std=0.2)
+    ).model
     torch.manual_seed(0)
     ctx, noise = torch.randn(1, 20, 128), torch.randn(1, 4, 64)
     full = drafter(noise, ctx, torch.arange(24)[None])
@@ -90,7 +96,15 @@ def test_sliding_window_cache_is_trimmed_without_changing_outputs(tmp_path):
     out = drafter(noise, ctx[:, 15:], torch.arange(15, 24)[None], cache=cache)
     torch.testing.assert_close(out, full, atol=1e-5, rtol=0)
     # The window really matters: a wide-window drafter with the same weights differs.
-    assert not torch.allclose(full, load_drafter(save_drafter(tmp_path / "wide", layer_types=["sliding_attention", "full_attention"], sliding_window=64, std=0.2)).model(noise, ctx, torch.arange(24)[None]), atol=1e-4)
+    assert not torch.allclose(
+        full,
+        load_drafter(
+            save_drafter(
+                tmp_path / "wide", layer_types=["sliding_attention", "full_attention"], sliding_window=64, std=0.2
+            )
+        ).model(noise, ctx, torch.arange(24)[None]),
+        atol=1e-4,
+    )
 
 
 def test_rejection_sampling_preserves_target_distribution():

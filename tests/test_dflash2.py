@@ -39,9 +39,13 @@ def test_conv_is_causal_within_the_block_and_resets_per_block():
 def test_fresh_drafter_state_dict_layout_and_identity_conv():
     model = DFlash2Drafter(parse_draft_config(dflash2_raw_config()))
     keys = set(model.state_dict())
-    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
-            "candidate_selector.hidden_projection.weight", "layers.1.mlp_conv.base_kernel",
-            "layers.0.attention_conv.kernel_projection.weight"} <= keys
+    assert {
+        "candidate_selector.predecessor_codebook",
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.1.mlp_conv.base_kernel",
+        "layers.0.attention_conv.kernel_projection.weight",
+    } <= keys
     assert model.layers[0].attention_conv.kernel_projection.weight.shape == (2 * 2 * 4, 64)
     base = model.layers[0].mlp_conv.base_kernel
     assert base.shape == (2, 2, 64) and torch.equal(base[:, 0], torch.ones(2, 64)) and not base[:, 1].any()
@@ -100,16 +104,37 @@ VOCAB, PROMPT, TEMP = 6, [0, 1, 2], 1.0
 def _micro_pair():
     torch.manual_seed(3)
     tcfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=8, intermediate_size=32, tie_word_embeddings=False, initializer_range=0.5,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        tie_word_embeddings=False,
+        initializer_range=0.5,
     )
     target = Qwen3ForCausalLM(tcfg).eval()
     raw = dflash2_raw_config(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=32, vocab_size=VOCAB, block_size=3, num_target_layers=1,
-        layer_types=["sliding_attention"], sliding_window=4,
-        dflash_config={"mask_token_id": 5, "target_layer_ids": [0], "conv_kernel_size": 2, "conv_group_size": 8,
-                       "selector_rank": 4, "selector_top_k": 3},
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        block_size=3,
+        num_target_layers=1,
+        layer_types=["sliding_attention"],
+        sliding_window=4,
+        dflash_config={
+            "mask_token_id": 5,
+            "target_layer_ids": [0],
+            "conv_kernel_size": 2,
+            "conv_group_size": 8,
+            "selector_rank": 4,
+            "selector_top_k": 3,
+        },
     )
     cfg = parse_draft_config(raw)
     drafter = DFlash2Drafter(cfg).eval()

@@ -22,6 +22,7 @@ from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, sele
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("d2scope")
     rng = random.Random(0)
+
     def line() -> str:
         return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
 
@@ -36,9 +37,15 @@ def pair(tmp_path_factory):
 
 def _job(pair, out, **quant):
     return GptqJob(
-        output=pair["root"] / out, drafter=str(pair["drafter"]), target=str(pair["target"]),
-        quant=QuantSettings(group_size=16, **quant), calib_prompts=str(pair["root"] / "calib.txt"),
-        calib_max_new_tokens=12, verify=False, device="cpu", dtype="float32",
+        output=pair["root"] / out,
+        drafter=str(pair["drafter"]),
+        target=str(pair["target"]),
+        quant=QuantSettings(group_size=16, **quant),
+        calib_prompts=str(pair["root"] / "calib.txt"),
+        calib_max_new_tokens=12,
+        verify=False,
+        device="cpu",
+        dtype="float32",
     )
 
 
@@ -70,8 +77,11 @@ def test_extra_hooks_only_when_asked_and_they_see_what_the_linears_see(pair):
 
         return hook
 
-    extra = ["layers.0.attention_conv.kernel_projection", "layers.1.mlp_conv.kernel_projection",
-             "candidate_selector.hidden_projection"]
+    extra = [
+        "layers.0.attention_conv.kernel_projection",
+        "layers.1.mlp_conv.kernel_projection",
+        "candidate_selector.hidden_projection",
+    ]
     handles = [drafter.get_submodule(n).register_forward_pre_hook(witness(n)) for n in extra]
     try:
         stats = capture(drafter, target, prompts, 10, extra=extra)
@@ -115,8 +125,11 @@ def test_quantized_conv_and_selector_round_trip(pair):
             assert not torch.equal(w, src[f"{name}.weight"])  # really quantized
             rel = (w - src[f"{name}.weight"]).norm() / src[f"{name}.weight"].norm()
             assert rel < 0.2, (name, float(rel))
-        for key in ("layers.0.attention_conv.base_kernel", "candidate_selector.predecessor_codebook",
-                    "candidate_selector.successor_codebook"):  # never quantized
+        for key in (
+            "layers.0.attention_conv.base_kernel",
+            "candidate_selector.predecessor_codebook",
+            "candidate_selector.successor_codebook",
+        ):  # never quantized
             assert fh.get_tensor(key).dtype == torch.bfloat16
             assert torch.equal(again[key], src[key].to(torch.bfloat16).float()), key
 
@@ -138,6 +151,7 @@ def test_whole_drafter_bytes_match_the_written_file(pair):
     on_disk = sum(i["data_offsets"][1] - i["data_offsets"][0] for i in header.values())
     assert rep["drafter_bytes_quantized"] == on_disk
     source = read_header(pair["drafter"] / "model.safetensors")
+
     def numel(info) -> int:
         return torch.Size(info["shape"]).numel()
 
@@ -217,10 +231,12 @@ def test_sglang_profile_export_and_card(pair):
     assert "`fc` is bf16 here" in card and "#39087" in card
     assert "DFlash2 needs a dense target `lm_head`" in card
     assert "every engine (vLLM, SGLang, MLX) keeps the convolutions" in card
-    full = (pair["root"] / "bytes" / "README.md")
+    full = pair["root"] / "bytes" / "README.md"
     if full.exists():  # the default-profile artifact of test_whole_drafter_bytes_match_the_written_file
         text = full.read_text()
-        assert "**Caveat:** `fc` is packed" in text and "**Caveat:** this artifact quantizes the attention q/k/v" in text
+        assert (
+            "**Caveat:** `fc` is packed" in text and "**Caveat:** this artifact quantizes the attention q/k/v" in text
+        )
 
 
 def test_card_warns_about_packed_extras(pair):
@@ -258,9 +274,21 @@ def test_cli_flag_on_v1_drafter_exits_2_with_one_line(tmp_path):
 
     out = tmp_path / "art"
     res = subprocess.run(
-        [sys.executable, "-m", "dflash_quant.cli.app", "gptq", "reference", "--quantize-selector", "--no-verify",
-         "--output", str(out)],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "dflash_quant.cli.app",
+            "gptq",
+            "reference",
+            "--quantize-selector",
+            "--no-verify",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
     )
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -35,8 +35,12 @@ def arts(tmp_path_factory):
 
 
 def export(src, fmt, out, *extra):
-    return subprocess.run([*CLI, "export", str(src), "--format", fmt, "--output", str(out), *extra],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [*CLI, "export", str(src), "--format", fmt, "--output", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _weights(path):
@@ -52,7 +56,10 @@ def test_export_loads_to_the_same_weights(arts, fmt):
     for name in ("provenance.json", "quant_report.json", "memory.json", "README.md", "config.json"):
         assert (out / name).is_file(), name
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["export"]["format"] == fmt and prov["source_drafter"] == json.loads((arts["g32"] / "provenance.json").read_text())["source_drafter"]
+    assert (
+        prov["export"]["format"] == fmt
+        and prov["source_drafter"] == json.loads((arts["g32"] / "provenance.json").read_text())["source_drafter"]
+    )
     want, got = _weights(arts["g32"]), _weights(out)
     assert all(torch.equal(want[k], got[k]) for k in want)  # symmetric group 32 maps exactly in every format
     card = (out / "README.md").read_text()
@@ -69,16 +76,34 @@ def test_gguf_matches_llama_cpp_converter_layout(arts):
     assert set(gg.KEYS) <= keys
     assert reader.fields["general.architecture"].contents() == "dflash"
     assert reader.fields["dflash.target_layers"].contents() == [1, 3, 5]  # reference taps [0, 2, 4], +1
-    assert reader.fields["dflash.block_size"].contents() == 8 and reader.fields["tokenizer.ggml.mask_token_id"].contents() == 1
+    assert (
+        reader.fields["dflash.block_size"].contents() == 8
+        and reader.fields["tokenizer.ggml.mask_token_id"].contents() == 1
+    )
     assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == 4096
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     # names as llama.cpp's DFlash converter writes them; no token_embd / output
     expected = {"fc.weight", "enc.output_norm.weight", "output_norm.weight"} | {
-        f"blk.{i}.{n}.weight" for i in range(3) for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
-                                                         "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate",
-                                                         "ffn_up", "ffn_down")}
+        f"blk.{i}.{n}.weight"
+        for i in range(3)
+        for n in (
+            "attn_norm",
+            "ffn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "attn_q_norm",
+            "attn_k_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        )
+    }
     assert set(types) == expected
-    assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.attn_output.weight"] == "Q4_0"  # vllm profile: q/k/v bf16
+    assert (
+        types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.attn_output.weight"] == "Q4_0"
+    )  # vllm profile: q/k/v bf16
     assert types["blk.0.attn_norm.weight"] == "F32"
     want, got = _weights(arts["g32-vllm"]), _weights(out)
     assert all(torch.equal(want[k], got[k]) for k in want)
@@ -123,11 +148,19 @@ def test_bad_inputs(arts, tmp_path):
 
 def test_gptq_format_writes_the_format_directly(arts):
     out = arts["root"] / "direct-gguf"
-    run_gptq(GptqJob(output=out, quant=QuantSettings(method="rtn", group_size=32), verify=False, write_card=False, format="gguf"))
+    run_gptq(
+        GptqJob(
+            output=out, quant=QuantSettings(method="rtn", group_size=32), verify=False, write_card=False, format="gguf"
+        )
+    )
     assert not (out / "model.safetensors").exists() and len(list(out.glob("*.gguf"))) == 1
     assert verify_manifest(out) == []
     want, got = _weights(arts["g32"]), _weights(out)
     assert all(torch.equal(want[k], got[k]) for k in want)
-    res = subprocess.run([*CLI, "gptq", "--format", "gguf", "--output", str(arts["root"] / "g128-gguf")],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [*CLI, "gptq", "--format", "gguf", "--output", str(arts["root"] / "g128-gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "group size 128" in res.stderr and not (arts["root"] / "g128-gguf").exists()

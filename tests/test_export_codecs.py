@@ -51,8 +51,12 @@ def test_compressed_tensors_reads_back_the_gptq_weight(bits, sym, group, act):
     # the library's decompressor as is: its fp16 product is our exact weight rounded once to fp16
     got16 = PackedQuantizationCompressor.decompress(dict(state), scheme)["weight"]
     assert got16.dtype == torch.float16 and torch.equal(got16, want.half())
-    qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": scheme.model_dump()}, "ignore": []}
+    qcfg = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": scheme.model_dump()},
+        "ignore": [],
+    }
     tensors = {f"{qw.name}.{k}": v for k, v in state.items()}
     got = ct.read_compressed_tensors(tensors, qcfg)[f"{qw.name}.weight"]
     assert torch.equal(got, want)  # fp32: bit for bit
@@ -83,7 +87,10 @@ def test_gguf_symmetric_group32_is_bit_identical(bits, sym, kind):
     qw = _random_qw(bits, sym, 32, "none", seed=3)
     data, got_kind = gg.encode_weight(qw)
     assert got_kind == kind
-    assert data.shape == (qw.out_features, qw.in_features // 32 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1])
+    assert data.shape == (
+        qw.out_features,
+        qw.in_features // 32 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1],
+    )
     back = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
     assert np.array_equal(back.astype(np.float32), qw.dequantize().numpy())
 
@@ -111,10 +118,15 @@ def test_gguf_asymmetric_is_q4_1_up_to_the_offset_rounding():
     assert not torch.equal(back, want)  # it is a rounding, not exact, and the test can tell
 
 
-@pytest.mark.parametrize("bits,group,sym,act,needle", [
-    (4, 128, True, False, "group size 128"), (4, 32, True, True, "act-order"), (3, 32, True, False, "3-bit"),
-    (8, 32, False, False, "8-bit asymmetric"),
-])
+@pytest.mark.parametrize(
+    "bits,group,sym,act,needle",
+    [
+        (4, 128, True, False, "group size 128"),
+        (4, 32, True, True, "act-order"),
+        (3, 32, True, False, "3-bit"),
+        (8, 32, False, False, "8-bit asymmetric"),
+    ],
+)
 def test_gguf_refuses_unmappable_grids_naming_the_settings(bits, group, sym, act, needle):
     msg = gg.grid_problem(bits, group, sym, act)
     assert needle in msg and "--group-size 32 --sym" in msg and "\n" not in msg
@@ -131,13 +143,22 @@ def test_gguf_requantize_only_when_asked():
     want = qw.dequantize().numpy()
     # a round-to-nearest Q4_0 of the GPTQ weight (ggml picks d = -max/8 per block)
     step = np.abs(want).reshape(want.shape[0], -1, 32).max(axis=2, keepdims=True) / 8
-    assert np.all(np.abs(back - want).reshape(step.shape[0], -1, 32) <= step * 1.01)  # d = max/-8 (fp16): the far end clips by <= d
+    assert np.all(
+        np.abs(back - want).reshape(step.shape[0], -1, 32) <= step * 1.01
+    )  # d = max/-8 (fp16): the far end clips by <= d
     assert gg.grid_problem(3, 128, True, False, requantize=True) is not None
 
 
 def test_gguf_names_roundtrip():
-    for hf in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.2.self_attn.o_proj.weight",
-               "layers.0.mlp.gate_proj.weight", "layers.1.self_attn.k_norm.weight", "layers.0.input_layernorm.weight"]:
+    for hf in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.2.self_attn.o_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.0.input_layernorm.weight",
+    ]:
         assert gg.hf_name(gg.gguf_name(hf)) == hf
     assert gg.gguf_name("layers.2.self_attn.o_proj.weight") == "blk.2.attn_output.weight"
     assert gg.gguf_name("hidden_norm.weight") == "enc.output_norm.weight"

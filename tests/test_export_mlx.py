@@ -13,13 +13,22 @@ mx = pytest.importorskip("mlx.core")
 pytestmark = pytest.mark.mlx
 
 
-@pytest.fixture(scope="module", params=[(4, 64, True), (4, 32, False), (3, 128, True), (8, 128, True)],
-                ids=lambda p: f"{p[0]}bit-g{p[1]}-{'sym' if p[2] else 'asym'}")
+@pytest.fixture(
+    scope="module",
+    params=[(4, 64, True), (4, 32, False), (3, 128, True), (8, 128, True)],
+    ids=lambda p: f"{p[0]}bit-g{p[1]}-{'sym' if p[2] else 'asym'}",
+)
 def exported(request, tmp_path_factory):
     bits, group, sym = request.param
     root = tmp_path_factory.mktemp("mlx")
-    run_gptq(GptqJob(output=root / "gptq", quant=QuantSettings(method="rtn", bits=bits, group_size=group, sym=sym),
-                     verify=False, write_card=False))
+    run_gptq(
+        GptqJob(
+            output=root / "gptq",
+            quant=QuantSettings(method="rtn", bits=bits, group_size=group, sym=sym),
+            verify=False,
+            write_card=False,
+        )
+    )
     convert_artifact(root / "gptq", root / "mlx", "mlx")
     return read_gptq_artifact(root / "gptq"), root / "mlx", request.param
 

@@ -15,7 +15,9 @@ from dflash_quant.quantize.gptq_batched import gptq_quantize_groups, gptq_quanti
 def _hessian(width, rows, seed, dead=()):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g) @ torch.randn(width, width, generator=g) / width**0.5
-    x = x * torch.logspace(-1, 1, width)[torch.randperm(width, generator=g)] + 0.05 * torch.randn(rows, width, generator=g)
+    x = x * torch.logspace(-1, 1, width)[torch.randperm(width, generator=g)] + 0.05 * torch.randn(
+        rows, width, generator=g
+    )
     for d in dead:
         x[:, d] = 0
     acc = HessianAccumulator(width)
@@ -73,8 +75,13 @@ def test_groups_equal_shared_input_passes():
     groups = []
     for layer in range(3):
         h = _hessian(64, 256, layer)
-        groups.append(([torch.randn(48, 64), torch.randn(16, 64), torch.randn(16, 64)], h,
-                       [f"l{layer}.q", f"l{layer}.k", f"l{layer}.v"]))
+        groups.append(
+            (
+                [torch.randn(48, 64), torch.randn(16, 64), torch.randn(16, 64)],
+                h,
+                [f"l{layer}.q", f"l{layer}.k", f"l{layer}.v"],
+            )
+        )
         groups.append(([torch.randn(64, 64)], _hessian(64, 256, 10 + layer), [f"l{layer}.o"]))
     got = gptq_quantize_groups(groups, spec, kernel="torch", desc_act=True)
     for (ws, h, names), qws in zip(groups, got, strict=False):

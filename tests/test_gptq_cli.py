@@ -40,9 +40,25 @@ def setup(tmp_path_factory):
 
 def gptq(setup, *extra, out="art", timeout=600):
     s = setup
-    args = ["gptq", str(s["drafter"]), "--target", str(s["target"]), "--calib-prompts", str(s["root"] / "calib.txt"),
-            "--eval-prompts", str(s["root"] / "eval.txt"), "--max-new-tokens", "16", "--eval-max-new-tokens", "12",
-            "--group-size", "32", "--output", str(s["root"] / out), *extra]
+    args = [
+        "gptq",
+        str(s["drafter"]),
+        "--target",
+        str(s["target"]),
+        "--calib-prompts",
+        str(s["root"] / "calib.txt"),
+        "--eval-prompts",
+        str(s["root"] / "eval.txt"),
+        "--max-new-tokens",
+        "16",
+        "--eval-max-new-tokens",
+        "12",
+        "--group-size",
+        "32",
+        "--output",
+        str(s["root"] / out),
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     # Run where the models are, as a user would: local sources are recorded relative to the working directory.
     return subprocess.run(CLI + args, capture_output=True, text=True, env=env, timeout=timeout, cwd=s["root"])
@@ -53,8 +69,17 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     art = setup["root"] / "art"
-    for name in ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "quant_report.json",
-                 "parity.json", "memory.json", "README.md", "manifest.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "quantize_config.json",
+        "provenance.json",
+        "quant_report.json",
+        "parity.json",
+        "memory.json",
+        "README.md",
+        "manifest.json",
+    ):
         assert (art / name).is_file(), name
     assert verify_manifest(art) == []
     assert not list(setup["root"].glob(".art.tmp-*"))
@@ -70,7 +95,9 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
     assert "fc.weight" not in keys and "layers.1.mlp.down_proj.g_idx" in keys
     report = json.loads((art / "quant_report.json").read_text())
     assert 0.25 < report["quantized_bytes"] / report["original_bytes"] < 0.35  # 4-bit codes + g32 scales/zeros/g_idx
-    assert len(report["layers"]) == 15 and all(layer["hessian_rows"] > 0 and layer["rel_output_error"] < 0.5 for layer in report["layers"])
+    assert len(report["layers"]) == 15 and all(
+        layer["hessian_rows"] > 0 and layer["rel_output_error"] < 0.5 for layer in report["layers"]
+    )
     prov = json.loads((art / "provenance.json").read_text())
     assert prov["source_drafter"]["sha256"] and prov["calibration"]["num_prompts"] == 6
     assert prov["target"]["id"] == prov["target"]["path"] == "target" and prov["target"]["kind"] == "local"
@@ -95,8 +122,12 @@ def test_verify_and_inspect_accept_the_artifact(setup):
         pytest.skip("needs the default run")
     res = subprocess.run(CLI + ["inspect", str(art), "--json"], capture_output=True, text=True)
     assert res.returncode == 0 and json.loads(res.stdout)["quantization_config"]["bits"] == 4
-    res = subprocess.run(CLI + ["verify", str(art), "--prompts", str(setup["root"] / "eval.txt"), "--max-new-tokens", "6", "--json"],
-                         capture_output=True, text=True, cwd=setup["root"])
+    res = subprocess.run(
+        CLI + ["verify", str(art), "--prompts", str(setup["root"] / "eval.txt"), "--max-new-tokens", "6", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=setup["root"],
+    )
     assert res.returncode == 0, res.stderr  # the target is taken from provenance.json
     assert json.loads(res.stdout)["summary"]["lossless"] is True
 
@@ -125,7 +156,9 @@ def test_rtn_profile_vllm_and_calib_cache(setup):
     assert prov["calibration"]["cached"] is True and prov["quantization"]["bits"] == 3
     res = gptq(setup, "--method", "rtn", "--no-verify", "--no-card", out="rtn")
     assert res.returncode == 0, res.stderr
-    assert json.loads((setup["root"] / "rtn" / "quant_report.json").read_text())["layers"][0]["rel_output_error"] is None
+    assert (
+        json.loads((setup["root"] / "rtn" / "quant_report.json").read_text())["layers"][0]["rel_output_error"] is None
+    )
 
 
 def test_sequential_and_desc_act(setup):
@@ -160,8 +193,23 @@ def test_bad_arguments(setup, extra, code, message):
 
 def test_same_prompts_for_calibration_and_parity_refused(setup):
     s = setup
-    res = subprocess.run(CLI + ["gptq", str(s["drafter"]), "--target", str(s["target"]), "--calib-prompts", str(s["root"] / "calib.txt"),
-                                "--eval-prompts", str(s["root"] / "calib.txt"), "--output", str(s["root"] / "same")], capture_output=True, text=True)
+    res = subprocess.run(
+        CLI
+        + [
+            "gptq",
+            str(s["drafter"]),
+            "--target",
+            str(s["target"]),
+            "--calib-prompts",
+            str(s["root"] / "calib.txt"),
+            "--eval-prompts",
+            str(s["root"] / "calib.txt"),
+            "--output",
+            str(s["root"] / "same"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and "calibration prompts" in res.stderr
 
 
@@ -177,7 +225,9 @@ def test_damaged_inputs(setup, tmp_path):
     nokeys = tmp_path / "nokeys"
     nokeys.mkdir()
     (nokeys / "model.safetensors").write_bytes((setup["drafter"] / "model.safetensors").read_bytes())
-    (nokeys / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dflash_config", "architectures")}))
+    (nokeys / "config.json").write_text(
+        json.dumps({k: v for k, v in cfg.items() if k not in ("dflash_config", "architectures")})
+    )
     res = gptq({**setup, "drafter": nokeys}, out="nokeysout")
     assert res.returncode == 1 and "not a DFlash drafter config" in res.stderr
     other_target = save_target(tmp_path / "t2", hidden_size=32, head_dim=8)
@@ -187,9 +237,22 @@ def test_damaged_inputs(setup, tmp_path):
 
 def test_ctrl_c_leaves_no_output(setup):
     s = setup
-    args = CLI + ["gptq", str(s["drafter"]), "--target", str(s["target"]), "--calib-prompts", str(s["root"] / "calib.txt"),
-                  "--eval-prompts", str(s["root"] / "eval.txt"), "--max-new-tokens", "64", "--group-size", "32",
-                  "--output", str(s["root"] / "interrupted")]
+    args = CLI + [
+        "gptq",
+        str(s["drafter"]),
+        "--target",
+        str(s["target"]),
+        "--calib-prompts",
+        str(s["root"] / "calib.txt"),
+        "--eval-prompts",
+        str(s["root"] / "eval.txt"),
+        "--max-new-tokens",
+        "64",
+        "--group-size",
+        "32",
+        "--output",
+        str(s["root"] / "interrupted"),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not list(s["root"].glob(".interrupted.tmp-*")):

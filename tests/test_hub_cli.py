@@ -54,8 +54,16 @@ def _closed_port() -> int:
 
 def _env(home: Path, **extra: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "HUGGINGFACE_HUB_TOKEN"}
-    env.update({"HF_HOME": str(home), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-                "HF_TOKEN": FAKE_TOKEN, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
+    env.update(
+        {
+            "HF_HOME": str(home),
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_TOKEN": FAKE_TOKEN,
+            "PYTHONUNBUFFERED": "1",
+            "COLUMNS": "200",
+        }
+    )
     for k, v in extra.items():
         if v is None:
             env.pop(k, None)
@@ -87,20 +95,41 @@ def runs(tmp_path_factory):
         full = [CLI, *[a.format(art=art, hub=hub.url if hub else "") for a in args]]
         scenarios[name] = Run(full, _env(home, **env), hub, art, home)
 
-    add("regular", ["push", "{art}", "--repo-id", REPO], hub=FakeHub(FAKE_TOKEN, upload_mode="regular"),
-        HF_ENDPOINT="{hub}")
-    add("lfs", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--json", "--commit-message", "int4 drafter"],
-        hub=FakeHub(FAKE_TOKEN, upload_mode="auto"), HF_HUB_DISABLE_XET="1")
-    add("dry_run", ["push", "{art}", "--repo-id", REPO, "--dry-run", "--endpoint", f"http://127.0.0.1:{_closed_port()}"],
-        HF_TOKEN=None)
+    add(
+        "regular",
+        ["push", "{art}", "--repo-id", REPO],
+        hub=FakeHub(FAKE_TOKEN, upload_mode="regular"),
+        HF_ENDPOINT="{hub}",
+    )
+    add(
+        "lfs",
+        ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--json", "--commit-message", "int4 drafter"],
+        hub=FakeHub(FAKE_TOKEN, upload_mode="auto"),
+        HF_HUB_DISABLE_XET="1",
+    )
+    add(
+        "dry_run",
+        ["push", "{art}", "--repo-id", REPO, "--dry-run", "--endpoint", f"http://127.0.0.1:{_closed_port()}"],
+        HF_TOKEN=None,
+    )
     mismatch = artifact("art-mismatch-src")
     (mismatch / "parity.json").write_text((mismatch / "parity.json").read_text().replace("4.2137", "4.9"))
-    add("mismatch", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], art=mismatch,
-        hub=FakeHub(FAKE_TOKEN, upload_mode="regular"))
+    add(
+        "mismatch",
+        ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"],
+        art=mismatch,
+        hub=FakeHub(FAKE_TOKEN, upload_mode="regular"),
+    )
     forced = artifact("art-forced-src", parity_passed=False)
-    add("forced", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--force"], art=forced,
-        hub=FakeHub(FAKE_TOKEN, upload_mode="regular"))
-    add("e401", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=FakeHub("hf_someOtherValidToken000000"))
+    add(
+        "forced",
+        ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--force"],
+        art=forced,
+        hub=FakeHub(FAKE_TOKEN, upload_mode="regular"),
+    )
+    add(
+        "e401", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=FakeHub("hf_someOtherValidToken000000")
+    )
     h409 = FakeHub(FAKE_TOKEN, upload_mode="regular")
     h409.fail("POST", r"/commit/", 409, times=-1, body={"error": "A commit has happened since"})
     add("e409", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=h409)
@@ -108,8 +137,7 @@ def runs(tmp_path_factory):
     h500.fail("POST", r"/commit/", 500, times=1)
     add("e500_then_ok", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=h500)
     add("refused", ["push", "{art}", "--repo-id", REPO, "--endpoint", f"http://127.0.0.1:{_closed_port()}"])
-    add("no_token", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=FakeHub(FAKE_TOKEN),
-        HF_TOKEN=None)
+    add("no_token", ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}"], hub=FakeHub(FAKE_TOKEN), HF_TOKEN=None)
     add("usage_pr_revision", ["push", "{art}", "--repo-id", REPO, "--revision", "dev", "--create-pr", "--dry-run"])
     card_art = artifact("art-card-src", card=False)
     add("card", ["card", "{art}", "--json", "--repo-id", REPO], art=card_art)
@@ -131,9 +159,16 @@ def runs(tmp_path_factory):
     absolute = artifact("art-abs-src")
     listed(absolute, str(outside), outside.read_bytes())
     for name, art in (("push_symlink", sym), ("push_dotdot", dotdot), ("push_abs", absolute)):
-        add(name, ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--force"], art=art,
-            hub=FakeHub(FAKE_TOKEN, upload_mode="regular"))
-    for name, cmd in (("card_tampered", ["card", "{art}"]), ("memory_tampered", ["memory", "{art}", "--device", "none"])):
+        add(
+            name,
+            ["push", "{art}", "--repo-id", REPO, "--endpoint", "{hub}", "--force"],
+            art=art,
+            hub=FakeHub(FAKE_TOKEN, upload_mode="regular"),
+        )
+    for name, cmd in (
+        ("card_tampered", ["card", "{art}"]),
+        ("memory_tampered", ["memory", "{art}", "--device", "none"]),
+    ):
         art = artifact(f"art-{name}-src")
         data = bytearray((art / "model.safetensors").read_bytes())
         data[-100] ^= 1
@@ -221,12 +256,15 @@ def test_dry_run_makes_no_network_call(runs):
     assert "nothing is sent" in run.stderr
 
 
-@pytest.mark.parametrize("name,expect", [
-    ("mismatch", "parity.json does not match its sha256"),
-    ("push_symlink", "notes.txt is a symlink"),
-    ("push_dotdot", "'..' part"),
-    ("push_abs", "is an absolute path"),
-])
+@pytest.mark.parametrize(
+    "name,expect",
+    [
+        ("mismatch", "parity.json does not match its sha256"),
+        ("push_symlink", "notes.txt is a symlink"),
+        ("push_dotdot", "'..' part"),
+        ("push_abs", "is an absolute path"),
+    ],
+)
 def test_refusals(runs, name, expect):
     run = runs[name]
     assert run.rc == 1
@@ -237,11 +275,14 @@ def test_refusals(runs, name, expect):
     assert "private notes" not in repr(run.hub.state.requests)
 
 
-@pytest.mark.parametrize("name,expect", [
-    ("card_tampered", "card: artifact"),
-    ("memory_tampered", "memory: artifact"),
-    ("card_bad_provenance", "provenance.json field 'source_drafter' must be an object"),
-])
+@pytest.mark.parametrize(
+    "name,expect",
+    [
+        ("card_tampered", "card: artifact"),
+        ("memory_tampered", "memory: artifact"),
+        ("card_bad_provenance", "provenance.json field 'source_drafter' must be an object"),
+    ],
+)
 def test_later_stages_refuse_a_damaged_artifact(runs, name, expect):
     run = runs[name]
     assert run.rc == 1, run.stderr
@@ -260,12 +301,15 @@ def test_force_pushes_with_warning(runs):
     _assert_all_arrived(run)
 
 
-@pytest.mark.parametrize("name,expect", [
-    ("e401", "set HF_TOKEN to a valid write token or run `hf auth login`"),
-    ("e409", "conflict"),
-    ("refused", "cannot connect to"),
-    ("no_token", "no Hugging Face token found"),
-])
+@pytest.mark.parametrize(
+    "name,expect",
+    [
+        ("e401", "set HF_TOKEN to a valid write token or run `hf auth login`"),
+        ("e409", "conflict"),
+        ("refused", "cannot connect to"),
+        ("no_token", "no Hugging Face token found"),
+    ],
+)
 def test_errors_are_one_line(runs, name, expect):
     run = runs[name]
     assert run.rc == 1, run.stderr

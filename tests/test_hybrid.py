@@ -70,7 +70,11 @@ class _Scripted(torch.nn.Module):
     def __init__(self, drafter, ref, prompt_len, wrong_at):
         super().__init__()
         self.config, self.ref, self.n, self.wrong_at = drafter.config, ref, prompt_len, wrong_at
-        self.block_size, self.mask_token_id, self.target_layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
+        self.block_size, self.mask_token_id, self.target_layer_ids = (
+            drafter.block_size,
+            drafter.mask_token_id,
+            drafter.target_layer_ids,
+        )
         self.vocab = 123
 
     def forward(self, noise, ctx, positions, cache=None):
@@ -106,7 +110,10 @@ def test_crop_only_rollback_is_caught(drafter, targets, family, monkeypatch):
     """The bug this module fixes: without restoring the state, greedy output drifts from the target's."""
     target = targets[family]
     monkeypatch.setattr(target_cache.TargetCache, "commit", _crop_only)
-    diverged = sum(speculative_generate(drafter, target, _prompt(s), 24).tokens != target_generate(target, _prompt(s), 24).tokens for s in range(3))
+    diverged = sum(
+        speculative_generate(drafter, target, _prompt(s), 24).tokens != target_generate(target, _prompt(s), 24).tokens
+        for s in range(3)
+    )
     assert diverged >= 2
 
 
@@ -146,7 +153,9 @@ def test_stop_token_mid_block(drafter, targets, family):
     want = target_generate(target, ids, 60, stop_token_ids=stop).tokens
     assert want == ref[: j + 1]
     for wrong_at in (WRONG_AT.__getitem__, lambda a: 3):
-        spec = speculative_generate(_Scripted(drafter, ref, ids.shape[1], wrong_at), target, ids, 60, stop_token_ids=stop)
+        spec = speculative_generate(
+            _Scripted(drafter, ref, ids.shape[1], wrong_at), target, ids, 60, stop_token_ids=stop
+        )
         assert spec.tokens == want
     assert speculative_generate(drafter, target, ids, 60, stop_token_ids=stop).tokens == want
 
@@ -174,7 +183,9 @@ def test_calibration_capture_runs_on_a_hybrid_target(drafter, targets):
     for p in prompts:
         spec = speculative_generate(drafter, target, torch.tensor([p]), 16)
         lengths += spec.acceptance_lengths
-        ctx_rows += len(p) + sum(spec.acceptance_lengths[:-1])  # prompt taps + committed rows of every step but the last
+        ctx_rows += len(p) + sum(
+            spec.acceptance_lengths[:-1]
+        )  # prompt taps + committed rows of every step but the last
         block_rows += sum(d + 1 for d in spec.drafted)
     assert stats.steps == len(lengths) and stats.mean_tau == pytest.approx(sum(lengths) / len(lengths))
     assert stats.hessians["fc"].rows == ctx_rows
@@ -202,7 +213,16 @@ def test_unknown_cache_layer_is_refused_in_one_line(drafter, targets, monkeypatc
 def _verify_args(tiny_pair, hybrid_dirs, tmp_path):
     prompts = tmp_path / "two_prompts.txt"
     prompts.write_text("w1 w2 w3 w4 w5\nw9 w8 w7 w6\n")
-    return ["verify", str(tiny_pair[0]), "--target", str(hybrid_dirs["qwen3_5"]), "--prompts", str(prompts), "--max-new-tokens", "32"]
+    return [
+        "verify",
+        str(tiny_pair[0]),
+        "--target",
+        str(hybrid_dirs["qwen3_5"]),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "32",
+    ]
 
 
 def _check_summary(s):
@@ -229,7 +249,13 @@ def test_verify_cli_on_a_hybrid_target(tiny_pair, hybrid_dirs, tmp_path):
 @pytest.mark.slow
 def test_verify_subprocess_on_a_hybrid_target(tiny_pair, hybrid_dirs, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run(CLI + _verify_args(tiny_pair, hybrid_dirs, tmp_path) + ["--json"], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run(
+        CLI + _verify_args(tiny_pair, hybrid_dirs, tmp_path) + ["--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     _check_summary(json.loads(res.stdout)["summary"])
 
@@ -267,7 +293,9 @@ def test_rejection_sampling_on_a_hybrid_target_is_exact_in_distribution():
     """
     vocab, k = 3, 3
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(hybrid_target_config(vocab_size=vocab, initializer_range=0.2, eos_token_id=None)).eval()
+    target = AutoModelForCausalLM.from_config(
+        hybrid_target_config(vocab_size=vocab, initializer_range=0.2, eos_token_id=None)
+    ).eval()
     prompt = torch.tensor([[1, 0, 1, 1, 0]])
     exact = torch.zeros([vocab] * k)
     with torch.no_grad():
@@ -306,7 +334,12 @@ def test_sliding_window_target_stays_lossless(drafter):
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = target_config(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=5, use_sliding_window=True, initializer_range=0.1)
+    cfg = target_config(
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=5,
+        use_sliding_window=True,
+        initializer_range=0.1,
+    )
     target = Qwen3ForCausalLM(cfg).eval()
     ids = _prompt(15)
     ref = target_generate(target, ids, 30).tokens

@@ -72,11 +72,20 @@ def _add_entry(art, name, content):
 # --------------------------------------------------------------------------- manifest rules
 
 
-@pytest.mark.parametrize("name,why", [
-    ("../outside.txt", "'..' part"), ("sub/../../x", "'..' part"), ("/etc/passwd", "absolute"),
-    ("C:/x", "absolute"), ("a\\b", "backslash"), ("a//b", "empty"), ("./a", "'.'"), ("", "not a file name"),
-    ("manifest.json", "manifest itself"),
-])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("../outside.txt", "'..' part"),
+        ("sub/../../x", "'..' part"),
+        ("/etc/passwd", "absolute"),
+        ("C:/x", "absolute"),
+        ("a\\b", "backslash"),
+        ("a//b", "empty"),
+        ("./a", "'.'"),
+        ("", "not a file name"),
+        ("manifest.json", "manifest itself"),
+    ],
+)
 def test_bad_entry_names(name, why):
     assert why in name_problem(name)
 
@@ -91,18 +100,21 @@ def test_clean_artifact_verifies(art):
     assert {f.name for f in verified} == set(_manifest(art))
 
 
-@pytest.mark.parametrize("case,expect", [
-    ("dotdot", "'..' part"),
-    ("absolute", "absolute path"),
-    ("unlisted", "extra.txt is not in the manifest"),
-    ("symlink_listed", "quant_report.json is a symlink"),
-    ("symlink_dir", "linked is a symlink"),
-    ("directory_entry", "sub is not a regular file"),
-    ("bad_sha", "no valid sha256"),
-    ("manifest_not_json", "manifest.json is not valid JSON"),
-    ("manifest_symlink", "manifest.json is not a regular file"),
-    ("fifo", "pipe is not a regular file"),
-])
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("dotdot", "'..' part"),
+        ("absolute", "absolute path"),
+        ("unlisted", "extra.txt is not in the manifest"),
+        ("symlink_listed", "quant_report.json is a symlink"),
+        ("symlink_dir", "linked is a symlink"),
+        ("directory_entry", "sub is not a regular file"),
+        ("bad_sha", "no valid sha256"),
+        ("manifest_not_json", "manifest.json is not valid JSON"),
+        ("manifest_symlink", "manifest.json is not a regular file"),
+        ("fifo", "pipe is not a regular file"),
+    ],
+)
 def test_hostile_trees_are_problems(art, tmp_path, case, expect):
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"secret outside the artifact\n")
@@ -196,7 +208,8 @@ def test_memory_updates_only_its_own_entry(art):
     after = _manifest(art)
     assert after["memory.json"] != before["memory.json"]
     assert {k: v for k, v in after.items() if k != "memory.json"} == {
-        k: v for k, v in before.items() if k != "memory.json"}
+        k: v for k, v in before.items() if k != "memory.json"
+    }
     assert verify_manifest(art) == []
 
 

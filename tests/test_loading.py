@@ -24,7 +24,9 @@ def test_save_pretrained_layout_reloads(tmp_path):
     cfg = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["block_size"] == 4
     again = load_drafter(tmp_path / "saved")
-    assert all(torch.equal(a, b) for a, b in zip(d.model.state_dict().values(), again.model.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(d.model.state_dict().values(), again.model.state_dict().values(), strict=True)
+    )
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path):
@@ -46,7 +48,9 @@ def test_missing_weights_and_nan(tmp_path):
     path = save_drafter(tmp_path / "d")
     tensors = load_drafter(path).model.state_dict()
     tensors.pop("fc.weight")
-    save_file({k: v.contiguous() for k, v in tensors.items() if k != "rotary_emb.inv_freq"}, str(path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items() if k != "rotary_emb.inv_freq"}, str(path / "model.safetensors")
+    )
     with pytest.raises(DFlashQuantError, match="missing.*fc.weight"):
         load_drafter(path)
     tensors = dict(load_drafter(save_drafter(tmp_path / "e")).model.state_dict())
@@ -100,7 +104,7 @@ def _shard(path, tmp_path, shard_name):
     tensors = load_file(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
     keys = sorted(tensors)
-    first, second = keys[: len(keys) // 2], keys[len(keys) // 2:]
+    first, second = keys[: len(keys) // 2], keys[len(keys) // 2 :]
     save_file({k: tensors[k] for k in first}, str(path / "part-1.safetensors"))
     target = (path / shard_name) if not shard_name.startswith("/") else __import__("pathlib").Path(shard_name)
     target.parent.mkdir(parents=True, exist_ok=True)

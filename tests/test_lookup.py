@@ -59,8 +59,12 @@ def test_continuation_follows_the_most_recent_longest_match_and_repeats_periods(
 
 
 def test_settings_are_checked():
-    for bad in (LookupSettings(mode="nope"), LookupSettings(min_ngram=3, max_ngram=2), LookupSettings(min_ngram=0),
-                LookupSettings(max_tokens=0)):
+    for bad in (
+        LookupSettings(mode="nope"),
+        LookupSettings(min_ngram=3, max_ngram=2),
+        LookupSettings(min_ngram=0),
+        LookupSettings(max_tokens=0),
+    ):
         with pytest.raises(UsageError):
             bad.check()
 
@@ -88,7 +92,10 @@ def test_lookup_raises_tau_where_the_target_repeats_itself(pair):
     """The tiny target's greedy output falls into loops: lookup tokens get accepted and tau rises."""
     drafter, target = pair
     plain = [speculative_generate(drafter, target, _repeating_prompt(s), 40) for s in range(3)]
-    looked = [speculative_generate(drafter, target, _repeating_prompt(s), 40, lookup=LookupSettings("prefer", 1, 3)) for s in range(3)]
+    looked = [
+        speculative_generate(drafter, target, _repeating_prompt(s), 40, lookup=LookupSettings("prefer", 1, 3))
+        for s in range(3)
+    ]
     _, by_lookup, steps = _split_acceptance(looked)
     assert steps > 0 and by_lookup[0] > 0.3
     assert sum(r.tau for r in looked) > 1.3 * sum(r.tau for r in plain)
@@ -180,8 +187,18 @@ def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
     drafter, target = pair
     ids = _repeating_prompt(2)
     for mode in MODES:
-        run = [speculative_generate(drafter, target, ids, 30, temperature=0.8, generator=torch.Generator().manual_seed(3),
-                                    lookup=LookupSettings(mode, 1, 3)) for _ in range(2)]
+        run = [
+            speculative_generate(
+                drafter,
+                target,
+                ids,
+                30,
+                temperature=0.8,
+                generator=torch.Generator().manual_seed(3),
+                lookup=LookupSettings(mode, 1, 3),
+            )
+            for _ in range(2)
+        ]
         assert run[0].tokens == run[1].tokens and len(run[0].tokens) == 30
         assert sum(run[0].acceptance_lengths) == 29
 
@@ -189,19 +206,36 @@ def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
 def test_split_acceptance_and_lookup_summary():
     # step 1: 3 drafter drafts, 2 accepted; step 2: 3 lookup tokens, all accepted; step 3 (extend): 3 drafter + 2
     # lookup, 4 accepted; step 4: the last token, nothing drafted
-    r = SpecResult(tokens=list(range(14)), acceptance_lengths=[3, 4, 5, 1], accepted=[2, 3, 4, 0], drafted=[3, 3, 5, 0],
-                   drafter_drafts=[3, 0, 3, 0], seconds=1.0, lookup_seconds=0.01)
+    r = SpecResult(
+        tokens=list(range(14)),
+        acceptance_lengths=[3, 4, 5, 1],
+        accepted=[2, 3, 4, 0],
+        drafted=[3, 3, 5, 0],
+        drafter_drafts=[3, 0, 3, 0],
+        seconds=1.0,
+        lookup_seconds=0.01,
+    )
     drafter_pos, lookup_pos, steps = _split_acceptance([r])
     assert drafter_pos == [1.0, 1.0, 0.5] and lookup_pos == [1.0, 0.5, 1.0] and steps == 2
-    plain = SpecResult(tokens=list(range(14)), acceptance_lengths=[2] * 6 + [1], accepted=[1] * 6 + [0],
-                       drafted=[3] * 6 + [0], drafter_drafts=[3] * 6 + [0], seconds=1.0)
+    plain = SpecResult(
+        tokens=list(range(14)),
+        acceptance_lengths=[2] * 6 + [1],
+        accepted=[1] * 6 + [0],
+        drafted=[3] * 6 + [0],
+        drafter_drafts=[3] * 6 + [0],
+        seconds=1.0,
+    )
     settings = CheckSettings(14, 0.0, 4, lookup=LookupSettings("extend", 2, 4))
     s_plain = summarize("d", [plain], None, settings, 4)
     rec = lookup_summary(s_plain, [plain], [r], None, settings, 4, ["code"])
-    assert rec["tau"] == 3.25 and rec["tau_without"] == round(13 / 7, 4) and rec["tau_ratio"] == round(3.25 / (13 / 7), 4)
+    assert (
+        rec["tau"] == 3.25 and rec["tau_without"] == round(13 / 7, 4) and rec["tau_ratio"] == round(3.25 / (13 / 7), 4)
+    )
     assert rec["lookup_steps"] == 2 and rec["lookup_step_share"] == 0.5
     assert rec["by_category"]["code"]["tau"] == 3.25 and rec["by_category"]["code"]["lookup_step_share"] == 0.5
-    assert len(summarize("d", [r], None, settings, 4)["per_position_acceptance"]) == 5  # `extend` verifies past the block
+    assert (
+        len(summarize("d", [r], None, settings, 4)["per_position_acceptance"]) == 5
+    )  # `extend` verifies past the block
 
 
 def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
@@ -212,11 +246,31 @@ def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
 
     drafter, target = tiny_pair
     prompts = tmp_path / "p.jsonl"
-    rows = [{"prompt": "w1 w2 w3 w4 w1 w2 w3 w4", "category": "reproduce"}, {"prompt": "w9 w8 w7", "category": "chat"},
-            {"prompt": "w5 w6 w5 w6 w5", "category": "reproduce"}]
+    rows = [
+        {"prompt": "w1 w2 w3 w4 w1 w2 w3 w4", "category": "reproduce"},
+        {"prompt": "w9 w8 w7", "category": "chat"},
+        {"prompt": "w5 w6 w5 w6 w5", "category": "reproduce"},
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "verify", str(drafter), "--target", str(target), "--prompts",
-           str(prompts), "--max-new-tokens", "24", "--lookup", "--lookup-mode", "extend", "--lookup-min-ngram", "1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_quant.cli.app",
+        "verify",
+        str(drafter),
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "24",
+        "--lookup",
+        "--lookup-mode",
+        "extend",
+        "--lookup-min-ngram",
+        "1",
+        "--json",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert res.returncode == 0, res.stderr
     s = json.loads(res.stdout)["summary"]
@@ -233,7 +287,9 @@ def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
     check = Check.from_dict(s)  # the report contract reads it back with its typed fields
     assert check.lookup.tau == lk["tau"] and check.by_category["chat"].tau == s["by_category"]["chat"]["tau"]
     bad = subprocess.run(cmd[:-5] + ["--lookup-mode", "nope"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "unknown lookup mode 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert (
+        bad.returncode == 2 and "unknown lookup mode 'nope'" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
@@ -242,9 +298,17 @@ def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
     from dflash_quant.pipeline import GptqJob, run_gptq
 
     out = tmp_path / "int4"
-    job = GptqJob(output=out, calib_num_prompts=4, calib_max_new_tokens=16, eval_prompts="builtin:heldout",
-                  eval_num_prompts=2, eval_max_new_tokens=24, device="cpu", write_card=False,
-                  lookup=LookupSettings("prefer", 2, 4))
+    job = GptqJob(
+        output=out,
+        calib_num_prompts=4,
+        calib_max_new_tokens=16,
+        eval_prompts="builtin:heldout",
+        eval_num_prompts=2,
+        eval_max_new_tokens=24,
+        device="cpu",
+        write_card=False,
+        lookup=LookupSettings("prefer", 2, 4),
+    )
     result = run_gptq(job)
     par = Parity.read(out)
     for check in (par.baseline, par.quantized):

@@ -135,9 +135,24 @@ def test_memory_bad_directory(tmp_path):
 def test_budget_subprocess():
     exe = Path(sys.executable).parent / "dflash-quant"
     proc = subprocess.run(
-        [str(exe), "budget", "--target", "qwen3-8b", "--drafter", "qwen3-8b-dflash-b16", "--gpu", "rtx3090",
-         "--context", "16384", "--target-weights", "int4", "--json"],  # fmt: skip
-        capture_output=True, text=True, timeout=120,
+        [
+            str(exe),
+            "budget",
+            "--target",
+            "qwen3-8b",
+            "--drafter",
+            "qwen3-8b-dflash-b16",
+            "--gpu",
+            "rtx3090",
+            "--context",
+            "16384",
+            "--target-weights",
+            "int4",
+            "--json",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)

@@ -118,8 +118,13 @@ def test_config_without_mtp_head_is_refused():
     with pytest.raises(UsageError, match="vLLM only"):
         _compare(engine="reference")
     with pytest.raises(UsageError, match="multiple"):
-        compare_mtp(resolve_target("qwen3.5-27b", "int4"), resolve_drafter("qwen3.6-27b-dflash"), _settings(),
-                    mtp_tokens=(3,), mtp_weights=None) if False else _mtp_two_layers_k3()
+        compare_mtp(
+            resolve_target("qwen3.5-27b", "int4"),
+            resolve_drafter("qwen3.6-27b-dflash"),
+            _settings(),
+            mtp_tokens=(3,),
+            mtp_weights=None,
+        ) if False else _mtp_two_layers_k3()
 
 
 def _mtp_two_layers_k3():
@@ -180,8 +185,26 @@ def test_cli_compare_mtp_with_tiny_checkpoint(tiny_mtp_target, tmp_path):
 
     path, mtp = tiny_mtp_target
     drafter = save_drafter(tmp_path / "drafter")
-    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "budget", "--target", str(path), "--drafter", str(drafter),
-           "--gpu", "1GiB", "--context", "256", "--runtime-overhead", "0", "--cuda-graphs", "0", "--compare-mtp", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_quant.cli.app",
+        "budget",
+        "--target",
+        str(path),
+        "--drafter",
+        str(drafter),
+        "--gpu",
+        "1GiB",
+        "--context",
+        "256",
+        "--runtime-overhead",
+        "0",
+        "--cuda-graphs",
+        "0",
+        "--compare-mtp",
+        "--json",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)["compare_mtp"]
@@ -212,8 +235,17 @@ def test_cli_compare_mtp_table_and_json_for_presets():
 
 
 def test_cli_no_mtp_head_is_a_one_line_error(tmp_path):
-    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "budget", "--target", "qwen3-8b", "--drafter",
-           "qwen3-8b-dflash-b16", "--compare-mtp"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_quant.cli.app",
+        "budget",
+        "--target",
+        "qwen3-8b",
+        "--drafter",
+        "qwen3-8b-dflash-b16",
+        "--compare-mtp",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode != 0 and "no MTP head" in res.stderr
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1

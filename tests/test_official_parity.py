@@ -139,8 +139,13 @@ def test_greedy_generate_with_stop_token(drafter, target, golden):
     stop = golden["stop"]
     prompt = golden["prompts"][stop["prompt_index"]]
     r = _check_generate(
-        d, target, prompt, golden["max_new_tokens"], stop["stop_token_ids"],
-        golden["drafters"][name]["generate_stop"], f"{name} stop run",
+        d,
+        target,
+        prompt,
+        golden["max_new_tokens"],
+        stop["stop_token_ids"],
+        golden["drafters"][name]["generate_stop"],
+        f"{name} stop run",
     )
     assert r.tokens == golden["target_greedy_stop"]
     assert r.tokens[-1] in stop["stop_token_ids"]
@@ -195,7 +200,11 @@ DFLASH2 = TINY / "dflash2"
 @pytest.fixture(scope="module")
 def dflash2():
     golden = json.loads((DFLASH2 / "golden.json").read_text())
-    return load_drafter(DFLASH2 / "drafter", device="cpu", dtype=torch.float32), golden, load_file(str(DFLASH2 / "golden.safetensors"))
+    return (
+        load_drafter(DFLASH2 / "drafter", device="cpu", dtype=torch.float32),
+        golden,
+        load_file(str(DFLASH2 / "golden.safetensors")),
+    )
 
 
 def test_dflash2_release_layout_loads(dflash2):
@@ -204,9 +213,16 @@ def test_dflash2_release_layout_loads(dflash2):
 
     with safe_open(str(DFLASH2 / "drafter" / "model.safetensors"), framework="pt") as fh:
         keys = set(fh.keys())
-    assert "candidate_selector.predecessor_codebook" in keys and "candidate_selector.successor_codebook.weight" not in keys
+    assert (
+        "candidate_selector.predecessor_codebook" in keys and "candidate_selector.successor_codebook.weight" not in keys
+    )
     cfg = d.config
-    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (3, 16, 16, 8)
+    assert cfg.is_dflash2 and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (
+        3,
+        16,
+        16,
+        8,
+    )
     assert all(cfg.attention_kind(i) == (False, 6) for i in range(cfg.num_hidden_layers))
     assert d.model.block_size == golden["drafter"]["block_size"] == 8
     assert list(d.model.target_layer_ids) == golden["drafter"]["target_layer_ids"]
@@ -243,7 +259,12 @@ def test_dflash2_greedy_generate_matches_official(dflash2, target):
     assert max(max(r["acceptance_lengths"]) for r in g["generate"]) == g["block_size"]  # full blocks accepted
     stop = golden["stop"]
     r = _check_generate(
-        d, target, golden["prompts"][stop["prompt_index"]], golden["max_new_tokens"], stop["stop_token_ids"],
-        g["generate_stop"], "dflash2 stop run",
+        d,
+        target,
+        golden["prompts"][stop["prompt_index"]],
+        golden["max_new_tokens"],
+        stop["stop_token_ids"],
+        g["generate_stop"],
+        "dflash2 stop run",
     )
     assert r.tokens == golden["target_greedy_stop"] and r.tokens[-1] in stop["stop_token_ids"]

@@ -42,15 +42,36 @@ def snapshot(root: Path) -> dict:
 
 
 def cmd(pair, output, *extra):
-    return CLI + ["gptq", str(pair / "drafter"), "--target", str(pair / "target"), "--calib-prompts", str(pair / "calib.txt"),
-                  "--eval-prompts", str(pair / "eval.txt"), "--max-new-tokens", "4", "--eval-max-new-tokens", "4",
-                  "--eval-num-prompts", "1", "--group-size", "32", "--no-card", "--output", str(output), *extra]
+    return CLI + [
+        "gptq",
+        str(pair / "drafter"),
+        "--target",
+        str(pair / "target"),
+        "--calib-prompts",
+        str(pair / "calib.txt"),
+        "--eval-prompts",
+        str(pair / "eval.txt"),
+        "--max-new-tokens",
+        "4",
+        "--eval-max-new-tokens",
+        "4",
+        "--eval-num-prompts",
+        "1",
+        "--group-size",
+        "32",
+        "--no-card",
+        "--output",
+        str(output),
+        *extra,
+    ]
 
 
 def gptq(pair, output, *extra, cwd=None, umask=None, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     pre = (lambda: os.umask(umask)) if umask is not None else None
-    return subprocess.run(cmd(pair, output, *extra), capture_output=True, text=True, env=env, cwd=cwd, preexec_fn=pre, timeout=timeout)
+    return subprocess.run(
+        cmd(pair, output, *extra), capture_output=True, text=True, env=env, cwd=cwd, preexec_fn=pre, timeout=timeout
+    )
 
 
 def one_error(res, code: int, *words: str) -> str:
@@ -75,9 +96,15 @@ def dead_pid() -> int:
 
 # --- refusals before any compute (fast: the CLI checks before importing torch) ---------------------------
 
+
 @pytest.mark.parametrize(
     "out, how",
-    [(".", "contains the input"), ("drafter", "is the input"), ("drafter/q", "lies inside the input"), ("target/../drafter/", "is the input")],
+    [
+        (".", "contains the input"),
+        ("drafter", "is the input"),
+        ("drafter/q", "lies inside the input"),
+        ("target/../drafter/", "is the input"),
+    ],
 )
 def test_output_overlapping_an_input_is_refused_even_with_overwrite(pair, out, how):
     before = snapshot(pair)
@@ -124,7 +151,9 @@ def test_unwritable_output_and_file_calib_cache_fail_before_compute(pair, tmp_pa
     one_error(gptq(pair, "/proc/dflash-quant-test/out"), 2, "/proc/dflash-quant-test", "writable --output")
     one_error(gptq(pair, "/proc/dflash-quant-test"), 2, "writable --output")
     (tmp_path / "cache").write_text("not a dir")
-    one_error(gptq(pair, tmp_path / "art", "--calib-cache", str(tmp_path / "cache")), 2, "--calib-cache", "not a directory")
+    one_error(
+        gptq(pair, tmp_path / "art", "--calib-cache", str(tmp_path / "cache")), 2, "--calib-cache", "not a directory"
+    )
     assert time.perf_counter() - t < 30  # refused before torch is imported, let alone calibration (about 0.6 s each)
     assert not (tmp_path / "art").exists() and leftovers(tmp_path, "art") == []
 
@@ -151,6 +180,7 @@ def test_sighup_while_loading_removes_the_lock(pair, tmp_path):
 
 
 # --- the building blocks -----------------------------------------------------------------------------------
+
 
 def test_rename_noreplace_never_replaces_an_empty_directory(tmp_path):
     (tmp_path / "src").mkdir()
@@ -216,12 +246,21 @@ def test_files_follow_the_umask(tmp_path):
     def mode(p):
         return p.stat().st_mode & 0o777
 
-    assert (mode(tmp_path / "art"), mode(tmp_path / "art" / "sub"), mode(tmp_path / "art" / "weights")) == (0o750, 0o750, 0o640)
+    assert (mode(tmp_path / "art"), mode(tmp_path / "art" / "sub"), mode(tmp_path / "art" / "weights")) == (
+        0o750,
+        0o750,
+        0o640,
+    )
 
 
 def test_stale_temp_dirs_of_dead_runs_are_cleaned_and_an_interrupted_swap_restored(tmp_path):
     dead = dead_pid()
-    for name in (f".art.tmp-{dead}-abc", f".art.tmp-{os.getpid()}-live", f".other.tmp-{dead}-abc", f".art.tmp-{dead}-x.tmp-1-y"):
+    for name in (
+        f".art.tmp-{dead}-abc",
+        f".art.tmp-{os.getpid()}-live",
+        f".other.tmp-{dead}-abc",
+        f".art.tmp-{dead}-x.tmp-1-y",
+    ):
         (tmp_path / name).mkdir()
     old = tmp_path / f".art.old-{dead}-zz" / "artifact"
     old.mkdir(parents=True)
@@ -230,7 +269,9 @@ def test_stale_temp_dirs_of_dead_runs_are_cleaned_and_an_interrupted_swap_restor
     with atomic.guard_output(tmp_path / "art", overwrite=True) as final:
         assert (final / "model.safetensors").read_text() == "weights"  # the old artifact is back in place
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(["art", f".art.tmp-{os.getpid()}-live", f".other.tmp-{dead}-abc", f".art.tmp-{dead}-x.tmp-1-y"])
+    assert names == sorted(
+        ["art", f".art.tmp-{os.getpid()}-live", f".other.tmp-{dead}-abc", f".art.tmp-{dead}-x.tmp-1-y"]
+    )
 
 
 def test_lock_of_a_killed_run_is_reclaimed(tmp_path):
@@ -249,6 +290,7 @@ def test_lock_of_a_killed_run_is_reclaimed(tmp_path):
 
 
 # --- whole runs -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_fresh_run_then_overwrite_follow_the_umask_and_clean_stale_dirs(pair, tmp_path):
@@ -281,9 +323,19 @@ def test_output_dot_fills_the_empty_working_directory(pair, tmp_path):
 @pytest.mark.slow
 def test_concurrent_runs_to_one_output_exactly_one_wins(pair, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen(cmd(pair, tmp_path / "art", "--no-verify"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    results = [subprocess.CompletedProcess(p.args, p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    procs = [
+        subprocess.Popen(
+            cmd(pair, tmp_path / "art", "--no-verify"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    results = [
+        subprocess.CompletedProcess(p.args, p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs
+    ]
     codes = sorted(r.returncode for r in results)
     assert codes == [0, 2], [r.stderr for r in results]
     loser = next(r for r in results if r.returncode)
@@ -293,7 +345,12 @@ def test_concurrent_runs_to_one_output_exactly_one_wins(pair, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_during_export_leaves_nothing(pair, tmp_path):
-    proc = subprocess.Popen(cmd(pair, tmp_path / "art", "--eval-max-new-tokens", "48"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd(pair, tmp_path / "art", "--eval-max-new-tokens", "48"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while proc.poll() is None and not list(tmp_path.glob(".art.tmp-*")) and time.time() < deadline:
         time.sleep(0.01)

@@ -28,13 +28,20 @@ from dflash_quant.verify import CheckSettings, divergences, near_tie_margin, sum
 
 
 def _spec(tokens):
-    return SpecResult(tokens=tokens, acceptance_lengths=[1] * len(tokens), accepted=[0] * len(tokens),
-                      drafted=[3] * len(tokens))
+    return SpecResult(
+        tokens=tokens, acceptance_lengths=[1] * len(tokens), accepted=[0] * len(tokens), drafted=[3] * len(tokens)
+    )
 
 
 def _base(tokens, margins, dtype="bfloat16", top1=20.0):
-    return GreedyResult(tokens=tokens, seconds=1.0, target_forwards=len(tokens), top1_logits=[top1] * len(tokens),
-                        margins=margins, logits_dtype=dtype)
+    return GreedyResult(
+        tokens=tokens,
+        seconds=1.0,
+        target_forwards=len(tokens),
+        top1_logits=[top1] * len(tokens),
+        margins=margins,
+        logits_dtype=dtype,
+    )
 
 
 def test_near_tie_margin_is_ulps_of_the_top1_logit():

@@ -163,12 +163,15 @@ def test_500_then_success_on_preupload(artifact):
         assert [r.status for r in hub.requests("POST", "/preupload/")] == [503, 200]
 
 
-@pytest.mark.parametrize("status,pattern,expect", [
-    (401, None, "set HF_TOKEN"),
-    (403, r"^/api/repos/create$", "no write access to 'dflash-org'"),
-    (409, r"/commit/", "conflict"),
-    (404, r"/preupload/", "not found"),
-])
+@pytest.mark.parametrize(
+    "status,pattern,expect",
+    [
+        (401, None, "set HF_TOKEN"),
+        (403, r"^/api/repos/create$", "no write access to 'dflash-org'"),
+        (409, r"/commit/", "conflict"),
+        (404, r"/preupload/", "not found"),
+    ],
+)
 def test_http_errors(artifact, status, pattern, expect):
     token = FAKE_TOKEN if status != 401 else FAKE_TOKEN + "x"  # 401: the server expects another token
     with FakeHub(token, upload_mode="regular") as hub:

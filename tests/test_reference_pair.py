@@ -240,10 +240,30 @@ def test_dflash2_training_smoke(tmp_path):
 
     out = tmp_path / "pair2"
     cmd = [
-        sys.executable, "-m", "dflash_quant.reference.train", "--pair", "dflash2", "--smoke", "--device", "cpu",
-        "--threads", "2", "--out", str(out), "--set", "max_docs=30", "target_steps=12", "target_eval_every=6",
-        "target_batch=4", "gen_sequences=8", "gen_batch=8", "gen_new=24", "draft_steps=12", "draft_batch=4",
-        "eval_prompts=2", "eval_new_tokens=16",
+        sys.executable,
+        "-m",
+        "dflash_quant.reference.train",
+        "--pair",
+        "dflash2",
+        "--smoke",
+        "--device",
+        "cpu",
+        "--threads",
+        "2",
+        "--out",
+        str(out),
+        "--set",
+        "max_docs=30",
+        "target_steps=12",
+        "target_eval_every=6",
+        "target_batch=4",
+        "gen_sequences=8",
+        "gen_batch=8",
+        "gen_new=24",
+        "draft_steps=12",
+        "draft_batch=4",
+        "eval_prompts=2",
+        "eval_new_tokens=16",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

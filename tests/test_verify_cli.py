@@ -25,7 +25,19 @@ def _run(args, **kw):
 
 def test_verify_json_subprocess(tiny_pair, prompt_file):
     drafter, target = tiny_pair
-    res = _run(["verify", str(drafter), "--target", str(target), "--prompts", str(prompt_file), "--max-new-tokens", "12", "--json"])
+    res = _run(
+        [
+            "verify",
+            str(drafter),
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ]
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)  # stdout is pure JSON: progress went to stderr
     s = report["summary"]
@@ -43,19 +55,48 @@ def test_verify_compare_side_by_side(tiny_pair, prompt_file, tmp_path):
     other = save_drafter(tmp_path / "other", seed=7)
     res = CliRunner().invoke(
         app,
-        ["verify", str(drafter), "--target", str(target), "--prompts", str(prompt_file), "--max-new-tokens", "8",
-         "--compare", str(other), "--json", "--num-prompts", "2"],
+        [
+            "verify",
+            str(drafter),
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "8",
+            "--compare",
+            str(other),
+            "--json",
+            "--num-prompts",
+            "2",
+        ],
     )
     report = json.loads(res.stdout)
     assert report["baseline"]["drafter"] == str(other) and report["summary"]["drafter"] == str(drafter)
-    assert report["parity"]["tau_ratio"] == pytest.approx(report["summary"]["tau"] / report["baseline"]["tau"], abs=1e-3)
+    assert report["parity"]["tau_ratio"] == pytest.approx(
+        report["summary"]["tau"] / report["baseline"]["tau"], abs=1e-3
+    )
     # exit code follows the parity verdict
     assert res.exit_code == (0 if report["parity"]["passed"] else 1)
 
 
 def test_verify_table_output(tiny_pair, prompt_file):
     drafter, target = tiny_pair
-    res = CliRunner().invoke(app, ["verify", str(drafter), "--target", str(target), "--prompts", str(prompt_file), "--max-new-tokens", "6", "--num-prompts", "1"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "verify",
+            str(drafter),
+            "--target",
+            str(target),
+            "--prompts",
+            str(prompt_file),
+            "--max-new-tokens",
+            "6",
+            "--num-prompts",
+            "1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "accept @ pos 3" in res.stdout and "lossless" in res.stdout
 

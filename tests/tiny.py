@@ -22,14 +22,24 @@ def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
     if chat:
-        fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
+        fast.chat_template = (
+            "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
+        )
     return fast
 
 
 def target_config(**over) -> Qwen3Config:
     kw = dict(
-        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, tie_word_embeddings=False, eos_token_id=1, max_position_embeddings=512,
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        max_position_embeddings=512,
     )
     kw.update(over)
     return Qwen3Config(**kw)
@@ -45,9 +55,19 @@ def save_target(path: Path, seed: int = 0, **over) -> Path:
 
 def drafter_raw_config(**over) -> dict:
     raw = dict(
-        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=len(VOCAB),
-        rms_norm_eps=1e-6, rope_theta=10000.0, block_size=4, num_target_layers=4,
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=len(VOCAB),
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        block_size=4,
+        num_target_layers=4,
         dflash_config={"mask_token_id": 2, "target_layer_ids": [0, 2]},
     )
     raw.update(over)
@@ -78,10 +98,23 @@ def hybrid_target_config(family: str = "qwen3_5", **over):
     after a rejected draft changes the greedy tokens (with 0.02 half the prompts hid the bug).
     """
     kw = dict(
-        vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, tie_word_embeddings=False, eos_token_id=1, max_position_embeddings=512,
-        layer_types=list(HYBRID_LAYERS), linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, initializer_range=0.1,
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        max_position_embeddings=512,
+        layer_types=list(HYBRID_LAYERS),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        initializer_range=0.1,
     )
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
@@ -109,11 +142,18 @@ def dflash2_raw_config(**over) -> dict:
     """A tiny DFlash2 drafter config in the release layout: DFlash2 keys in `dflash_config`, all layers
     sliding-window with `is_causal: false` (as Qwen3.8-27B-DFlash2)."""
     raw = drafter_raw_config(
-        architectures=["DFlash2DraftModel"], layer_types=["sliding_attention", "sliding_attention"],
-        sliding_window=16, use_sliding_window=True, is_causal=False,
+        architectures=["DFlash2DraftModel"],
+        layer_types=["sliding_attention", "sliding_attention"],
+        sliding_window=16,
+        use_sliding_window=True,
+        is_causal=False,
         dflash_config={
-            "mask_token_id": 2, "target_layer_ids": [0, 2], "conv_kernel_size": 2, "conv_group_size": 16,
-            "selector_rank": 8, "selector_top_k": 4,
+            "mask_token_id": 2,
+            "target_layer_ids": [0, 2],
+            "conv_kernel_size": 2,
+            "conv_group_size": 16,
+            "selector_rank": 8,
+            "selector_top_k": 4,
         },
     )
     raw.update(over)

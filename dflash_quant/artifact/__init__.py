@@ -24,6 +24,18 @@ from dflash_quant.artifact.reports import (
 )
 
 __all__ = [
-    "Budget", "BudgetForm", "Check", "LayerReport", "Manifest", "MemoryReport", "Parity", "Provenance", "QuantReport",
-    "SourceRef", "portable_path", "sha256_file", "sha256_files", "write_json_atomic",
+    "Budget",
+    "BudgetForm",
+    "Check",
+    "LayerReport",
+    "Manifest",
+    "MemoryReport",
+    "Parity",
+    "Provenance",
+    "QuantReport",
+    "SourceRef",
+    "portable_path",
+    "sha256_file",
+    "sha256_files",
+    "write_json_atomic",
 ]

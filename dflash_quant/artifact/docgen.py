@@ -44,11 +44,15 @@ def _table(cls: type[Record]) -> tuple[list[str], list[type[Record]]]:
 
 
 def render() -> str:
-    out = [BEGIN, "",
-           "Every key below is a field of the class named in the heading (`dflash_quant.artifact.reports`); a key "
-           "that is absent or null means not recorded. Keys a reader does not know are kept and written back "
-           "unchanged. Each report has one reader (`Class.read(dir)`, a one-line error naming the file and the "
-           "fix when malformed) and one writer (`report.write(dir)`, an atomic JSON write).", ""]
+    out = [
+        BEGIN,
+        "",
+        "Every key below is a field of the class named in the heading (`dflash_quant.artifact.reports`); a key "
+        "that is absent or null means not recorded. Keys a reader does not know are kept and written back "
+        "unchanged. Each report has one reader (`Class.read(dir)`, a one-line error naming the file and the "
+        "fix when malformed) and one writer (`report.write(dir)`, an atomic JSON write).",
+        "",
+    ]
     seen: set[type[Record]] = set()
     queue: list[type[Record]] = [*REPORT_FILES]
     for extra in (Check, Budget):
@@ -59,7 +63,11 @@ def render() -> str:
         if cls in seen:
             continue
         seen.add(cls)
-        head = f"### `{cls.FILE}`: `{cls.__name__}` (written by {cls.WRITER})" if issubclass(cls, ReportFile) and hasattr(cls, "FILE") else f"### `{cls.__name__}`"
+        head = (
+            f"### `{cls.FILE}`: `{cls.__name__}` (written by {cls.WRITER})"
+            if issubclass(cls, ReportFile) and hasattr(cls, "FILE")
+            else f"### `{cls.__name__}`"
+        )
         out += [head, ""]
         if cls.__doc__ and not hasattr(cls, "FILE") and not cls.__doc__.startswith(cls.__name__ + "("):
             out += [cls.__doc__.strip(), ""]

@@ -17,14 +17,20 @@ E = dict  # extra: unknown keys, written back as read
 
 @dataclass
 class SourceRef(Record):
-    id: str | None = doc("Hub id (`org/name`), shipped pair part (`reference`, `reference:target`), or a local "
-                         "directory relative to the working directory (else its name); never an absolute path")
+    id: str | None = doc(
+        "Hub id (`org/name`), shipped pair part (`reference`, `reference:target`), or a local "
+        "directory relative to the working directory (else its name); never an absolute path"
+    )
     kind: str | None = doc("`hub`, `shipped` (inside the installed dflash_quant/reference/ package) or `local`")
     revision: str | None = doc("Hub commit or branch the files came from (null for shipped and local sources)")
     sha256: str | None = doc("sha256 of the weight files (*.safetensors, index order), concatenated")
-    path: str | None = doc("local sources: the directory relative to the working directory (else its name)", omit_none=True)
+    path: str | None = doc(
+        "local sources: the directory relative to the working directory (else its name)", omit_none=True
+    )
     hub_id: str | None = doc("the source's Hub id when it is known apart from `id`", omit_none=True)
-    license: str | None = doc("license to inherit in the card when the source's own card is not available", omit_none=True)
+    license: str | None = doc(
+        "license to inherit in the card when the source's own card is not available", omit_none=True
+    )
     extra: E = doc("", factory=dict)
 
     def recorded_spec(self) -> str | None:
@@ -46,7 +52,9 @@ class SourceRef(Record):
 
 @dataclass
 class Calibration(Record):
-    prompts: str | None = doc("prompt set (`builtin:calib`, `reference:calib`, or a file relative to the working directory)")
+    prompts: str | None = doc(
+        "prompt set (`builtin:calib`, `reference:calib`, or a file relative to the working directory)"
+    )
     num_prompts: int | None = doc("prompts used")
     max_new_tokens: int | None = doc("tokens generated per prompt while capturing")
     kv_hessian: str | None = doc("`block` or `block+context`: rows in the k/v Hessians")
@@ -127,7 +135,8 @@ class QuantReport(ReportFile):
     drafter_bytes_quantized: int | None = doc("every tensor in the written weights file", omit_none=True)
     by_part: dict[str, Any] | None = doc(
         "`{bf16, quantized}`: bytes by part (backbone Linears, fc, norms, conv, selector codebooks, selector projection)",
-        omit_none=True)
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
 
@@ -142,7 +151,9 @@ class CategoryTau(Record):
     tau: float | None = doc("mean accepted tokens + 1 per step")
     tau_without: float | None = doc("lookup record only: the same drafter without lookup", omit_none=True)
     tau_ratio: float | None = doc("lookup record only: tau / tau_without", omit_none=True)
-    lookup_step_share: float | None = doc("lookup record only: steps that verified a lookup token / steps", omit_none=True)
+    lookup_step_share: float | None = doc(
+        "lookup record only: steps that verified a lookup token / steps", omit_none=True
+    )
     extra: E = doc("", factory=dict)
 
 
@@ -165,10 +176,12 @@ class LookupCheck(Record):
     lookup_steps: int | None = doc("steps that verified at least one lookup token")
     lookup_step_share: float | None = doc("lookup_steps / steps")
     per_position_acceptance_drafter: list[float | None] | None = doc(
-        "index k-1: fraction of the steps verifying a drafter token at position k that accepted it")
+        "index k-1: fraction of the steps verifying a drafter token at position k that accepted it"
+    )
     per_position_acceptance_lookup: list[float | None] | None = doc(
         "index j: fraction of the steps proposing a (j+1)-th lookup token that accepted it (in `extend` after "
-        "the drafter's block, so only reached when the whole block was accepted)")
+        "the drafter's block, so only reached when the whole block was accepted)"
+    )
     target_forwards: int | None = doc("target prefill and verify forward passes")
     drafter_forwards: int | None = doc("drafter forward passes (`prefer` skips the drafter on lookup steps)")
     target_replay_forwards: int | None = doc("hybrid targets: replay forwards (Check.target_replay_forwards)")
@@ -187,19 +200,26 @@ class Check(Record):
     drafter: str | None = doc("the drafter's id (portable form)")
     tau: float | None = doc("mean accepted tokens + 1 per step over all steps")
     tau_mean_of_requests: float | None = doc("mean of the per-prompt tau")
-    per_position_acceptance: list[float | None] | None = doc("index k-1: fraction of steps where draft position k was accepted (B-1 entries)")
+    per_position_acceptance: list[float | None] | None = doc(
+        "index k-1: fraction of steps where draft position k was accepted (B-1 entries)"
+    )
     acceptance_histogram: list[int] | None = doc("index a: steps that accepted exactly a drafts (B entries)")
     lossless: bool | None = doc("greedy output == the target's own (null when not greedy)")
-    lossless_status: str | None = doc("`exact` | `near-ties` (every divergence at a near-tie of the target) | `diverged`")
+    lossless_status: str | None = doc(
+        "`exact` | `near-ties` (every divergence at a near-tie of the target) | `diverged`"
+    )
     token_match_rate: float | None = doc("common prefix with the target-only output / target-only tokens")
     logits_dtype: str | None = doc("dtype of the target's logits (judges near-ties)")
     divergences: list[dict[str, Any]] | None = doc(
         "`{prompt_index, position, target_margin, near_tie_margin, near_tie}` per differing prompt: the first "
-        "differing position and the target-only run's top-1/top-2 logit margin there")
+        "differing position and the target-only run's top-1/top-2 logit margin there"
+    )
     steps: int | None = doc("speculative steps")
     target_forwards: int | None = doc("target prefill and verify forward passes")
     drafter_forwards: int | None = doc("drafter forward passes")
-    target_replay_forwards: int | None = doc("hybrid targets: extra forwards replaying committed tokens after a rollback")
+    target_replay_forwards: int | None = doc(
+        "hybrid targets: extra forwards replaying committed tokens after a rollback"
+    )
     replayed_tokens: int | None = doc("hybrid targets: tokens replayed in those forwards")
     replay_seconds: float | None = doc("hybrid targets: time of those forwards (inside spec_seconds)")
     new_tokens: int | None = doc("tokens generated")
@@ -231,7 +251,8 @@ class Parity(ReportFile):
     lossless_status: str | None = doc("the quantized drafter's Check.lossless_status")
     cache: dict[str, str] | None = doc(
         "`{target_only, bf16_drafter}`: `hit` (runs and timings reused from an earlier run's check cache), `miss` or `off`",
-        omit_none=True)
+        omit_none=True,
+    )
     temperature: float | None = doc("0 (greedy)")
     prompt_set: str | None = doc("held-out prompt set")
     num_prompts: int | None = doc("prompts")
@@ -344,7 +365,8 @@ class Budget(Record):
     budgets: dict[str, BudgetForm] = doc("`bf16` and the quantized form (e.g. `int4`)", factory=dict)
     compare_mtp: dict[str, Any] | None = doc(
         "targets with an MTP head: no speculation, MTP (K = 1..3) and DFlash side by side (`budget --compare-mtp`)",
-        omit_none=True)
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
     def quantized_form(self) -> str | None:

@@ -31,7 +31,14 @@ class Malformed(ValueError):
         super().__init__(f"field {where!r} must be {expected}")
 
 
-_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list", dict: "an object"}
+_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def _type_name(tp: Any) -> str:
@@ -110,7 +117,11 @@ class Record:
     @classmethod
     def fields(cls) -> list[tuple[str, Any, dict]]:
         hints = typing.get_type_hints(cls)
-        return [(f.name, hints[f.name], dict(f.metadata)) for f in dataclasses.fields(typing.cast(Any, cls)) if f.name != "extra"]
+        return [
+            (f.name, hints[f.name], dict(f.metadata))
+            for f in dataclasses.fields(typing.cast(Any, cls))
+            if f.name != "extra"
+        ]
 
     @classmethod
     def _from(cls, data: Any, where: str = ""):
@@ -134,8 +145,11 @@ class Record:
         return cls._from(data)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: _dump(getattr(self, name)) for name, _, meta in self.fields()
-               if not (meta.get("omit_none") and getattr(self, name) is None)}
+        out = {
+            name: _dump(getattr(self, name))
+            for name, _, meta in self.fields()
+            if not (meta.get("omit_none") and getattr(self, name) is None)
+        }
         out.update(getattr(self, "extra", {}) or {})
         return out
 

@@ -39,9 +39,19 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
         rep = {}
         for p, calls in enumerate(stats.replay):
             for c, call in enumerate(calls):
-                rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"] = call.noise, call.ctx, call.positions
+                rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"] = (
+                    call.noise,
+                    call.ctx,
+                    call.positions,
+                )
         _atomic_save({k: v.contiguous() for k, v in rep.items()}, directory / REPLAY)
-    meta = {"key": key, "kv_hessian": stats.kv_hessian, "prompts": stats.prompts, "steps": stats.steps, "mean_tau": stats.mean_tau}
+    meta = {
+        "key": key,
+        "kv_hessian": stats.kv_hessian,
+        "prompts": stats.prompts,
+        "steps": stats.steps,
+        "mean_tau": stats.mean_tau,
+    }
     write_json_atomic(directory / META, meta)
 
 
@@ -75,7 +85,9 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
         )
         assert acc.xtx is not None  # from_state_dict always loads one
         if not torch.isfinite(acc.xtx).all():
-            raise DFlashQuantError(f"cached Hessian {name} contains NaN/inf; delete the --calib-cache directory and recollect")
+            raise DFlashQuantError(
+                f"cached Hessian {name} contains NaN/inf; delete the --calib-cache directory and recollect"
+            )
         hessians[name] = acc
     replay = None
     if need_replay:
@@ -84,8 +96,17 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
         replay = []
         for p in range(n_prompts):
             n_calls = len([k for k in rep if k.startswith(f"{p}.") and k.endswith(".noise")])
-            replay.append([DraftCall(rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"]) for c in range(n_calls)])
+            replay.append(
+                [
+                    DraftCall(rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"])
+                    for c in range(n_calls)
+                ]
+            )
     return CalibrationStats(
-        hessians=hessians, kv_hessian=meta["kv_hessian"], prompts=meta["prompts"], steps=meta["steps"],
-        mean_tau=meta.get("mean_tau"), replay=replay,
+        hessians=hessians,
+        kv_hessian=meta["kv_hessian"],
+        prompts=meta["prompts"],
+        steps=meta["steps"],
+        mean_tau=meta.get("mean_tau"),
+        replay=replay,
     )

@@ -71,7 +71,9 @@ class _Hooks:
     groups: set[str] | None  # None: every group
     kv_hessian: str
     device: torch.device
-    extra: tuple[str, ...] = ()  # DFlash2 Linears outside the backbone to collect (kernel_projection, hidden_projection)
+    extra: tuple[
+        str, ...
+    ] = ()  # DFlash2 Linears outside the backbone to collect (kernel_projection, hidden_projection)
     hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
     handles: list = field(default_factory=list)
 
@@ -122,7 +124,9 @@ class _Hooks:
             elif name.endswith(".kernel_projection"):
                 self.handles.append(m.get_submodule(name).register_forward_pre_hook(add(name)))
             else:
-                raise UsageError(f"cannot collect calibration rows for {name}; only conv and selector projections are extra")
+                raise UsageError(
+                    f"cannot collect calibration rows for {name}; only conv and selector projections are extra"
+                )
         return self
 
     def detach(self) -> None:
@@ -194,7 +198,9 @@ def replay_capture(
         for calls in replay:
             cache = DraftCache()
             for call in calls:
-                drafter(call.noise.to(device, dtype), call.ctx.to(device, dtype), call.positions.to(device), cache=cache)
+                drafter(
+                    call.noise.to(device, dtype), call.ctx.to(device, dtype), call.positions.to(device), cache=cache
+                )
     finally:
         hooks.detach()
     return hooks.hessians

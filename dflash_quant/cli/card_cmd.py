@@ -27,8 +27,12 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"{artifact} is not a directory; pass the --output of `dflash-quant gptq`")
         check_provenance(artifact)
         if not has_manifest(artifact):
-            err_console.print(f"note: {artifact} has no manifest.json, so nothing is checked or recorded; `push` "
-                              "needs one: re-export with `dflash-quant gptq`", highlight=False, markup=False)
+            err_console.print(
+                f"note: {artifact} has no manifest.json, so nothing is checked or recorded; `push` "
+                "needs one: re-export with `dflash-quant gptq`",
+                highlight=False,
+                markup=False,
+            )
         readme = write_card(artifact, repo_id=repo_id)  # checks the manifest first, records only its own files
         _, problems = load_reports(artifact)
         for name, problem in problems.items():
@@ -36,8 +40,10 @@ def register(app: typer.Typer) -> None:
         chart = artifact / CHART_NAME
         err_console.print(f"wrote {readme}" + (f" and {chart}" if chart.is_file() else ""), highlight=False)
         if json_out:
-            print_json({
-                "readme": str(readme),
-                "chart": str(chart) if chart.is_file() else None,
-                "missing_reports": problems,
-            })
+            print_json(
+                {
+                    "readme": str(readme),
+                    "chart": str(chart) if chart.is_file() else None,
+                    "missing_reports": problems,
+                }
+            )

@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 try:  # typer >= 0.24 ships its own copy of click; older ones use click itself
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover
-    from click import exceptions as click_exc
+    from click import exceptions as click_exc  # type: ignore[no-redef]  # same module, older typer
 
 from dflash_quant.errors import DFlashQuantError
 
@@ -54,7 +54,7 @@ class OneLineErrors(TyperGroup):
     """Usage errors that typer/click detect (unknown option, `--max-new-tokens 0`, a missing argument) as one
     `error:` line, like every other refusal, instead of a usage block and a framed panel."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -66,7 +66,9 @@ class OneLineErrors(TyperGroup):
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             message = " ".join(exc.format_message().split())
-            err_console.print(f"[bold red]error:[/] {escape(message)}{hint}", markup=True, highlight=False, soft_wrap=True)
+            err_console.print(
+                f"[bold red]error:[/] {escape(message)}{hint}", markup=True, highlight=False, soft_wrap=True
+            )
             sys.exit(exc.exit_code)
         except typer.Abort:
             err_console.print("[bold red]error:[/] aborted", markup=True, highlight=False)

@@ -11,8 +11,16 @@ from dflash_quant.cli.common import err_console, handle_errors, out_console, pri
 
 
 def export_artifact(
-    artifact: Path, fmt: str, output: Path, *, overwrite: bool = False, target: str | None = None,
-    requantize: bool = False, gguf_pre: str | None = None, card: bool = True, command: list[str] | None = None,
+    artifact: Path,
+    fmt: str,
+    output: Path,
+    *,
+    overwrite: bool = False,
+    target: str | None = None,
+    requantize: bool = False,
+    gguf_pre: str | None = None,
+    card: bool = True,
+    command: list[str] | None = None,
 ) -> dict:
     """Write `fmt` to `output` atomically: weights, config, the source's reports, card, fresh manifest."""
     from dflash_quant.errors import UsageError
@@ -27,8 +35,9 @@ def export_artifact(
     if src == dst or src in dst.parents or dst in src.parents:
         raise UsageError(f"--output {output} overlaps the source artifact {artifact}; choose a separate directory")
     with atomic_dir(output, overwrite) as tmp:
-        summary = convert_artifact(artifact, tmp, fmt, target=target, requantize=requantize, command=command,
-                                   gguf_pre=gguf_pre)
+        summary = convert_artifact(
+            artifact, tmp, fmt, target=target, requantize=requantize, command=command, gguf_pre=gguf_pre
+        )
         if card:
             from dflash_quant.model_cards.card import write_card
 
@@ -43,20 +52,40 @@ def export(
     fmt: str = typer.Option(..., "--format", "-f", help="compressed-tensors | gguf | mlx"),
     output: Path = typer.Option(..., "--output", "-o", help="Directory to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
-    target: str | None = typer.Option(None, "--target", "-t", help="GGUF: the target model (its tokenizer becomes the vocabulary); default: the one in provenance.json."),
-    requantize: bool = typer.Option(False, help="GGUF: requantize grids with no exact GGUF type (gguf round-to-nearest) instead of refusing."),
-    gguf_pre: str | None = typer.Option(None, help="GGUF: llama.cpp pre-tokenizer name (default: qwen2 for 151k Qwen vocabularies, else gpt-2)."),
+    target: str | None = typer.Option(
+        None,
+        "--target",
+        "-t",
+        help="GGUF: the target model (its tokenizer becomes the vocabulary); default: the one in provenance.json.",
+    ),
+    requantize: bool = typer.Option(
+        False, help="GGUF: requantize grids with no exact GGUF type (gguf round-to-nearest) instead of refusing."
+    ),
+    gguf_pre: str | None = typer.Option(
+        None, help="GGUF: llama.cpp pre-tokenizer name (default: qwen2 for 151k Qwen vocabularies, else gpt-2)."
+    ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Convert a GPTQ v1 artifact to compressed-tensors, GGUF or MLX from the same integer codes (no recalibration)."""
-    summary = export_artifact(artifact, fmt, output, overwrite=overwrite, target=target, requantize=requantize,
-                              gguf_pre=gguf_pre, card=card, command=["dflash-quant", *sys.argv[1:]])
+    summary = export_artifact(
+        artifact,
+        fmt,
+        output,
+        overwrite=overwrite,
+        target=target,
+        requantize=requantize,
+        gguf_pre=gguf_pre,
+        card=card,
+        command=["dflash-quant", *sys.argv[1:]],
+    )
     if json_out:
         print_json({"output": str(output), **summary})
     else:
         out_console.print(f"{fmt} artifact: {output} ({', '.join(summary['files'])})")
-        err_console.print(f"weights: {summary['exact']}; parity.json is the source's until `dflash-quant verify {output} --compare BF16`")
+        err_console.print(
+            f"weights: {summary['exact']}; parity.json is the source's until `dflash-quant verify {output} --compare BF16`"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -30,7 +30,9 @@ def _summary(result) -> Table:
     if rep.get("drafter_bytes_bf16") and rep.get("drafter_bytes_quantized"):
         table.add_row("whole drafter bf16", _fmt_bytes(rep["drafter_bytes_bf16"]))
         table.add_row("whole drafter quantized", _fmt_bytes(rep["drafter_bytes_quantized"]))
-        table.add_row("whole drafter quantized / bf16", f"{rep['drafter_bytes_quantized'] / rep['drafter_bytes_bf16']:.3f}")
+        table.add_row(
+            "whole drafter quantized / bf16", f"{rep['drafter_bytes_quantized'] / rep['drafter_bytes_bf16']:.3f}"
+        )
         bf16_parts = rep["by_part"]["bf16"]
         for part in ("conv", "selector_codebooks", "selector_projection"):
             if bf16_parts.get(part) and rep["by_part"].get("quantized"):
@@ -42,12 +44,20 @@ def _summary(result) -> Table:
         for which in ("baseline", "quantized"):
             if lk := par[which].get("lookup"):
                 label = "bf16" if which == "baseline" else "quantized"
-                table.add_row(f"tau {label} + lookup", f"{lk['tau']:.3f} (x{lk['tau_ratio']}, lookup in {lk['lookup_step_share']:.0%} of steps)")
+                table.add_row(
+                    f"tau {label} + lookup",
+                    f"{lk['tau']:.3f} (x{lk['tau_ratio']}, lookup in {lk['lookup_step_share']:.0%} of steps)",
+                )
         table.add_row("lossless", str(par["lossless"]))
         table.add_row("parity", "PASS" if par["passed"] else "FAIL")
     else:
         table.add_row("parity", "not run (--no-verify)")
-    for key, label in (("calibrate_s", "calibration"), ("quantize_s", "quantization"), ("verify_s", "parity check"), ("total_s", "total")):
+    for key, label in (
+        ("calibrate_s", "calibration"),
+        ("quantize_s", "quantization"),
+        ("verify_s", "parity check"),
+        ("total_s", "total"),
+    ):
         if key in t:
             table.add_row(f"{label} time", f"{t[key]:.1f} s")
     return table
@@ -55,44 +65,88 @@ def _summary(result) -> Table:
 
 @handle_errors
 def gptq(
-    drafter: str = typer.Argument("reference", help="bf16 drafter dir or Hub id (default: the shipped reference pair)."),
-    target: str | None = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the reference target for 'reference')."),
+    drafter: str = typer.Argument(
+        "reference", help="bf16 drafter dir or Hub id (default: the shipped reference pair)."
+    ),
+    target: str | None = typer.Option(
+        None, "--target", "-t", help="Target dir or Hub id (default: the reference target for 'reference')."
+    ),
     bits: int = typer.Option(4, help="2, 3, 4 or 8."),
     group_size: int = typer.Option(128, help="-1 (per channel), 32, 64, 128, ..."),
     sym: bool = typer.Option(True, "--sym/--asym", help="Symmetric (vLLM Marlin) or asymmetric grid."),
-    desc_act: bool = typer.Option(False, "--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing Hessian diagonal."),
+    desc_act: bool = typer.Option(
+        False, "--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing Hessian diagonal."
+    ),
     static_groups: bool = typer.Option(False, help="With --desc-act: group parameters fixed before reordering."),
-    damp: float = typer.Option(0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."),
+    damp: float = typer.Option(
+        0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."
+    ),
     method: str = typer.Option("gptq", help="gptq, or rtn (round-to-nearest baseline)."),
-    sequential: bool = typer.Option(False, "--sequential/--no-sequential", help="Quantize stage by stage, feeding later stages the quantized outputs."),
+    sequential: bool = typer.Option(
+        False,
+        "--sequential/--no-sequential",
+        help="Quantize stage by stage, feeding later stages the quantized outputs.",
+    ),
     profile: str = typer.Option("full", help="full | vllm (keeps q/k/v bf16) | sglang (keeps q/k/v and fc bf16)."),
-    quantize_conv: bool = typer.Option(False, "--quantize-conv", help="DFlash2: also quantize the convolutions' kernel_projection Linears (engines keep them bf16; base_kernel always stays bf16)."),
-    quantize_selector: bool = typer.Option(False, "--quantize-selector", help="DFlash2: also quantize the selector's hidden_projection (engines keep it bf16; the codebooks always stay bf16)."),
+    quantize_conv: bool = typer.Option(
+        False,
+        "--quantize-conv",
+        help="DFlash2: also quantize the convolutions' kernel_projection Linears (engines keep them bf16; base_kernel always stays bf16).",
+    ),
+    quantize_selector: bool = typer.Option(
+        False,
+        "--quantize-selector",
+        help="DFlash2: also quantize the selector's hidden_projection (engines keep it bf16; the codebooks always stay bf16).",
+    ),
     skip: list[str] = typer.Option([], "--skip", help="Regex of Linear names to keep in bf16 (repeatable)."),
     output: Path = typer.Option(Path("out/drafter-gptq"), "--output", "-o", help="Artifact directory to create."),
-    overwrite: bool = typer.Option(False, help="Replace a previous dflash-quant artifact (one with manifest.json) at --output; never a directory that overlaps an input."),
-    calib_prompts: str | None = typer.Option(None, help="Calibration prompts: builtin:calib (default), reference:calib, or a file."),
+    overwrite: bool = typer.Option(
+        False,
+        help="Replace a previous dflash-quant artifact (one with manifest.json) at --output; never a directory that overlaps an input.",
+    ),
+    calib_prompts: str | None = typer.Option(
+        None, help="Calibration prompts: builtin:calib (default), reference:calib, or a file."
+    ),
     num_prompts: int | None = typer.Option(None, help="Use only the first N calibration prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens generated per calibration prompt."),
-    kv_hessian: str = typer.Option("block+context", help="Rows in the k/v Hessian: block, or block+context (default: measured better)."),
+    kv_hessian: str = typer.Option(
+        "block+context", help="Rows in the k/v Hessian: block, or block+context (default: measured better)."
+    ),
     calib_cache: Path | None = typer.Option(None, help="Directory to save/reuse calibration statistics."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the bf16-vs-quantized parity gate."),
-    eval_prompts: str | None = typer.Option(None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."),
+    eval_prompts: str | None = typer.Option(
+        None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."
+    ),
     eval_num_prompts: int | None = typer.Option(None, help="Use only the first N parity prompts."),
     eval_max_new_tokens: int = typer.Option(128, min=1, help="Tokens generated per parity prompt."),
     tolerance: float = typer.Option(0.03, help="Fail when tau_q / tau_bf16 < 1 - tolerance; in [0, 1)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
-    check_cache: Path | None = typer.Option(None, help="Where the parity check's target-only and bf16 drafter runs are cached (default ~/.cache/dflash-quant/check)."),
-    no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."),
+    check_cache: Path | None = typer.Option(
+        None,
+        help="Where the parity check's target-only and bf16 drafter runs are cached (default ~/.cache/dflash-quant/check).",
+    ),
+    no_check_cache: bool = typer.Option(
+        False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."
+    ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
-    lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Parity check: also run both drafters with the lookup proposer and report tau with and without it."),
-    lookup_mode: str = typer.Option("prefer", help="With --lookup: prefer | agree | extend (see dflash_quant/lookup.py)."),
+    lookup: bool = typer.Option(
+        False,
+        "--lookup/--no-lookup",
+        help="Parity check: also run both drafters with the lookup proposer and report tau with and without it.",
+    ),
+    lookup_mode: str = typer.Option(
+        "prefer", help="With --lookup: prefer | agree | extend (see dflash_quant/lookup.py)."
+    ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
-    fmt: str = typer.Option("gptq", "--format", help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128)."),
+    fmt: str = typer.Option(
+        "gptq",
+        "--format",
+        help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128).",
+    ),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -113,17 +167,42 @@ def gptq(
             from dflash_quant.quantize.drafter import QuantSettings
 
             quant = QuantSettings(
-                method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, static_groups=static_groups,
-                damp=damp, sequential=sequential, profile=profile, skip=tuple(skip),
-                quantize_conv=quantize_conv, quantize_selector=quantize_selector,
+                method=method,
+                bits=bits,
+                group_size=group_size,
+                sym=sym,
+                desc_act=desc_act,
+                static_groups=static_groups,
+                damp=damp,
+                sequential=sequential,
+                profile=profile,
+                skip=tuple(skip),
+                quantize_conv=quantize_conv,
+                quantize_selector=quantize_selector,
             )
             job = GptqJob(
-                output=output, drafter=drafter, target=target, quant=quant, overwrite=overwrite, calib_prompts=calib_prompts,
-                calib_num_prompts=num_prompts, calib_max_new_tokens=max_new_tokens, kv_hessian=kv_hessian,
-                calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
-                eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
-                chat_template=chat_template, write_card=card, format=fmt,
-                check_cache=None if no_check_cache else (check_cache or default_dir()), command=["dflash-quant", *sys.argv[1:]],
+                output=output,
+                drafter=drafter,
+                target=target,
+                quant=quant,
+                overwrite=overwrite,
+                calib_prompts=calib_prompts,
+                calib_num_prompts=num_prompts,
+                calib_max_new_tokens=max_new_tokens,
+                kv_hessian=kv_hessian,
+                calib_cache=calib_cache,
+                verify=verify,
+                eval_prompts=eval_prompts,
+                eval_num_prompts=eval_num_prompts,
+                eval_max_new_tokens=eval_max_new_tokens,
+                tolerance=tolerance,
+                device=device,
+                dtype=dtype,
+                chat_template=chat_template,
+                write_card=card,
+                format=fmt,
+                check_cache=None if no_check_cache else (check_cache or default_dir()),
+                command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -137,8 +216,16 @@ def gptq(
     except Terminated as exc:
         fail(f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum)
     if json_out:
-        print_json({"output": str(result.output), "passed": result.passed, "reasons": result.reasons,
-                    "parity": result.parity, "quant_report": result.quant_report, "timings": result.timings})
+        print_json(
+            {
+                "output": str(result.output),
+                "passed": result.passed,
+                "reasons": result.reasons,
+                "parity": result.parity,
+                "quant_report": result.quant_report,
+                "timings": result.timings,
+            }
+        )
     else:
         out_console.print(_summary(result))
         out_console.print(f"artifact: {result.output}")

@@ -21,24 +21,35 @@ def describe(src: str) -> dict:
     nbytes: dict[str, int] = defaultdict(int)
     dtypes: dict[str, int] = defaultdict(int)
     for key, t in tensors.items():
-        key = key[len("model."):] if key.startswith("model.") else key
+        key = key[len("model.") :] if key.startswith("model.") else key
         mod = module_of(key)
         params[mod] += t.numel()
         nbytes[mod] += t.numel() * t.element_size()
         dtypes[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
     config = {"variant": "DFlash2" if cfg.is_dflash2 else "DFlash"}
     if cfg.is_dflash2:
-        config.update({k: getattr(cfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
+        config.update(
+            {k: getattr(cfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+        )
     return {
         "source": source.id,
         "config": {
             **config,
-            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-            "layer_types": list(cfg.layer_types or []), "sliding_window": cfg.sliding_window,
-            "attention": [dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i), strict=True)) for i in range(cfg.num_hidden_layers)],
+            "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size,
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": cfg.target_layer_ids,
+            "layer_types": list(cfg.layer_types or []),
+            "sliding_window": cfg.sliding_window,
+            "attention": [
+                dict(zip(("is_causal", "sliding_window"), cfg.attention_kind(i), strict=True))
+                for i in range(cfg.num_hidden_layers)
+            ],
             "rope_parameters": cfg.rope_parameters,
         },
         "quantization_config": raw.get("quantization_config"),
@@ -58,14 +69,19 @@ def _dflash2_parts(params: dict[str, int], nbytes: dict[str, int]) -> dict:
         "selector_projection": lambda m: m.endswith("hidden_projection"),
     }
     return {
-        kind: {"elements": sum(params[m] for m in params if test(m)), "bytes": sum(nbytes[m] for m in nbytes if test(m))}
+        kind: {
+            "elements": sum(params[m] for m in params if test(m)),
+            "bytes": sum(nbytes[m] for m in nbytes if test(m)),
+        }
         for kind, test in kinds.items()
     }
 
 
 @handle_errors
 def inspect(
-    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
+    drafter: str = typer.Argument(
+        ..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
 ) -> None:
     """Print a drafter's parsed config and its parameters and bytes by module."""

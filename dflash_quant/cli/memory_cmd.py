@@ -50,7 +50,9 @@ def _print_budget(rep) -> None:
     table.add_row(f"usable (x{b[0].utilization:.2f})", *[fmt_bytes(x.usable_bytes) for x in b])
     table.add_row("headroom", *[fmt_bytes(x.headroom_bytes) for x in b])
     table.add_row("fits", *["yes" if x.fits else "NO" for x in b])
-    table.add_row(f"max context (C={s.concurrency})", *[str(x.max_context) if x.max_context is not None else "none" for x in b])
+    table.add_row(
+        f"max context (C={s.concurrency})", *[str(x.max_context) if x.max_context is not None else "none" for x in b]
+    )
     table.add_row(f"max concurrency (ctx {s.context})", *[str(x.max_concurrency) for x in b])
     out_console.print(table)
     c, t, d = rep.caches, rep.target, rep.drafter
@@ -99,8 +101,10 @@ def _print_mtp_comparison(rep: dict) -> None:
     table.add_row("usable", *[fmt_bytes(methods[n]["usable_bytes"]) for n in names])
     table.add_row("headroom", *[fmt_bytes(methods[n]["headroom_bytes"]) for n in names])
     table.add_row("fits", *["yes" if methods[n]["fits"] else "NO" for n in names])
-    table.add_row(f"max context (C={cmp['concurrency']})",
-                  *[str(methods[n]["max_context"]) if methods[n]["max_context"] is not None else "none" for n in names])
+    table.add_row(
+        f"max context (C={cmp['concurrency']})",
+        *[str(methods[n]["max_context"]) if methods[n]["max_context"] is not None else "none" for n in names],
+    )
     table.add_row(f"max concurrency (ctx {cmp['context']})", *[str(methods[n]["max_concurrency"]) for n in names])
     table.add_section()
     table.add_row("per request", *[fmt_bytes(methods[n]["per_request_bytes"]) for n in names])
@@ -112,8 +116,11 @@ def _print_mtp_comparison(rep: dict) -> None:
     for n in names:
         pads = methods[n]["kv_padding_layers"]
         if pads:
-            lines.append(f"{methods[n]['label']}: vLLM pads KV-cache groups with "
-                         + ", ".join(f"{v} x {k}" for k, v in pads.items()) + " layer(s)")
+            lines.append(
+                f"{methods[n]['label']}: vLLM pads KV-cache groups with "
+                + ", ".join(f"{v} x {k}" for k, v in pads.items())
+                + " layer(s)"
+            )
     for pair, c in cmp["crossover"].items():
         a, b = pair.split(" vs ")
         line = (f"{methods[a]['label']} vs {methods[b]['label']}: {methods[c['cheaper_at_1']]['label']} needs "
@@ -182,7 +189,9 @@ def register(app: typer.Typer) -> None:
     def memory(
         artifact: Path = typer.Argument(..., help="Quantized artifact (or any drafter) directory."),
         baseline: Path | None = typer.Option(None, "--baseline", help="The bf16 drafter directory to compare with."),
-        device: str = typer.Option("cpu", "--device", help="Where to load it to measure resident memory: cpu|cuda|none."),
+        device: str = typer.Option(
+            "cpu", "--device", help="Where to load it to measure resident memory: cpu|cuda|none."
+        ),
         budget_target: str | None = typer.Option(
             None, "--budget-target", help="Also budget a 24 GB card for this target (preset, dir or config.json)."
         ),
@@ -225,8 +234,13 @@ def register(app: typer.Typer) -> None:
             from dflash_quant.artifact.sources import model_label
 
             budget = with_mtp_comparison(
-                budget_report(t, d, settings, target_label=model_label(budget_target), drafter_label=model_label(artifact)),
-                budget_target, t, d, settings,
+                budget_report(
+                    t, d, settings, target_label=model_label(budget_target), drafter_label=model_label(artifact)
+                ),
+                budget_target,
+                t,
+                d,
+                settings,
             )
         err_console.print(f"measuring {artifact} ...", highlight=False)
         rep = build_memory_report(artifact, baseline=baseline, device=dev, budget_24gb=budget)
@@ -242,34 +256,62 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def budget(
         target: str = typer.Option(..., "--target", help="Target: preset name, model directory or config.json."),
-        drafter: str = typer.Option(..., "--drafter", help="Drafter: artifact dir, bf16 drafter dir, config.json or preset."),
-        gpu: str = typer.Option("rtx4090", "--gpu", help="Card name (rtx3090, rtx4090, a10g, l4, h100, ...) or size (24GiB)."),
+        drafter: str = typer.Option(
+            ..., "--drafter", help="Drafter: artifact dir, bf16 drafter dir, config.json or preset."
+        ),
+        gpu: str = typer.Option(
+            "rtx4090", "--gpu", help="Card name (rtx3090, rtx4090, a10g, l4, h100, ...) or size (24GiB)."
+        ),
         context: int = typer.Option(8192, "--context", help="Tokens per request (prompt + generated)."),
         concurrency: int = typer.Option(1, "--concurrency", help="Requests decoded at once."),
-        spec_tokens: int | None = typer.Option(None, "--spec-tokens", help="K drafted tokens per step (default block_size - 1)."),
+        spec_tokens: int | None = typer.Option(
+            None, "--spec-tokens", help="K drafted tokens per step (default block_size - 1)."
+        ),
         target_weights: str | None = typer.Option(
-            None, "--target-weights", help="bf16|fp8|int8|int4 or a size (17.8GB); default: files, else the config dtype."
+            None,
+            "--target-weights",
+            help="bf16|fp8|int8|int4 or a size (17.8GB); default: files, else the config dtype.",
         ),
         kv_dtype: str | None = typer.Option(None, "--kv-dtype", help="KV cache dtype: auto|bf16|fp16|fp8."),
-        drafter_kv_dtype: str | None = typer.Option(None, "--drafter-kv-dtype", help="Drafter KV dtype (default: --kv-dtype)."),
-        state_dtype: str | None = typer.Option(
-            None, "--state-dtype", help="Linear-attention recurrent state dtype: auto (config mamba_ssm_dtype)|bf16|fp32."
+        drafter_kv_dtype: str | None = typer.Option(
+            None, "--drafter-kv-dtype", help="Drafter KV dtype (default: --kv-dtype)."
         ),
-        engine: str = typer.Option("vllm", "--engine", help="vllm (paged serving engine) or reference (this project's loop)."),
+        state_dtype: str | None = typer.Option(
+            None,
+            "--state-dtype",
+            help="Linear-attention recurrent state dtype: auto (config mamba_ssm_dtype)|bf16|fp32.",
+        ),
+        engine: str = typer.Option(
+            "vllm", "--engine", help="vllm (paged serving engine) or reference (this project's loop)."
+        ),
         utilization: float | None = typer.Option(
             None, "--gpu-memory-utilization", help="Engine memory fraction (vllm default 0.90; reference 1.0)."
         ),
-        runtime_overhead: str | None = typer.Option(None, "--runtime-overhead", help="Non-torch memory (default 0.75GiB)."),
-        cuda_graphs: str | None = typer.Option(None, "--cuda-graphs", help="CUDA-graph reserve (vllm default 0.5GiB; 0 = eager)."),
-        prefill_chunk: int = typer.Option(2048, "--prefill-chunk", help="Tokens per prefill forward (vLLM max_num_batched_tokens)."),
-        max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="vLLM max_num_seqs (rows of the profiled sampler)."),
-        activation: str | None = typer.Option(None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."),
+        runtime_overhead: str | None = typer.Option(
+            None, "--runtime-overhead", help="Non-torch memory (default 0.75GiB)."
+        ),
+        cuda_graphs: str | None = typer.Option(
+            None, "--cuda-graphs", help="CUDA-graph reserve (vllm default 0.5GiB; 0 = eager)."
+        ),
+        prefill_chunk: int = typer.Option(
+            2048, "--prefill-chunk", help="Tokens per prefill forward (vLLM max_num_batched_tokens)."
+        ),
+        max_num_seqs: int = typer.Option(
+            256, "--max-num-seqs", help="vLLM max_num_seqs (rows of the profiled sampler)."
+        ),
+        activation: str | None = typer.Option(
+            None, "--activation", help="Override the activation estimate (e.g. 1.2GiB)."
+        ),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
         compare_mtp: bool = typer.Option(
-            False, "--compare-mtp", help="Side by side: no speculation, the target's MTP head (K=1..3), DFlash bf16/int4."
+            False,
+            "--compare-mtp",
+            help="Side by side: no speculation, the target's MTP head (K=1..3), DFlash bf16/int4.",
         ),
-        mtp_tokens: str | None = typer.Option(None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."),
+        mtp_tokens: str | None = typer.Option(
+            None, "--mtp-tokens", help="MTP K values for --compare-mtp (default 1,2,3)."
+        ),
         mtp_weights: str | None = typer.Option(
             None, "--mtp-weights", help="MTP weight format bf16|fp8|int8|int4 (default: mtp.* in the files, else bf16)."
         ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import typer
@@ -29,8 +30,11 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
         ("speedup", "speedup"),
     ]
     if any(s.get("target_replay_forwards") for s in summaries):  # hybrid target: show the rollback cost
-        rows += [("target replay forwards", "target_replay_forwards"), ("replayed tokens", "replayed_tokens"),
-                 ("replay seconds", "replay_seconds")]
+        rows += [
+            ("target replay forwards", "target_replay_forwards"),
+            ("replayed tokens", "replayed_tokens"),
+            ("replay seconds", "replay_seconds"),
+        ]
     for label, key in rows:
         table.add_row(label, *[str(s.get(key)) for s in summaries])
     n_pos = len(summaries[0]["per_position_acceptance"])
@@ -38,11 +42,16 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
         table.add_row(f"accept @ pos {k + 1}", *[str(s["per_position_acceptance"][k]) for s in summaries])
     if par is not None:
         table.add_row("tau ratio", "", str(par["tau_ratio"]))
-    looks = [s.get("lookup") for s in summaries]
-    if all(looks):
-        for label, key in (("tau with lookup", "tau"), ("lookup tau ratio", "tau_ratio"), ("lossless with lookup", "lossless"),
-                           ("steps using lookup", "lookup_step_share"), ("lookup search seconds", "lookup_seconds"),
-                           ("speedup with lookup", "speedup")):
+    looks: list[dict] = [s["lookup"] for s in summaries if s.get("lookup")]
+    if looks and len(looks) == len(summaries):
+        for label, key in (
+            ("tau with lookup", "tau"),
+            ("lookup tau ratio", "tau_ratio"),
+            ("lossless with lookup", "lossless"),
+            ("steps using lookup", "lookup_step_share"),
+            ("lookup search seconds", "lookup_seconds"),
+            ("speedup with lookup", "speedup"),
+        ):
             table.add_row(label, *[str(lk.get(key)) for lk in looks])
         for source in ("drafter", "lookup"):
             key = f"per_position_acceptance_{source}"
@@ -75,24 +84,44 @@ def _category_table(summaries: list[dict]) -> Table | None:
 
 @handle_errors
 def verify(
-    drafter: str = typer.Argument(..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."),
-    target: str | None = typer.Option(None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."),
-    prompts: str | None = typer.Option(None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."),
+    drafter: str = typer.Argument(
+        ..., help="Drafter dir, Hub id, quantized artifact, or a shipped pair: 'reference', 'reference-dflash2'."
+    ),
+    target: str | None = typer.Option(
+        None, "--target", "-t", help="Target dir or Hub id (default: the drafter's recorded target)."
+    ),
+    prompts: str | None = typer.Option(
+        None, help="builtin[:calib|:heldout], reference:heldout, or a .txt/.jsonl file."
+    ),
     num_prompts: int | None = typer.Option(None, help="Use only the first N prompts."),
     max_new_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
     temperature: float = typer.Option(0.0, help="0 = greedy (the parity signal); >0 = rejection sampling."),
-    block_size: int | None = typer.Option(None, help="Draft block size (default: the drafter's; only smaller is allowed)."),
+    block_size: int | None = typer.Option(
+        None, help="Draft block size (default: the drafter's; only smaller is allowed)."
+    ),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
     device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."),
-    compare: str | None = typer.Option(None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."),
+    chat_template: bool = typer.Option(
+        True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
+    ),
+    compare: str | None = typer.Option(
+        None, help="A second drafter to run on the same prompts (e.g. the bf16 source)."
+    ),
     tolerance: float = typer.Option(0.03, help="Parity tolerance on the tau ratio with --compare, in [0, 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
-    check_cache: Path | None = typer.Option(None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."),
+    check_cache: Path | None = typer.Option(
+        None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."
+    ),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
-    lookup: bool = typer.Option(False, "--lookup/--no-lookup", help="Also run each drafter with the lookup proposer (history n-gram matches) and report both."),
-    lookup_mode: str = typer.Option("prefer", help="Which proposal a step verifies: prefer | agree | extend (see dflash_quant/lookup.py)."),
+    lookup: bool = typer.Option(
+        False,
+        "--lookup/--no-lookup",
+        help="Also run each drafter with the lookup proposer (history n-gram matches) and report both.",
+    ),
+    lookup_mode: str = typer.Option(
+        "prefer", help="Which proposal a step verifies: prefer | agree | extend (see dflash_quant/lookup.py)."
+    ),
     lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
     lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
     lookup_tokens: int | None = typer.Option(None, help="Lookup tokens per step at most (default: block size - 1)."),
@@ -146,7 +175,9 @@ def verify(
     block = block_size or min(d.config.block_size for d in drafters)
     for d in drafters:
         if not 2 <= block <= d.config.block_size:
-            raise UsageError(f"--block-size {block} must be between 2 and the drafter's block size {d.config.block_size}")
+            raise UsageError(
+                f"--block-size {block} must be between 2 and the drafter's block size {d.config.block_size}"
+            )
     settings = CheckSettings(max_new_tokens, temperature, block, seed, stop_tokens(tgt))
     spec = prompts or default_prompt_spec(tgt, "heldout")
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
@@ -166,14 +197,30 @@ def verify(
             task = bar.add_task(label, total=len(encoded))
             return lambda: bar.advance(task)
 
-        base = cached_runs(cache, "baseline", key, GreedyResult,
-                           lambda: baseline_runs(tgt.model, encoded, settings, bar_task("target-only baseline")))
+        base = cached_runs(
+            cache,
+            "baseline",
+            key,
+            GreedyResult,
+            lambda: baseline_runs(tgt.model, encoded, settings, bar_task("target-only baseline")),
+        )
         cached["target_only"] = cache.events["baseline"]
         for d in drafters:
-            dkey = check_key(target=key["target"], prompts=encoded, settings=settings, device=dev, dtype=dt,
-                             drafter=weights_sha256(d.source.path))
-            runs = cached_runs(cache, "spec", dkey, SpecResult,
-                               lambda d=d: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")))
+            dkey = check_key(
+                target=key["target"],
+                prompts=encoded,
+                settings=settings,
+                device=dev,
+                dtype=dt,
+                drafter=weights_sha256(d.source.path),
+            )
+            runs = cached_runs(
+                cache,
+                "spec",
+                dkey,
+                SpecResult,
+                lambda d=d: spec_runs(d.model, tgt.model, encoded, settings, bar_task(f"speculative: {d.source.id}")),
+            )
             cached[d.source.id] = cache.events["spec"]
             summaries.append(summarize(d.source.id, runs, base, settings, block))
             if cats := by_category(runs, categories):
@@ -181,12 +228,22 @@ def verify(
             if look is not None:
                 with_lookup = CheckSettings(max_new_tokens, temperature, block, seed, settings.stop_token_ids, look)
                 task = bar.add_task(f"speculative + lookup: {d.source.id}", total=len(encoded))
-                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, lambda task=task: bar.advance(task))
-                summaries[-1]["lookup"] = lookup_summary(summaries[-1], runs, looked, base, with_lookup, block, categories)
-    par = parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
+                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, partial(bar.advance, task))
+                summaries[-1]["lookup"] = lookup_summary(
+                    summaries[-1], runs, looked, base, with_lookup, block, categories
+                )
+    par = (
+        parity(summaries[0], summaries[1], tolerance, temperature == 0, exact=dt == torch.float32) if compare else None
+    )
     report = {
-        "target": tgt.source.id, "prompt_set": spec, "num_prompts": len(encoded), "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "block_size": block, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
+        "target": tgt.source.id,
+        "prompt_set": spec,
+        "num_prompts": len(encoded),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "block_size": block,
+        "device": str(dev),
+        "dtype": str(dt).replace("torch.", ""),
         "summary": summaries[-1],
         "cache": cached,  # "hit": that run and its timings come from an earlier run (ignore them for speed)
     }
@@ -202,12 +259,16 @@ def verify(
     exact = dt == torch.float32
     # fp32: any difference fails; reduced precision: only a divergence the numerics cannot explain
     runs_checked = summaries + [s["lookup"] for s in summaries if s.get("lookup")]
-    not_lossless = [s for s in runs_checked if s["lossless"] is False and (exact or s.get("lossless_status") == "diverged")]
+    not_lossless = [
+        s for s in runs_checked if s["lossless"] is False and (exact or s.get("lossless_status") == "diverged")
+    ]
     failed = bool(not_lossless) or (par is not None and not par["passed"])
     for s in summaries:
         if not exact and s.get("lossless_status") == "near-ties":
-            err_console.print(f"[yellow]note:[/] {s['drafter']}: lossless up to {s.get('logits_dtype')} numerics "
-                              f"(token match rate {s['token_match_rate']:.4f}; every divergence at a near-tie)")
+            err_console.print(
+                f"[yellow]note:[/] {s['drafter']}: lossless up to {s.get('logits_dtype')} numerics "
+                f"(token match rate {s['token_match_rate']:.4f}; every divergence at a near-tie)"
+            )
     if failed:
         reasons = (par or {}).get("reasons") or ["greedy output is not lossless"]
         err_console.print(f"[red]check failed:[/] {'; '.join(reasons)}")

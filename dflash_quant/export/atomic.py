@@ -27,7 +27,9 @@ from dflash_quant.errors import UsageError
 
 MANIFEST = "manifest.json"  # the name dflash_quant.export.manifest writes; only read here
 # Signals whose default action would kill us mid-write; Ctrl-C (SIGINT) already raises KeyboardInterrupt.
-TERMINATING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n))
+TERMINATING = tuple(
+    getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n)
+)
 _LOCK_TEXT = re.compile(r"^(dflash-quant (\d+)\n?)?$")
 
 
@@ -40,6 +42,7 @@ class Terminated(BaseException):
 
 
 # --- checks ---------------------------------------------------------------------------------------------
+
 
 def resolve_output(path: Path | str) -> Path:
     """Absolute path with symlinks, `.`, `..` and trailing slashes resolved (the name temp dirs are named after)."""
@@ -107,6 +110,7 @@ def check_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = (
 
 
 # --- umask ------------------------------------------------------------------------------------------------
+
 
 def current_umask() -> int:
     """The process umask, read without changing it where the kernel reports it (os.umask is process-wide)."""
@@ -203,7 +207,9 @@ def _acquire(final: Path) -> int:
             os.close(fd)
             match = _LOCK_TEXT.match(text)
             who = f"pid {match.group(2)}" if match and match.group(2) else "pid unknown"
-            raise UsageError(f"--output {final} is being written by another dflash-quant run ({who}); wait for it or choose another --output") from None
+            raise UsageError(
+                f"--output {final} is being written by another dflash-quant run ({who}); wait for it or choose another --output"
+            ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -277,6 +283,7 @@ def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = (
 
 # --- staging and publishing ------------------------------------------------------------------------------
 
+
 def _libc_renameat2():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -333,7 +340,9 @@ def _publish(tmp: Path, final: Path, overwrite: bool) -> None:
         except FileExistsError:
             pass
         if not (overwrite and final.is_dir() and is_artifact(final)):
-            raise UsageError(f"--output {final} appeared while this run was writing it; nothing was replaced, choose another --output")
+            raise UsageError(
+                f"--output {final} appeared while this run was writing it; nothing was replaced, choose another --output"
+            )
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{os.getpid()}-", dir=final.parent))
         os.rename(final, old / "artifact")  # into our own fresh dir: never replaces anything
         try:

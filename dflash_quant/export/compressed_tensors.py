@@ -20,8 +20,10 @@ from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
 
 FORMAT = "pack-quantized"
-ACT_ORDER_PROBLEM = ("compressed-tensors >= 0.20 removed group act-order (a column permutation in weight_g_idx); "
-                     "quantize with `gptq --no-desc-act` or `--desc-act --static-groups`")
+ACT_ORDER_PROBLEM = (
+    "compressed-tensors >= 0.20 removed group act-order (a column permutation in weight_g_idx); "
+    "quantize with `gptq --no-desc-act` or `--desc-act --static-groups`"
+)
 
 
 def grid_problem(desc_act: bool) -> str | None:
@@ -43,8 +45,15 @@ def _in_order(qw) -> bool:
     return columns_in_order(qw)
 
 
-LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEAR_SUFFIXES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def ignore_rules(kept: list[str], n_layers: int) -> list[str]:
@@ -84,13 +93,18 @@ def quantization_config(art) -> dict[str, Any]:
 
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art)))
     config = QuantizationConfig(
-        config_groups={"group_0": scheme}, format=FORMAT, quantization_status="compressed",
+        config_groups={"group_0": scheme},
+        format=FORMAT,
+        quantization_status="compressed",
         ignore=ignore_rules(kept_linears(art), int(art.config.get("num_hidden_layers", 0))),
     )
     out = config.model_dump()
     out["quant_method"] = "compressed-tensors"
-    out["dflash_quant"] = {"from": "gptq", "profile": (art.qcfg.get("dflash_quant") or {}).get("profile"),
-                           "quantizer": f"dflash-quant:{__version__}"}
+    out["dflash_quant"] = {
+        "from": "gptq",
+        "profile": (art.qcfg.get("dflash_quant") or {}).get("profile"),
+        "quantizer": f"dflash-quant:{__version__}",
+    }
     return out
 
 
@@ -125,13 +139,20 @@ def write_compressed_tensors(dst: Path, art) -> dict[str, Any]:
             qbytes += t.numel() * t.element_size()
     for key, value in art.dense.items():
         tensors[key] = value.contiguous()
-    save_file(tensors, str(dst / "model.safetensors"),
-              metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"})
+    save_file(
+        tensors,
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"},
+    )
     config = dict(art.config)
     config["quantization_config"] = quantization_config(art)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {"format": "compressed-tensors", "files": ["model.safetensors", "config.json"], "quantized_bytes": qbytes,
-            "exact": "bit-identical codes and fp16 scales (the weight is exact in fp32, fp16-rounded by fp16 readers)"}
+    return {
+        "format": "compressed-tensors",
+        "files": ["model.safetensors", "config.json"],
+        "quantized_bytes": qbytes,
+        "exact": "bit-identical codes and fp16 scales (the weight is exact in fp32, fp16-rounded by fp16 readers)",
+    }
 
 
 def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -142,7 +163,9 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
     try:
         config = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k != "dflash_quant"})
     except Exception as exc:  # pydantic's error is long; one line is enough here
-        raise DFlashQuantError(f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})") from exc
+        raise DFlashQuantError(
+            f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})"
+        ) from exc
     if config.format != FORMAT or len(config.config_groups) != 1:
         raise DFlashQuantError(
             f"compressed-tensors format {config.format!r} with {len(config.config_groups)} groups cannot be read here; "
@@ -157,9 +180,10 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
     for base in sorted(bases):
         state = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == base}
         if "weight_g_idx" in state:
-            raise DFlashQuantError(f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads")
+            raise DFlashQuantError(
+                f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads"
+            )
         state["weight_scale"] = state["weight_scale"].float()
         weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
         out[f"{base}.weight"] = weight.float()
     return out
-

@@ -79,8 +79,14 @@ def read_gptq_artifact(path: Path) -> GptqArtifact:
         codes = _unpack_dim0(qweight, bits).T.contiguous()
         zeros = _unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1
         art.quantized[base] = QuantizedWeight(
-            codes=codes.to(torch.uint8), scales=scales.float(), zeros=zeros.to(torch.int32), g_idx=g_idx.to(torch.int32),
-            spec=spec, desc_act=bool(qcfg.get("desc_act")), static_groups=bool(qcfg.get("static_groups")), name=base,
+            codes=codes.to(torch.uint8),
+            scales=scales.float(),
+            zeros=zeros.to(torch.int32),
+            g_idx=g_idx.to(torch.int32),
+            spec=spec,
+            desc_act=bool(qcfg.get("desc_act")),
+            static_groups=bool(qcfg.get("static_groups")),
+            name=base,
         )
     return art
 
@@ -91,7 +97,9 @@ def columns_in_order(qw: QuantizedWeight) -> bool:
     return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features) // width))
 
 
-def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
+def format_problem(
+    fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False
+) -> str | None:
     """Why `gptq` settings cannot be written in `fmt` without requantizing (None: they can). Checked before calibrating.
 
     desc_act means a permuted g_idx: act-order *with* static groups keeps groups in column order and maps."""
@@ -113,8 +121,14 @@ def format_problem(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bo
 
 
 def convert_artifact(
-    src: Path, dst: Path, fmt: str, *, target: str | Path | None = None, requantize: bool = False,
-    command: list[str] | None = None, gguf_pre: str | None = None,
+    src: Path,
+    dst: Path,
+    fmt: str,
+    *,
+    target: str | Path | None = None,
+    requantize: bool = False,
+    command: list[str] | None = None,
+    gguf_pre: str | None = None,
 ) -> dict[str, Any]:
     """Write `fmt` into `dst` from the GPTQ v1 artifact `src` (dst may be src: the GPTQ files are replaced).
 
@@ -146,8 +160,9 @@ def convert_artifact(
     elif fmt == "gguf":
         from dflash_quant.export.gguf import write_gguf
 
-        summary = write_gguf(dst, art, target=_target_dir(target, reports.get("provenance.json")),
-                             requantize=requantize, pre=gguf_pre)
+        summary = write_gguf(
+            dst, art, target=_target_dir(target, reports.get("provenance.json")), requantize=requantize, pre=gguf_pre
+        )
     else:
         from dflash_quant.export.mlx import write_mlx
 
@@ -156,9 +171,14 @@ def convert_artifact(
         if name == "provenance.json":
             data = dict(data)
             data["export"] = {
-                "format": fmt, "from": None if src.resolve() == dst.resolve() else portable_path(src), "from_quant_method": "gptq", "tool_version": __version__,
+                "format": fmt,
+                "from": None if src.resolve() == dst.resolve() else portable_path(src),
+                "from_quant_method": "gptq",
+                "tool_version": __version__,
                 "created_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                "command": command or [], "exact": summary["exact"], "requantized": summary.get("requantized", False),
+                "command": command or [],
+                "exact": summary["exact"],
+                "requantized": summary.get("requantized", False),
             }
         if name == "quant_report.json":
             data = dict(data)
@@ -169,8 +189,10 @@ def convert_artifact(
         if name == "parity.json" and src.resolve() != dst.resolve():
             data = dict(data)
             notes = list(data.get("notes") or [])
-            notes.append(f"measured on the GPTQ v1 artifact this {fmt} export was converted from; "
-                         "`dflash-quant verify` on this directory measures these exact weights")
+            notes.append(
+                f"measured on the GPTQ v1 artifact this {fmt} export was converted from; "
+                "`dflash-quant verify` on this directory measures these exact weights"
+            )
             data["notes"] = notes
             data["measured_on"] = "gptq"
         next(c for c in REPORT_CLASSES if c.FILE == name).from_dict(data).write(dst)
@@ -214,4 +236,3 @@ def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | No
             except DFlashQuantError:
                 continue
     return None
-

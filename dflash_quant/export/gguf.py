@@ -49,16 +49,31 @@ LAYER_NAMES = {
 }
 # Metadata keys that converter writes for a DFlash v1 drafter (base TextModel + Qwen3 + DFlashModel).
 KEYS = (
-    "general.architecture", "general.type", "general.name", "general.file_type", "general.quantization_version",
-    "dflash.block_count", "dflash.context_length", "dflash.embedding_length", "dflash.feed_forward_length",
-    "dflash.attention.head_count", "dflash.attention.head_count_kv", "dflash.rope.freq_base",
-    "dflash.attention.layer_norm_rms_epsilon", "dflash.attention.key_length", "dflash.attention.value_length",
-    "dflash.block_size", "dflash.target_layers", "tokenizer.ggml.mask_token_id",
+    "general.architecture",
+    "general.type",
+    "general.name",
+    "general.file_type",
+    "general.quantization_version",
+    "dflash.block_count",
+    "dflash.context_length",
+    "dflash.embedding_length",
+    "dflash.feed_forward_length",
+    "dflash.attention.head_count",
+    "dflash.attention.head_count_kv",
+    "dflash.rope.freq_base",
+    "dflash.attention.layer_norm_rms_epsilon",
+    "dflash.attention.key_length",
+    "dflash.attention.value_length",
+    "dflash.block_size",
+    "dflash.target_layers",
+    "tokenizer.ggml.mask_token_id",
 )
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
-MAPPING_HINT = ("use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
-                "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0")
+MAPPING_HINT = (
+    "use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
+    "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0"
+)
 
 
 def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requantize: bool = False) -> str | None:
@@ -88,7 +103,9 @@ def gguf_name(hf_name: str) -> str:
         rest = ".".join(parts[2:])
         if rest in LAYER_NAMES:
             return f"blk.{parts[1]}.{LAYER_NAMES[rest]}.{suffix}"
-    raise DFlashQuantError(f"tensor {hf_name} has no GGUF name in llama.cpp's dflash layout; is this a DFlash v1 drafter?")
+    raise DFlashQuantError(
+        f"tensor {hf_name} has no GGUF name in llama.cpp's dflash layout; is this a DFlash v1 drafter?"
+    )
 
 
 def hf_name(name: str) -> str:
@@ -102,7 +119,9 @@ def hf_name(name: str) -> str:
         for hf, gg in LAYER_NAMES.items():
             if parts[2] == gg:
                 return f"layers.{parts[1]}.{hf}.{suffix}"
-    raise DFlashQuantError(f"GGUF tensor {name} is not part of a DFlash drafter; was this file written for another model?")
+    raise DFlashQuantError(
+        f"GGUF tensor {name} is not part of a DFlash drafter; was this file written for another model?"
+    )
 
 
 # ------------------------------------------------------------------------------------------- block codecs
@@ -144,10 +163,14 @@ def encode_weight(qw, requantize: bool = False) -> tuple[np.ndarray, str]:
 
     from dflash_quant.export.convert import columns_in_order
 
-    exact = (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
+    exact = (
+        (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
+    )
     if not exact:
         if not requantize:
-            raise UsageError(f"{qw.name}: {grid_problem(qw.spec.bits, qw.spec.group_size, qw.spec.sym, not columns_in_order(qw)) or 'grid does not map'}")
+            raise UsageError(
+                f"{qw.name}: {grid_problem(qw.spec.bits, qw.spec.group_size, qw.spec.sym, not columns_in_order(qw)) or 'grid does not map'}"
+            )
         if qw.in_features % BLOCK:
             raise UsageError(f"{qw.name}: input width {qw.in_features} is not a multiple of 32; GGUF cannot hold it")
         kind = "Q8_0" if qw.spec.bits == 8 else ("Q4_0" if qw.spec.sym else "Q4_1")
@@ -187,10 +210,14 @@ def write_vocab(writer, target: Path, vocab_size: int, pre: str | None) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        raise DFlashQuantError(f"cannot read the target tokenizer in {target} ({exc}); pass --target with the target model") from exc
+        raise DFlashQuantError(
+            f"cannot read the target tokenizer in {target} ({exc}); pass --target with the target model"
+        ) from exc
     vocab = tok.get_vocab()
     if max(vocab.values()) >= vocab_size:
-        raise DFlashQuantError(f"target tokenizer has ids up to {max(vocab.values())} but the drafter's vocab_size is {vocab_size}")
+        raise DFlashQuantError(
+            f"target tokenizer has ids up to {max(vocab.values())} but the drafter's vocab_size is {vocab_size}"
+        )
     reverse = {i: t for t, i in vocab.items()}
     added = tok.get_added_vocab()
     special = set(getattr(tok, "all_special_tokens", []))
@@ -220,11 +247,15 @@ def default_pre(vocab_size: int) -> str:
     return "qwen2" if vocab_size >= 151643 else "gpt-2"
 
 
-def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None) -> dict[str, Any]:
+def write_gguf(
+    dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None
+) -> dict[str, Any]:
     import gguf
 
     if target is None:
-        raise UsageError("GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET")
+        raise UsageError(
+            "GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET"
+        )
     hp = _hparams(art.config)
     cfg = hp["cfg"]
     written: dict[str, tuple[np.ndarray, str]] = {}
@@ -285,17 +316,31 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
     config = dict(art.config)
     config.pop("quantization_config", None)
     config["quantization_config"] = {
-        "quant_method": "gguf", "file": fname, "types": kinds, "from": "gptq",
+        "quant_method": "gguf",
+        "file": fname,
+        "types": kinds,
+        "from": "gptq",
         "requantized": any(not _exact_weight(qw) for qw in art.quantized.values()),
-        "bits": art.bits, "group_size": art.group_size, "sym": art.sym, "layout": LLAMA_CPP_REVISION,
+        "bits": art.bits,
+        "group_size": art.group_size,
+        "sym": art.sym,
+        "layout": LLAMA_CPP_REVISION,
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    exact = {"Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)", "Q8_0": "bit-identical (q = code - 128)",
-             "Q4_1": "codes and d identical; m = -scale*zero rounded to fp16"}
+    exact = {
+        "Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)",
+        "Q8_0": "bit-identical (q = code - 128)",
+        "Q4_1": "codes and d identical; m = -scale*zero rounded to fp16",
+    }
     requantized = any(not _exact_weight(qw) for qw in art.quantized.values())
-    return {"format": "gguf", "files": [fname, "config.json"], "quantized_bytes": qbytes, "types": kinds,
-            "requantized": requantized,
-            "exact": "requantized with gguf round-to-nearest" if requantized else "; ".join(exact[k] for k in kinds)}
+    return {
+        "format": "gguf",
+        "files": [fname, "config.json"],
+        "quantized_bytes": qbytes,
+        "types": kinds,
+        "requantized": requantized,
+        "exact": "requantized with gguf round-to-nearest" if requantized else "; ".join(exact[k] for k in kinds),
+    }
 
 
 def _exact_weight(qw) -> bool:

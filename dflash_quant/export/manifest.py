@@ -122,7 +122,7 @@ def parse_files(data: object) -> tuple[dict | None, str | None]:
     reported by name (`_entry_problem`) rather than refusing the whole manifest."""
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
-        return None, f"{MANIFEST} has no \"files\" object"
+        return None, f'{MANIFEST} has no "files" object'
     return files, None
 
 
@@ -172,8 +172,9 @@ def check_artifact_files(root: Path, *, skip: Iterable[str] = ()) -> tuple[list[
         if name in skip:
             continue
         if st.st_size != entry["bytes"]:
-            problems.append(f"{name} does not match its sha256 in the manifest ({st.st_size} bytes, "
-                            f"recorded {entry['bytes']})")
+            problems.append(
+                f"{name} does not match its sha256 in the manifest ({st.st_size} bytes, recorded {entry['bytes']})"
+            )
             continue
         try:
             digest, fst = _hash_open(root / name, st)
@@ -212,7 +213,8 @@ def require_intact(root: Path, *, stage: str, skip: Iterable[str] = ()) -> list[
     if problems:
         raise DFlashQuantError(
             f"{stage}: artifact {root} fails its integrity check: {summarize(problems)}; {REEXPORT} "
-            f"(only the export stage records weight hashes)")
+            f"(only the export stage records weight hashes)"
+        )
     return verified
 
 

@@ -53,7 +53,9 @@ def pack_weight(qw) -> dict[str, torch.Tensor]:
 
 
 def write_mlx(dst: Path, art) -> dict[str, Any]:
-    problem = grid_problem(art.bits, art.group_size, bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups"))
+    problem = grid_problem(
+        art.bits, art.group_size, bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")
+    )
     if problem:
         raise UsageError(problem)
     tensors: dict[str, torch.Tensor] = {}
@@ -64,29 +66,42 @@ def write_mlx(dst: Path, art) -> dict[str, Any]:
             qbytes += t.numel() * t.element_size()
     for key, value in art.dense.items():
         tensors[key] = value.contiguous()
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "mlx", "quantized_by": f"dflash-quant {__version__}"})
+    save_file(
+        tensors,
+        str(dst / "model.safetensors"),
+        metadata={"format": "mlx", "quantized_by": f"dflash-quant {__version__}"},
+    )
     config = dict(art.config)
     config.pop("quantization_config", None)
     config["quantization"] = {"group_size": art.group_size, "bits": art.bits, "mode": "affine"}
-    config["dflash_quant"] = {"from": "gptq", "sym": art.sym, "profile": (art.qcfg.get("dflash_quant") or {}).get("profile")}
+    config["dflash_quant"] = {
+        "from": "gptq",
+        "sym": art.sym,
+        "profile": (art.qcfg.get("dflash_quant") or {}).get("profile"),
+    }
     if "rope_theta" not in config:  # dflash-mlx builds the drafter from a top-level rope_theta
         rope = config.get("rope_parameters") or {}
         if "rope_theta" in rope:
             config["rope_theta"] = rope["rope_theta"]
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     exact = "bit-identical codes and fp16 scales; " + (
-        "biases -scale*zero exact in fp16" if art.sym else "biases -scale*zero rounded to fp16")
+        "biases -scale*zero exact in fp16" if art.sym else "biases -scale*zero rounded to fp16"
+    )
     return {"format": "mlx", "files": ["model.safetensors", "config.json"], "quantized_bytes": qbytes, "exact": exact}
 
 
-def dequantize_affine(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def dequantize_affine(
+    weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
     """fp32 [out, in] = scales * q + biases from MLX's stored tensors (products exact in fp32)."""
     out = weight.shape[0]
     words = weight.view(torch.int32) if weight.dtype != torch.int32 else weight
     codes = _unpack_dim0(words.T.contiguous(), bits).T  # [out, in]
     in_features = codes.shape[1]
     if scales.shape != (out, in_features // group_size):
-        raise DFlashQuantError(f"MLX scales {tuple(scales.shape)} do not fit weight [{out}, {in_features}] at group {group_size}")
+        raise DFlashQuantError(
+            f"MLX scales {tuple(scales.shape)} do not fit weight [{out}, {in_features}] at group {group_size}"
+        )
     s = scales.float().repeat_interleave(group_size, dim=1)
     b = biases.float().repeat_interleave(group_size, dim=1)
     return s * codes.float() + b
@@ -94,7 +109,9 @@ def dequantize_affine(weight: torch.Tensor, scales: torch.Tensor, biases: torch.
 
 def read_mlx(tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[str, torch.Tensor]:
     bits, group = int(quant["bits"]), int(quant["group_size"])
-    bases = {k[: -len(".scales")] for k in tensors if k.endswith(".scales") and f"{k[: -len('.scales')]}.biases" in tensors}
+    bases = {
+        k[: -len(".scales")] for k in tensors if k.endswith(".scales") and f"{k[: -len('.scales')]}.biases" in tensors
+    }
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
         base, _, part = key.rpartition(".")
@@ -104,7 +121,10 @@ def read_mlx(tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> dict[st
     for base in sorted(bases):
         layer_q = q if isinstance(q := quant.get(base), dict) else {}
         out[f"{base}.weight"] = dequantize_affine(
-            tensors[f"{base}.weight"], tensors[f"{base}.scales"], tensors[f"{base}.biases"],
-            int(layer_q.get("bits", bits)), int(layer_q.get("group_size", group)),
+            tensors[f"{base}.weight"],
+            tensors[f"{base}.scales"],
+            tensors[f"{base}.biases"],
+            int(layer_q.get("bits", bits)),
+            int(layer_q.get("group_size", group)),
         )
     return out

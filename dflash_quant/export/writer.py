@@ -43,15 +43,21 @@ def _skip_rules(kept: list[str], n_layers: int) -> dict[str, dict]:
 
 def quantization_config(settings: QuantSettings, kept: list[str], n_layers: int) -> dict[str, Any]:
     """GPTQ v1 config; Linears kept in bf16 are listed as negative `dynamic` rules (vLLM/GPTQModel skip them)."""
-    ours = {"method": settings.method, "profile": settings.profile}
+    ours: dict[str, Any] = {"method": settings.method, "profile": settings.profile}
     if settings.quantize_conv or settings.quantize_selector:
         ours.update(quantize_conv=settings.quantize_conv, quantize_selector=settings.quantize_selector)
     extra: dict[str, Any] = {"quantizer": [f"dflash-quant:{__version__}"], "dflash_quant": ours}
     if kept:
         extra["dynamic"] = _skip_rules(kept, n_layers)
     return gptq_quantization_config(
-        settings.bits, settings.group_size, settings.sym, settings.desc_act, settings.static_groups, settings.damp,
-        true_sequential=settings.sequential, extra=extra,
+        settings.bits,
+        settings.group_size,
+        settings.sym,
+        settings.desc_act,
+        settings.static_groups,
+        settings.damp,
+        true_sequential=settings.sequential,
+        extra=extra,
     )
 
 
@@ -59,7 +65,9 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
     """Bytes of every tensor in the written file, from its header."""
     from dflash_quant.memory.weights import read_header
 
-    return {name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()}
+    return {
+        name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()
+    }
 
 
 def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]) -> dict[str, Any]:
@@ -76,8 +84,12 @@ def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]
 
 
 def export_gptq(
-    out: Path, source: LoadedDrafter, outcome: QuantOutcome, settings: QuantSettings,
-    provenance: Provenance, quant_report: QuantReport,
+    out: Path,
+    source: LoadedDrafter,
+    outcome: QuantOutcome,
+    settings: QuantSettings,
+    provenance: Provenance,
+    quant_report: QuantReport,
 ) -> dict[str, Any]:
     """Fill `out` (an empty temp dir); returns the quantization_config written."""
     out = Path(out)
@@ -90,7 +102,11 @@ def export_gptq(
             tensors[f"{name}.{part}"] = t.contiguous()
     for key, t in state.items():
         tensors[key] = t.to(torch.bfloat16).contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"})
+    save_file(
+        tensors,
+        str(out / "model.safetensors"),
+        metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"},
+    )
     # bf16 Linears outside the backbone (DFlash2 conv/selector, unless quantized on request) must be skipped by
     # GPTQ loaders too; base_kernel and the codebooks are not Linears, so no loader expects qweight for them
     kept = outcome.kept + [n for n in source.model.other_linear_names() if n not in outcome.weights]

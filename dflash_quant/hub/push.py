@@ -44,18 +44,49 @@ from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check
 from dflash_quant.export.provenance import provenance_problem
 
 # parity.json is required too, but its absence is a parity-gate problem (--force overrides it).
-REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "README.md",
-                  MANIFEST)
+REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "README.md", MANIFEST)
 IN_MEMORY_LIMIT = 1 << 30  # files up to this size are uploaded from the bytes that were hashed
 RECOMMENDED_FILES = ("quant_report.json", "memory.json")
 
 # The Hub stores these as large files (the default .gitattributes of a new model repo), as well as any
 # file of 10 MB or more and any binary file (NUL byte in the first 512 bytes, the `sample` huggingface_hub
 # sends to preupload). The Hub's preupload answer is what counts; this only predicts it for --dry-run.
-LFS_PATTERNS = ("*.7z", "*.arrow", "*.bin", "*.bz2", "*.ckpt", "*.ftz", "*.gz", "*.h5", "*.joblib", "*.lfs.*",
-                "*.mlmodel", "*.model", "*.msgpack", "*.npy", "*.npz", "*.onnx", "*.ot", "*.parquet", "*.pb",
-                "*.pickle", "*.pkl", "*.pt", "*.pth", "*.rar", "*.safetensors", "*.tar.*", "*.tar", "*.tflite",
-                "*.tgz", "*.wasm", "*.xz", "*.zip", "*.zst", "*tfevents*")
+LFS_PATTERNS = (
+    "*.7z",
+    "*.arrow",
+    "*.bin",
+    "*.bz2",
+    "*.ckpt",
+    "*.ftz",
+    "*.gz",
+    "*.h5",
+    "*.joblib",
+    "*.lfs.*",
+    "*.mlmodel",
+    "*.model",
+    "*.msgpack",
+    "*.npy",
+    "*.npz",
+    "*.onnx",
+    "*.ot",
+    "*.parquet",
+    "*.pb",
+    "*.pickle",
+    "*.pkl",
+    "*.pt",
+    "*.pth",
+    "*.rar",
+    "*.safetensors",
+    "*.tar.*",
+    "*.tar",
+    "*.tflite",
+    "*.tgz",
+    "*.wasm",
+    "*.xz",
+    "*.zip",
+    "*.zst",
+    "*tfevents*",
+)
 LFS_SIZE_THRESHOLD = 10 * 1024 * 1024
 SAMPLE_BYTES = 512
 
@@ -138,14 +169,19 @@ def inspect_artifact(artifact_dir: Path) -> ArtifactCheck:
     """Every check push makes, without a network call."""
     root = Path(artifact_dir)
     integrity, verified = check_artifact_files(root)
-    integrity = [f"required file {name} is missing" for name in REQUIRED_FILES
-                 if name != MANIFEST and not os.path.lexists(root / name)] + [
-        p for p in integrity if not any(p.startswith(f"{name} is listed") for name in REQUIRED_FILES)]
+    integrity = [
+        f"required file {name} is missing"
+        for name in REQUIRED_FILES
+        if name != MANIFEST and not os.path.lexists(root / name)
+    ] + [p for p in integrity if not any(p.startswith(f"{name} is listed") for name in REQUIRED_FILES)]
     bad_provenance = provenance_problem(root) if not integrity else None
     if bad_provenance:
         integrity.append(f"provenance.json {bad_provenance}")
-    notes = [f"{name} is missing; the card says 'not measured' for it"
-             for name in RECOMMENDED_FILES if not (root / name).is_file()]
+    notes = [
+        f"{name} is missing; the card says 'not measured' for it"
+        for name in RECOMMENDED_FILES
+        if not (root / name).is_file()
+    ]
     return ArtifactCheck(list(dict.fromkeys(integrity)), _parity_problems(root), notes, verified)
 
 
@@ -157,11 +193,15 @@ def _checked(artifact_dir: Path, force: bool) -> tuple[list[str], list[VerifiedF
         raise DFlashQuantError(f"artifact directory {root} is empty; nothing to push")
     check = inspect_artifact(root)
     if check.integrity:
-        raise DFlashQuantError(f"refusing to push {root}: {summarize(check.integrity)}; {REEXPORT} "
-                               "(--force does not override integrity checks)")
+        raise DFlashQuantError(
+            f"refusing to push {root}: {summarize(check.integrity)}; {REEXPORT} "
+            "(--force does not override integrity checks)"
+        )
     if check.gate and not force:
-        raise DFlashQuantError(f"refusing to push {root}: {summarize(check.gate)}; re-run the parity check with "
-                               "`dflash-quant gptq` or pass --force to push it anyway")
+        raise DFlashQuantError(
+            f"refusing to push {root}: {summarize(check.gate)}; re-run the parity check with "
+            "`dflash-quant gptq` or pass --force to push it anyway"
+        )
     warnings = [f"--force: pushing despite: {p}" for p in check.gate] if check.gate else []
     return warnings + check.notes, check.verified
 
@@ -244,7 +284,11 @@ def plan_push(
     if verified is None:
         verified = check_artifact_files(root)[1] if root.is_dir() else []
     plan = PushPlan(
-        artifact=str(root), repo_id=repo_id, revision=revision or "main", create_pr=create_pr, private=private,
+        artifact=str(root),
+        repo_id=repo_id,
+        revision=revision or "main",
+        create_pr=create_pr,
+        private=private,
         endpoint=_resolve_endpoint(endpoint),
         commit_message=commit_message or default_commit_message(root),
         commit_description=_commit_description(root),
@@ -306,7 +350,8 @@ def _is_network_error(exc: BaseException) -> bool:
     import httpx2
 
     return _status(exc) is None and any(
-        isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)) for e in _chain(exc))
+        isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)) for e in _chain(exc)
+    )
 
 
 def _is_connect_error(exc: BaseException) -> bool:
@@ -339,8 +384,16 @@ def _scrub(text: str, token: str | None) -> str:
     return text
 
 
-def explain(exc: BaseException, *, stage: str, repo_id: str, endpoint: str, revision: str,
-            token: str | None = None, attempts: int = 1) -> str:
+def explain(
+    exc: BaseException,
+    *,
+    stage: str,
+    repo_id: str,
+    endpoint: str,
+    revision: str,
+    token: str | None = None,
+    attempts: int = 1,
+) -> str:
     """One line naming the problem and the fix."""
     status = _status(exc)
     server = _server_message(exc)
@@ -348,20 +401,28 @@ def explain(exc: BaseException, *, stage: str, repo_id: str, endpoint: str, revi
     namespace = repo_id.split("/")[0]
     tried = f" after {attempts} attempts" if attempts > 1 else ""
     if status == 401:
-        msg = (f"{endpoint} rejected the token while {stage} (401 Unauthorized){extra}: set HF_TOKEN to a valid "
-               "write token or run `hf auth login`")
+        msg = (
+            f"{endpoint} rejected the token while {stage} (401 Unauthorized){extra}: set HF_TOKEN to a valid "
+            "write token or run `hf auth login`"
+        )
     elif status == 403:
-        msg = (f"no write access to '{namespace}' on {endpoint} while {stage} (403 Forbidden){extra}: use a token "
-               f"with write permission for '{namespace}', or push to a namespace you own")
+        msg = (
+            f"no write access to '{namespace}' on {endpoint} while {stage} (403 Forbidden){extra}: use a token "
+            f"with write permission for '{namespace}', or push to a namespace you own"
+        )
     elif status == 404:
         if "revision" in exc.__class__.__name__.lower():
             msg = f"branch '{revision}' of {repo_id} was not found while {stage} (404){extra}: check --revision"
         else:
-            msg = (f"{repo_id} was not found on {endpoint} while {stage} (404){extra}: check --repo-id and "
-                   "--endpoint; a private repo is invisible to a token without access")
+            msg = (
+                f"{repo_id} was not found on {endpoint} while {stage} (404){extra}: check --repo-id and "
+                "--endpoint; a private repo is invisible to a token without access"
+            )
     elif status == 409:
-        msg = (f"conflict while {stage} on {repo_id}@{revision} (409){extra}: the branch changed or another "
-               "operation is running; retry, or push to a new --revision or with --create-pr")
+        msg = (
+            f"conflict while {stage} on {repo_id}@{revision} (409){extra}: the branch changed or another "
+            "operation is running; retry, or push to a new --revision or with --create-pr"
+        )
     elif status == 429:
         msg = f"rate limited by {endpoint} while {stage}{tried} (429){extra}: wait a few minutes and retry"
     elif status is not None and status >= 500:
@@ -369,15 +430,21 @@ def explain(exc: BaseException, *, stage: str, repo_id: str, endpoint: str, revi
     elif status is not None:
         msg = f"{endpoint} refused the request while {stage} (HTTP {status}){extra}"
     elif _is_offline(exc):
-        msg = (f"huggingface_hub is in offline mode (HF_HUB_OFFLINE is set) while {stage}: unset HF_HUB_OFFLINE "
-               "(or set it to 0) to push")
+        msg = (
+            f"huggingface_hub is in offline mode (HF_HUB_OFFLINE is set) while {stage}: unset HF_HUB_OFFLINE "
+            "(or set it to 0) to push"
+        )
     elif _is_connect_error(exc):
-        msg = (f"cannot connect to {endpoint} while {stage}: check --endpoint / HF_ENDPOINT and your network "
-               "(proxy, firewall, offline mode)")
+        msg = (
+            f"cannot connect to {endpoint} while {stage}: check --endpoint / HF_ENDPOINT and your network "
+            "(proxy, firewall, offline mode)"
+        )
     elif _is_network_error(exc):
         cause = _root_cause(exc)
-        msg = (f"network error talking to {endpoint} while {stage}{tried} ({cause.__class__.__name__}): "
-               "check your network and retry")
+        msg = (
+            f"network error talking to {endpoint} while {stage}{tried} ({cause.__class__.__name__}): "
+            "check your network and retry"
+        )
     else:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         msg = f"push failed while {stage}: {first}"
@@ -387,16 +454,26 @@ def explain(exc: BaseException, *, stage: str, repo_id: str, endpoint: str, revi
 # --------------------------------------------------------------------------- push
 
 
-def _retrying(fn: Callable[[], Any], *, stage: str, log: Callable[[str], None], retry: bool = True,
-              library_retried: Callable[[BaseException], bool] | None = None) -> tuple[Any, int]:
+def _retrying(
+    fn: Callable[[], Any],
+    *,
+    stage: str,
+    log: Callable[[str], None],
+    retry: bool = True,
+    library_retried: Callable[[BaseException], bool] | None = None,
+) -> tuple[Any, int]:
     attempt = 0
     while True:
         attempt += 1
         try:
             return fn(), attempt
         except Exception as exc:
-            again = (retry and attempt < MAX_ATTEMPTS and is_transient(exc)
-                     and not (library_retried is not None and library_retried(exc)))
+            again = (
+                retry
+                and attempt < MAX_ATTEMPTS
+                and is_transient(exc)
+                and not (library_retried is not None and library_retried(exc))
+            )
             if not again:
                 exc.__dict__["_dfq_attempts"] = attempt
                 raise
@@ -419,8 +496,10 @@ def _check_no_token_in_files(payloads: list[tuple[str, bytes | io.BufferedReader
     needle = token.encode()
     for name, data in payloads:
         if isinstance(data, bytes) and len(data) <= LFS_SIZE_THRESHOLD and needle in data:
-            raise DFlashQuantError(f"{name} contains your Hugging Face token; remove it from the artifact "
-                                   "(then re-export) before pushing, and revoke the token")
+            raise DFlashQuantError(
+                f"{name} contains your Hugging Face token; remove it from the artifact "
+                "(then re-export) before pushing, and revoke the token"
+            )
 
 
 def _open_verified(f: VerifiedFile) -> io.BufferedReader:
@@ -437,8 +516,9 @@ def _open_verified(f: VerifiedFile) -> io.BufferedReader:
     return fh
 
 
-def _read_payloads(root: Path, verified: list[VerifiedFile], stack: contextlib.ExitStack
-                   ) -> list[tuple[str, bytes | io.BufferedReader]]:
+def _read_payloads(
+    root: Path, verified: list[VerifiedFile], stack: contextlib.ExitStack
+) -> list[tuple[str, bytes | io.BufferedReader]]:
     """What the commit sends, read from the checked files; a changed byte or a swapped file is refused."""
     payloads: list[tuple[str, bytes | io.BufferedReader]] = []
     for f in sorted(verified, key=lambda v: v.name):
@@ -507,22 +587,51 @@ def push_artifact(
 ) -> PushResult:
     """Check and read everything, then create repo/branch if needed and upload the artifact in one commit."""
     with contextlib.ExitStack() as stack:
-        return _push(stack, Path(artifact_dir), repo_id, private=private, revision=revision, create_pr=create_pr,
-                     commit_message=commit_message, endpoint=endpoint, token=token, force=force,
-                     log=log or (lambda _msg: None))
+        return _push(
+            stack,
+            Path(artifact_dir),
+            repo_id,
+            private=private,
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=commit_message,
+            endpoint=endpoint,
+            token=token,
+            force=force,
+            log=log or (lambda _msg: None),
+        )
 
 
-def _push(stack: contextlib.ExitStack, root: Path, repo_id: str, *, private: bool, revision: str | None,
-          create_pr: bool, commit_message: str | None, endpoint: str | None, token: str | None, force: bool,
-          log: Callable[[str], None]) -> PushResult:
+def _push(
+    stack: contextlib.ExitStack,
+    root: Path,
+    repo_id: str,
+    *,
+    private: bool,
+    revision: str | None,
+    create_pr: bool,
+    commit_message: str | None,
+    endpoint: str | None,
+    token: str | None,
+    force: bool,
+    log: Callable[[str], None],
+) -> PushResult:
     from huggingface_hub import HfApi
 
     _validate_args(repo_id, revision, create_pr)
     warnings, verified = _checked(root, force)
     for warning in warnings:
         log(f"warning: {warning}")
-    plan = plan_push(root, repo_id, revision=revision, create_pr=create_pr, private=private,
-                     commit_message=commit_message, endpoint=endpoint, verified=verified)
+    plan = plan_push(
+        root,
+        repo_id,
+        revision=revision,
+        create_pr=create_pr,
+        private=private,
+        commit_message=commit_message,
+        endpoint=endpoint,
+        verified=verified,
+    )
     secret = resolve_token(token)
     payloads = _read_payloads(root, verified, stack)
     _check_no_token_in_files(payloads, secret)
@@ -536,33 +645,57 @@ def _push(stack: contextlib.ExitStack, root: Path, repo_id: str, *, private: boo
         log(f"creating {repo_id} on {plan.endpoint} if needed")
         repo_url, attempts = _retrying(
             lambda: api.create_repo(repo_id, repo_type="model", private=private or None, exist_ok=True),
-            stage=stage, log=log)
+            stage=stage,
+            log=log,
+        )
         if branch is not None:
             stage = f"creating branch '{branch}'"
             log(f"creating branch {branch} if needed")
             _, attempts = _retrying(
                 lambda: api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True),
-                stage=stage, log=log)
+                stage=stage,
+                log=log,
+            )
         stage = "uploading the files and committing"
         log(f"uploading {len(plan.files)} files ({plan.total_bytes:,} bytes) in one commit")
 
         def commit():
             operations = _operations(payloads, verified)  # fresh per attempt: an operation is single-use
             return api.create_commit(
-                repo_id, operations, commit_message=plan.commit_message,
-                commit_description=plan.commit_description, repo_type="model", revision=branch,
-                create_pr=create_pr or None)
+                repo_id,
+                operations,
+                commit_message=plan.commit_message,
+                commit_description=plan.commit_description,
+                repo_type="model",
+                revision=branch,
+                create_pr=create_pr or None,
+            )
 
         # A retried commit with create_pr could open a second pull request: no retries then.
-        info, attempts = _retrying(commit, stage=stage, log=log, retry=not create_pr,
-                                   library_retried=_already_retried_by_hub)
+        info, attempts = _retrying(
+            commit, stage=stage, log=log, retry=not create_pr, library_retried=_already_retried_by_hub
+        )
     except DFlashQuantError:
         raise
     except Exception as exc:
         attempts = exc.__dict__.get("_dfq_attempts", attempts)
-        raise DFlashQuantError(explain(exc, stage=stage, repo_id=repo_id, endpoint=plan.endpoint,
-                                       revision=plan.revision, token=secret, attempts=attempts)) from None
+        raise DFlashQuantError(
+            explain(
+                exc,
+                stage=stage,
+                repo_id=repo_id,
+                endpoint=plan.endpoint,
+                revision=plan.revision,
+                token=secret,
+                attempts=attempts,
+            )
+        ) from None
     return PushResult(
-        commit_url=str(info.commit_url), commit_oid=str(info.oid), pr_url=info.pr_url, repo_url=str(repo_url),
-        revision=plan.revision, num_files=len(plan.files), total_bytes=plan.total_bytes,
+        commit_url=str(info.commit_url),
+        commit_oid=str(info.oid),
+        pr_url=info.pr_url,
+        repo_url=str(repo_url),
+        revision=plan.revision,
+        num_files=len(plan.files),
+        total_bytes=plan.total_bytes,
     )

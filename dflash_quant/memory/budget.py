@@ -189,8 +189,7 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
     if path.is_file():
         return read_config(path), None, str(path)
     raise DFlashQuantError(
-        f"{text!r} is not a preset, a directory or a config.json; use one of {', '.join(preset_names())} "
-        "or a path"
+        f"{text!r} is not a preset, a directory or a config.json; use one of {', '.join(preset_names())} or a path"
     )
 
 
@@ -202,7 +201,7 @@ def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool)
     if root is None:
         return
     names = [n for f in weight_files(root) for n in read_header(f)]
-    names = [n[len("model."):] if shape.is_drafter and n.startswith("model.") else n for n in names]
+    names = [n[len("model.") :] if shape.is_drafter and n.startswith("model.") else n for n in names]
     check_layers_present(shape.num_layers, names, label, exact=exact)
 
 
@@ -249,7 +248,9 @@ def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> Drafte
     if group_size != -1 and group_size < 1:
         raise UsageError(f"--group-size {group_size} is invalid; use -1 (per channel) or a positive width like 128")
     if not shape.is_drafter:
-        raise UsageError(f"{label} is not a DFlash drafter config (no dflash_config/target_layer_ids); pass it with --target")
+        raise UsageError(
+            f"{label} is not a DFlash drafter config (no dflash_config/target_layer_ids); pass it with --target"
+        )
     pc = count_params(shape)
     est_int4 = priced_bytes(pc, "int4", group_size)
     est_bf16 = priced_bytes(pc, "bf16")
@@ -328,7 +329,9 @@ def activation_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings) -
     return _layer_peak(t, tok) + taps + ctx_proj + logits + draft_fwd
 
 
-def reference_activation_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
+def reference_activation_bytes(
+    target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int
+) -> dict[str, int]:
     """Activation peak of `speculative_generate` (batch 1, HF target, bf16), by phase. P = context - new_tokens.
 
     (A) target prefill, at the last layer:
@@ -392,7 +395,9 @@ class Budget:
         return asdict(self)
 
 
-def reference_phases(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, dict[str, int]]:
+def reference_phases(
+    target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int
+) -> dict[str, dict[str, int]]:
     """Reference loop: caches + activation of each phase (prefill, drafter_prefill, decode), weights excluded."""
     p = context - s.new_tokens
     prompt = cache_bytes(target, drafter, s, p)
@@ -411,7 +416,9 @@ def peak_phase(phases: dict[str, dict[str, int]]) -> str:
     return max(phases, key=lambda k: sum(phases[k].values()))
 
 
-def required_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int, concurrency: int) -> tuple[int, dict[str, int]]:
+def required_bytes(
+    target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int, concurrency: int
+) -> tuple[int, dict[str, int]]:
     """(required bytes, components) at this context and concurrency."""
     weights = {"target_weights": target.weight_bytes, "drafter_weights": drafter.weight_bytes}
     caches = cache_bytes(target, drafter, s, context)

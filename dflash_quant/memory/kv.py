@@ -289,8 +289,9 @@ def parse_shape(src: str | Path | dict, source: str = "config") -> ModelShape:
     n_layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers", required=True, what="num_hidden_layers")
     positive_int(n_layers, "num_hidden_layers", source)
     if n_layers > MAX_LAYERS:
-        raise DFlashQuantError(f"{source}: num_hidden_layers {n_layers:,} is implausible (more than {MAX_LAYERS}); "
-                               "fix the config")
+        raise DFlashQuantError(
+            f"{source}: num_hidden_layers {n_layers:,} is implausible (more than {MAX_LAYERS}); fix the config"
+        )
     hidden = _int(cfg, "hidden_size", "d_model", "n_embd", required=True, what="hidden_size")
     heads = _int(cfg, "num_attention_heads", "n_head", required=True, what="num_attention_heads")
     kv = _int(cfg, "num_key_value_heads", default=heads)

@@ -358,7 +358,9 @@ def method_budget(t: ModelSpec, m: Method, s: BudgetSettings) -> dict:
         "spec_tokens": m.spec_tokens,
         "state_slots": m.state_slots,
         "draft_weights_source": m.draft_weights_source,
-        "kv_padding_layers": {"/".join(str(x) for x in k if x is not None): n for k, n in m.padding_layers.items() if n},
+        "kv_padding_layers": {
+            "/".join(str(x) for x in k if x is not None): n for k, n in m.padding_layers.items() if n
+        },
         "components": comps,
         "required_bytes": req,
         "usable_bytes": usable,
@@ -375,7 +377,9 @@ def compare_mtp(t: ModelSpec, d: DrafterSpec, s: BudgetSettings, *, root=None, m
                 mtp_weights: str | None = None) -> dict:  # fmt: skip
     """No speculation, MTP (each K), DFlash bf16 and DFlash quantized, side by side (vLLM engine)."""
     if s.engine != "vllm":
-        raise UsageError("--compare-mtp models vLLM only (this project's reference loop has no MTP path); drop --engine reference")
+        raise UsageError(
+            "--compare-mtp models vLLM only (this project's reference loop has no MTP path); drop --engine reference"
+        )
     validate_settings(s)
     head = require_mtp_head(t.shape, t.label)
     w = resolve_mtp_weights(t.shape, head, root, mtp_weights)
@@ -395,9 +399,13 @@ def compare_mtp(t: ModelSpec, d: DrafterSpec, s: BudgetSettings, *, root=None, m
         "engine": s.engine,
         "context": s.context,
         "concurrency": s.concurrency,
-        "mtp": {"layers": head.num_layers, "dedicated_embeddings": head.dedicated_embeddings,
-                "weight_bytes": w.bytes, "weights_from": w.source,
-                "kv_bytes_per_token": mtp_kv_per_token(t.shape, head, s.kv_dtype)},  # fmt: skip
+        "mtp": {
+            "layers": head.num_layers,
+            "dedicated_embeddings": head.dedicated_embeddings,
+            "weight_bytes": w.bytes,
+            "weights_from": w.source,
+            "kv_bytes_per_token": mtp_kv_per_token(t.shape, head, s.kv_dtype),
+        },  # fmt: skip
         "dflash_spec_tokens": s.spec_tokens,
         "methods": budgets,
         "crossover": crossovers(t, methods, s),
@@ -427,4 +435,3 @@ def crossovers(t: ModelSpec, methods: list[Method], s: BudgetSettings, limit: in
                 "only_second_fits": [ca + 1, cb] if cb > ca else None,
             }
     return out
-

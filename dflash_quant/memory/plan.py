@@ -46,7 +46,11 @@ def budget_objects(
     if context < 0:
         raise UsageError(f"--context must not be negative (got {context})")
     card = resolve_gpu(gpu)
-    for name, value in (("--kv-dtype", kv_dtype), ("--drafter-kv-dtype", drafter_kv_dtype), ("--state-dtype", state_dtype)):
+    for name, value in (
+        ("--kv-dtype", kv_dtype),
+        ("--drafter-kv-dtype", drafter_kv_dtype),
+        ("--state-dtype", state_dtype),
+    ):
         if value is not None and value != "auto":
             dtype_bytes(value, what=name)
     t = resolve_target(target, target_weights, engine=engine)
@@ -83,44 +87,68 @@ def budget_report(t, d, settings, *, target_label: str | None = None, drafter_la
     from dflash_quant.memory.budget import compare_drafters, kv_summary
 
     budgets = compare_drafters(t, d, settings)
-    report = Budget.from_dict({
-        "gpu": {"name": settings.gpu_name, "total_bytes": settings.gpu_bytes},
-        "engine": settings.engine,
-        "settings": {
-            "context": settings.context,
-            "concurrency": settings.concurrency,
-            "spec_tokens": settings.spec_tokens,
-            "gpu_memory_utilization": settings.utilization,
-            "runtime_overhead_bytes": settings.runtime_overhead_bytes,
-            "cuda_graph_bytes": settings.cuda_graphs,
-            "prefill_chunk": settings.prefill_chunk,
-            "max_num_seqs": settings.max_num_seqs,
-            "activation_override_bytes": settings.activation_bytes,
-            "new_tokens": settings.new_tokens,
-        },
-        "target": {"source": target_label or t.label, "weight_bytes": t.weight_bytes, "weight_format": t.weight_format,
-                   "weights_from": t.weight_source},  # fmt: skip
-        "drafter": {"source": drafter_label or d.label, "bf16_bytes": d.bf16_bytes, "quantized_bytes": d.quantized_bytes,
-                    "quantized_format": d.quantized_format, "weights_from": d.source,
-                    "bf16_by_part": d.bf16_parts, "quantized_by_part": d.quantized_parts},  # fmt: skip
-        "caches": kv_summary(t, d, settings),
-        "budgets": {k: b.as_dict() for k, b in budgets.items()},
-    })
+    report = Budget.from_dict(
+        {
+            "gpu": {"name": settings.gpu_name, "total_bytes": settings.gpu_bytes},
+            "engine": settings.engine,
+            "settings": {
+                "context": settings.context,
+                "concurrency": settings.concurrency,
+                "spec_tokens": settings.spec_tokens,
+                "gpu_memory_utilization": settings.utilization,
+                "runtime_overhead_bytes": settings.runtime_overhead_bytes,
+                "cuda_graph_bytes": settings.cuda_graphs,
+                "prefill_chunk": settings.prefill_chunk,
+                "max_num_seqs": settings.max_num_seqs,
+                "activation_override_bytes": settings.activation_bytes,
+                "new_tokens": settings.new_tokens,
+            },
+            "target": {
+                "source": target_label or t.label,
+                "weight_bytes": t.weight_bytes,
+                "weight_format": t.weight_format,
+                "weights_from": t.weight_source,
+            },  # fmt: skip
+            "drafter": {
+                "source": drafter_label or d.label,
+                "bf16_bytes": d.bf16_bytes,
+                "quantized_bytes": d.quantized_bytes,
+                "quantized_format": d.quantized_format,
+                "weights_from": d.source,
+                "bf16_by_part": d.bf16_parts,
+                "quantized_by_part": d.quantized_parts,
+            },  # fmt: skip
+            "caches": kv_summary(t, d, settings),
+            "budgets": {k: b.as_dict() for k, b in budgets.items()},
+        }
+    )
     return report
 
 
-def embedded_budget(target: str, drafter: str, gpu: str = "rtx4090", context: int = 8192, target_weights: str | None = "int4",
-                    *, target_label: str | None = None, drafter_label: str | None = None):
+def embedded_budget(
+    target: str,
+    drafter: str,
+    gpu: str = "rtx4090",
+    context: int = 8192,
+    target_weights: str | None = "int4",
+    *,
+    target_label: str | None = None,
+    drafter_label: str | None = None,
+):
     """The 24 GB budget stored in memory.json: one request, vLLM defaults, bf16 vs this drafter."""
     from dflash_quant.artifact.sources import model_label
 
     t, d, settings = budget_objects(
         target, drafter, gpu, context, 1, None, target_weights, None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
     )  # fmt: skip
-    budget = budget_report(t, d, settings, target_label=target_label or model_label(target),
-                           drafter_label=drafter_label or model_label(drafter))
+    budget = budget_report(
+        t,
+        d,
+        settings,
+        target_label=target_label or model_label(target),
+        drafter_label=drafter_label or model_label(drafter),
+    )
     return with_mtp_comparison(budget, target, t, d, settings)
-
 
 
 def parse_mtp_tokens(text: str | None) -> tuple[int, ...]:

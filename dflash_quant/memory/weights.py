@@ -95,8 +95,12 @@ def _check_offsets(header: dict, data_bytes: int) -> None:
         if not isinstance(info, dict):
             raise ValueError(f"entry {name!r} is not an object")
         offsets, shape, dt = info.get("data_offsets"), info.get("shape"), info.get("dtype")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+        ):
             raise ValueError(f"tensor {name} has bad data_offsets {offsets!r}")
         if offsets[1] > data_bytes:
             raise ValueError(f"tensor {name} ends at byte {offsets[1]:,} of the data but the file holds {data_bytes:,}")
@@ -106,8 +110,10 @@ def _check_offsets(header: dict, data_bytes: int) -> None:
         for d in shape:
             numel *= d
         if dt in ST_DTYPE_BYTES and offsets[1] - offsets[0] != numel * ST_DTYPE_BYTES[dt]:
-            raise ValueError(f"tensor {name} {dt}{shape} needs {int(numel * ST_DTYPE_BYTES[dt]):,} bytes, "
-                             f"its offsets span {offsets[1] - offsets[0]:,}")
+            raise ValueError(
+                f"tensor {name} {dt}{shape} needs {int(numel * ST_DTYPE_BYTES[dt]):,} bytes, "
+                f"its offsets span {offsets[1] - offsets[0]:,}"
+            )
 
 
 def weight_files(root: Path) -> list[Path]:
@@ -279,7 +285,11 @@ def count_params(shape: ModelShape) -> ParamCount:
             other["norms"] += 2 * shape.head_dim  # q_norm, k_norm
         elif kind == LINEAR and r is not None:
             vd = r.v_heads * r.v_dim
-            pc.linears += [("linear_attention", h, r.conv_dim), ("linear_attention", h, vd), ("linear_attention", vd, h)]
+            pc.linears += [
+                ("linear_attention", h, r.conv_dim),
+                ("linear_attention", h, vd),
+                ("linear_attention", vd, h),
+            ]
             other["linear_attention_small"] += 2 * h * r.v_heads  # in_proj_a, in_proj_b
             other["linear_attention_small"] += r.conv_dim * r.conv_kernel + 2 * r.v_heads + r.v_dim
         elif kind == MAMBA and r is not None:
@@ -307,7 +317,9 @@ def _dflash2_params(shape: ModelShape, other: dict[str, int]) -> None:
     if not shape.is_drafter:
         return
     nested = d if isinstance(d := shape.raw.get("dflash_config"), dict) else {}
-    keys: dict[str, Any] = {k: nested.get(k, shape.raw.get(k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")}
+    keys: dict[str, Any] = {
+        k: nested.get(k, shape.raw.get(k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank")
+    }
     if any(not isinstance(v, int) or v < 1 for v in keys.values()):
         return
     h, kernel, rank = shape.hidden_size, keys["conv_kernel_size"], keys["selector_rank"]

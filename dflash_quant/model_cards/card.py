@@ -100,8 +100,15 @@ def resolve_source(provenance: Provenance | None) -> dict[str, Any]:
     """
     src = provenance.source_drafter if provenance and provenance.source_drafter else SourceRef()
     sid = src.id
-    out: dict[str, Any] = {"id": sid, "kind": src.kind, "revision": src.revision, "sha256": src.sha256,
-                           "hub_id": src.hub_repo(), "metadata": {}, "metadata_from": None}
+    out: dict[str, Any] = {
+        "id": sid,
+        "kind": src.kind,
+        "revision": src.revision,
+        "sha256": src.sha256,
+        "hub_id": src.hub_repo(),
+        "metadata": {},
+        "metadata_from": None,
+    }
     if not sid:
         return out
     readme: Path | None = None
@@ -291,14 +298,20 @@ def _section_summary(ctx: dict) -> str:
         rev = f" (revision `{target_rev}`)" if target_rev else ""
         lines.append(f"- **Target model (pair it with this one only):** `{target_id}`{rev}")
     else:
-        lines.append("- **Target model:** not recorded in provenance.json; use the target the source drafter was trained for")
-    lines.append(f"- **Source drafter:** `{src['id'] or 'not recorded'}`"
-                 + (f" revision `{src['revision']}`" if src["revision"] else "")
-                 + (f", sha256 `{src['sha256']}`" if src["sha256"] else ""))
+        lines.append(
+            "- **Target model:** not recorded in provenance.json; use the target the source drafter was trained for"
+        )
+    lines.append(
+        f"- **Source drafter:** `{src['id'] or 'not recorded'}`"
+        + (f" revision `{src['revision']}`" if src["revision"] else "")
+        + (f", sha256 `{src['sha256']}`" if src["sha256"] else "")
+    )
     if block:
         lines.append(f"- **Block size:** {block} (the drafter proposes {block - 1} tokens per step)")
-    lines.append("- **Checkpoint format:** GPTQ v1 (`qweight`/`qzeros`/`scales`/`g_idx`) in `model.safetensors`; "
-                 "layers that are not quantized stay bf16")
+    lines.append(
+        "- **Checkpoint format:** GPTQ v1 (`qweight`/`qzeros`/`scales`/`g_idx`) in `model.safetensors`; "
+        "layers that are not quantized stay bf16"
+    )
     if ctx["license_note"]:
         lines.append(f"- **License:** {ctx['license_note']}")
     return "\n".join(lines)
@@ -310,8 +323,11 @@ def _section_recipe(ctx: dict) -> str:
     q = _get(prov, "quantization", default=None)
     qc = _get(cfg, "quantization_config", default=None)
     if not q and not qc:
-        out.append(_missing("provenance.json", ctx["problems"].get("provenance.json", "incomplete"),
-                            "the recipe was not recorded"))
+        out.append(
+            _missing(
+                "provenance.json", ctx["problems"].get("provenance.json", "incomplete"), "the recipe was not recorded"
+            )
+        )
     else:
         q = q or {}
         qc = qc or {}
@@ -332,42 +348,70 @@ def _section_recipe(ctx: dict) -> str:
     out += ["", "### Calibration data", ""]
     cal = _get(prov, "calibration", default=None)
     if not cal:
-        out.append(_missing("provenance.json", ctx["problems"].get("provenance.json", "without a calibration record"),
-                            "calibration data unknown"))
+        out.append(
+            _missing(
+                "provenance.json",
+                ctx["problems"].get("provenance.json", "without a calibration record"),
+                "calibration data unknown",
+            )
+        )
     else:
         rows_per_layer = cal.get("rows")
         rows_text = NOT_MEASURED
         if isinstance(rows_per_layer, dict) and rows_per_layer:
             counts = [int(v) for v in rows_per_layer.values() if isinstance(v, (int, float))]
             if counts:
-                rows_text = (f"{min(counts):,} to {max(counts):,} per layer ({len(counts)} layers)"
-                             if min(counts) != max(counts) else f"{counts[0]:,} per layer ({len(counts)} layers)")
-        out.append(_table(["setting", "value"], [
-            ["prompts", _fmt_any(cal.get("prompts"))],
-            ["number of prompts", _fmt_any(cal.get("num_prompts"))],
-            ["max new tokens per prompt", _fmt_any(cal.get("max_new_tokens"))],
-            ["Hessian rows", rows_text],
-            ["context K/V inputs in the k/v Hessian", _fmt_any(cal.get("kv_hessian"))],
-            ["seed", _fmt_any(cal.get("seed"))],
-        ]))
+                rows_text = (
+                    f"{min(counts):,} to {max(counts):,} per layer ({len(counts)} layers)"
+                    if min(counts) != max(counts)
+                    else f"{counts[0]:,} per layer ({len(counts)} layers)"
+                )
+        out.append(
+            _table(
+                ["setting", "value"],
+                [
+                    ["prompts", _fmt_any(cal.get("prompts"))],
+                    ["number of prompts", _fmt_any(cal.get("num_prompts"))],
+                    ["max new tokens per prompt", _fmt_any(cal.get("max_new_tokens"))],
+                    ["Hessian rows", rows_text],
+                    ["context K/V inputs in the k/v Hessian", _fmt_any(cal.get("kv_hessian"))],
+                    ["seed", _fmt_any(cal.get("seed"))],
+                ],
+            )
+        )
         out.append("")
-        out.append("Hessians come from the bf16 drafter's own inputs while it speculates with its target "
-                   "(not from plain text through the drafter).")
+        out.append(
+            "Hessians come from the bf16 drafter's own inputs while it speculates with its target "
+            "(not from plain text through the drafter)."
+        )
     out += ["", "### Per-layer result", ""]
     if qr is None:
-        out.append(_missing("quant_report.json", ctx["problems"].get("quant_report.json", "missing"),
-                            "no per-layer errors recorded"))
+        out.append(
+            _missing(
+                "quant_report.json", ctx["problems"].get("quant_report.json", "missing"), "no per-layer errors recorded"
+            )
+        )
     else:
         layers = [layer for layer in qr.get("layers", []) if isinstance(layer, dict)]
         fallbacks = [layer for layer in layers if layer.get("fallback")]
-        errors: list[tuple[float, Any]] = [(layer["rel_output_error"], layer.get("name")) for layer in layers
-                  if isinstance(layer.get("rel_output_error"), (int, float))]
+        errors: list[tuple[float, Any]] = [
+            (layer["rel_output_error"], layer.get("name"))
+            for layer in layers
+            if isinstance(layer.get("rel_output_error"), (int, float))
+        ]
         rows = [
             ["quantized Linear layers", f"{len(layers)}"],
-            ["GPTQ fallbacks (RTN)", f"{len(fallbacks)}" + (": " + ", ".join(f"`{f['name']}` ({f['fallback']})" for f in fallbacks) if fallbacks else "")],
+            [
+                "GPTQ fallbacks (RTN)",
+                f"{len(fallbacks)}"
+                + (": " + ", ".join(f"`{f['name']}` ({f['fallback']})" for f in fallbacks) if fallbacks else ""),
+            ],
             ["original weight bytes (quantized layers)", fmt_bytes(qr.get("original_bytes"))],
             ["quantized weight bytes (quantized layers)", fmt_bytes(qr.get("quantized_bytes"))],
-            ["quantization time", f"{fmt_float(qr.get('seconds'), 1)} s" if isinstance(qr.get("seconds"), (int, float)) else NOT_MEASURED],
+            [
+                "quantization time",
+                f"{fmt_float(qr.get('seconds'), 1)} s" if isinstance(qr.get("seconds"), (int, float)) else NOT_MEASURED,
+            ],
         ]
         if errors:
             worst = max(errors, key=lambda e: e[0])
@@ -382,8 +426,13 @@ def _section_parity(ctx: dict) -> str:
     parity = ctx["parity"]
     out = ["## Acceptance parity", ""]
     if parity is None:
-        out.append(_missing("parity.json", ctx["problems"].get("parity.json", "missing"),
-                            "run `dflash-quant verify` or `dflash-quant gptq` to measure acceptance"))
+        out.append(
+            _missing(
+                "parity.json",
+                ctx["problems"].get("parity.json", "missing"),
+                "run `dflash-quant verify` or `dflash-quant gptq` to measure acceptance",
+            )
+        )
         return "\n".join(out)
     base = parity.get("baseline") if isinstance(parity.get("baseline"), dict) else {}
     quant = parity.get("quantized") if isinstance(parity.get("quantized"), dict) else {}
@@ -393,23 +442,45 @@ def _section_parity(ctx: dict) -> str:
             ratio = quant["tau"] / base["tau"]
     verdict = {True: "**passed**", False: "**FAILED**"}.get(parity.get("passed"), NOT_MEASURED)
     settings = []
-    for key, label in (("prompt_set", "prompt set"), ("num_prompts", "prompts"), ("max_new_tokens", "max new tokens"),
-                       ("temperature", "temperature"), ("block_size", "block size")):
+    for key, label in (
+        ("prompt_set", "prompt set"),
+        ("num_prompts", "prompts"),
+        ("max_new_tokens", "max new tokens"),
+        ("temperature", "temperature"),
+        ("block_size", "block size"),
+    ):
         if parity.get(key) is not None:
             settings.append(f"{label} {_fmt_any(parity.get(key))}")
-    out.append(f"Measured by dflash-quant's reference speculative loop ({', '.join(settings) or 'settings not recorded'}). "
-               "tau (acceptance length) is the mean over steps of accepted drafts + 1 (the target's own token), "
-               "range [1, block size].")
+    out.append(
+        f"Measured by dflash-quant's reference speculative loop ({', '.join(settings) or 'settings not recorded'}). "
+        "tau (acceptance length) is the mean over steps of accepted drafts + 1 (the target's own token), "
+        "range [1, block size]."
+    )
     out.append("")
-    out.append(_table(
-        ["", "tau bf16", "tau quantized", "recovery %", "lossless (bf16 / quantized)"],
-        [["this drafter", fmt_float(base.get("tau")), fmt_float(quant.get("tau")), fmt_pct(ratio),
-          f"{fmt_bool(base.get('lossless'))} / {fmt_bool(quant.get('lossless'))}"]],
-    ))
+    out.append(
+        _table(
+            ["", "tau bf16", "tau quantized", "recovery %", "lossless (bf16 / quantized)"],
+            [
+                [
+                    "this drafter",
+                    fmt_float(base.get("tau")),
+                    fmt_float(quant.get("tau")),
+                    fmt_pct(ratio),
+                    f"{fmt_bool(base.get('lossless'))} / {fmt_bool(quant.get('lossless'))}",
+                ]
+            ],
+        )
+    )
     out.append("")
     tol = parity.get("tolerance")
-    out.append(f"Parity check: {verdict}"
-               + (f" (tolerance {fmt_pct(tol)} tau loss; lossless: {fmt_bool(parity.get('lossless'))})" if isinstance(tol, (int, float)) else ""))
+    out.append(
+        f"Parity check: {verdict}"
+        + (
+            f" (tolerance {fmt_pct(tol)} tau loss; lossless: {fmt_bool(parity.get('lossless'))})"
+            if isinstance(tol, (int, float))
+            else ""
+        )
+    )
     reasons = parity.get("reasons") or []
     if reasons:
         out.append("")
@@ -424,8 +495,11 @@ def _section_parity(ctx: dict) -> str:
         for k in range(max(len(pb), len(pq))):
             b = pb[k] if k < len(pb) else None
             q = pq[k] if k < len(pq) else None
-            delta = (f"{(q - b) * 100:+.1f} pts" if isinstance(b, (int, float)) and isinstance(q, (int, float))
-                     else NOT_MEASURED)
+            delta = (
+                f"{(q - b) * 100:+.1f} pts"
+                if isinstance(b, (int, float)) and isinstance(q, (int, float))
+                else NOT_MEASURED
+            )
             rows.append([str(k + 1), fmt_float(b), fmt_float(q), delta])
         out.append("Fraction of steps in which draft position k was accepted.")
         out.append("")
@@ -435,13 +509,27 @@ def _section_parity(ctx: dict) -> str:
     speed_rows = []
     for label, check in (("bf16", base), ("quantized", quant)):
         if any(isinstance(check.get(k), (int, float)) for k in ("spec_tokens_per_s", "speedup")):
-            speed_rows.append([label, fmt_float(check.get("spec_tokens_per_s"), 1),
-                               fmt_float(check.get("baseline_tokens_per_s"), 1), fmt_float(check.get("speedup"), 2),
-                               _fmt_any(check.get("steps")), _fmt_any(check.get("new_tokens"))])
+            speed_rows.append(
+                [
+                    label,
+                    fmt_float(check.get("spec_tokens_per_s"), 1),
+                    fmt_float(check.get("baseline_tokens_per_s"), 1),
+                    fmt_float(check.get("speedup"), 2),
+                    _fmt_any(check.get("steps")),
+                    _fmt_any(check.get("new_tokens")),
+                ]
+            )
     if speed_rows:
-        out += ["", "### Speed in the reference loop", "",
-                "Wall-clock numbers from the machine that ran the check; they are not engine throughput.", ""]
-        out.append(_table(["drafter", "spec tok/s", "target-only tok/s", "speed-up", "steps", "new tokens"], speed_rows))
+        out += [
+            "",
+            "### Speed in the reference loop",
+            "",
+            "Wall-clock numbers from the machine that ran the check; they are not engine throughput.",
+            "",
+        ]
+        out.append(
+            _table(["drafter", "spec tok/s", "target-only tok/s", "speed-up", "steps", "new tokens"], speed_rows)
+        )
     return "\n".join(out)
 
 
@@ -449,13 +537,23 @@ def _section_memory(ctx: dict) -> str:
     mem: MemoryReport | None = ctx["memory"]
     out = ["## Memory", ""]
     if mem is None:
-        out.append(_missing("memory.json", ctx["problems"].get("memory.json", "missing"),
-                            "run `dflash-quant memory` on the artifact"))
+        out.append(
+            _missing(
+                "memory.json",
+                ctx["problems"].get("memory.json", "missing"),
+                "run `dflash-quant memory` on the artifact",
+            )
+        )
         return "\n".join(out)
     weights, baseline = mem.weights, mem.baseline
-    rows = [["weights in memory", fmt_bytes(baseline.total_bytes) if baseline else NOT_MEASURED,
-             fmt_bytes(weights.total_bytes if weights else None)],
-            ["on disk", fmt_bytes(baseline.disk_bytes) if baseline else NOT_MEASURED, fmt_bytes(mem.disk_bytes)]]
+    rows = [
+        [
+            "weights in memory",
+            fmt_bytes(baseline.total_bytes) if baseline else NOT_MEASURED,
+            fmt_bytes(weights.total_bytes if weights else None),
+        ],
+        ["on disk", fmt_bytes(baseline.disk_bytes) if baseline else NOT_MEASURED, fmt_bytes(mem.disk_bytes)],
+    ]
     out.append(_table(["", "bf16", "quantized"], rows))
     out.append("")
     if baseline and isinstance(baseline.ratio, (int, float)):
@@ -485,8 +583,12 @@ def _budget_lines(budget: Budget | None) -> list[str]:
     gpu_bytes = f" ({fmt_bytes(budget.gpu.total_bytes)})" if budget.gpu and budget.gpu.total_bytes else ""
     t, st = budget.target, budget.settings
     target = f"`{t.source}` ({_fmt_any(t.weight_format)} weights, {fmt_bytes(t.weight_bytes)})" if t else "the target"
-    setup = (f"context {_fmt_any(st.context)} tokens, {_fmt_any(st.concurrency)} request(s), "
-             f"{_fmt_any(st.spec_tokens)} draft tokens per step" if st else "settings not recorded")
+    setup = (
+        f"context {_fmt_any(st.context)} tokens, {_fmt_any(st.concurrency)} request(s), "
+        f"{_fmt_any(st.spec_tokens)} draft tokens per step"
+        if st
+        else "settings not recorded"
+    )
     lines = [f"Target {target} with this drafter on {gpu}{gpu_bytes}, engine {_fmt_any(budget.engine)}, {setup}:", ""]
 
     def ctx_text(x) -> str:
@@ -495,18 +597,25 @@ def _budget_lines(budget: Budget | None) -> list[str]:
         limit = f" (limited by {x.max_context_limited_by})" if x.max_context_limited_by not in (None, "memory") else ""
         return f"{x.max_context:,} tokens{limit}"
 
-    lines.append(_table([""] + [f"{f} drafter" for f in forms], [
-        ["drafter weights"] + [fmt_bytes((x.components or {}).get("drafter_weights")) for x in b],
-        ["required"] + [fmt_bytes(x.required_bytes) for x in b],
-        ["usable"] + [fmt_bytes(x.usable_bytes) for x in b],
-        ["fits"] + [NOT_MEASURED if x.fits is None else "yes" if x.fits else "**no**" for x in b],
-        ["headroom"] + [fmt_bytes(x.headroom_bytes) for x in b],
-        ["max context"] + [ctx_text(x) for x in b],
-    ]))
+    lines.append(
+        _table(
+            [""] + [f"{f} drafter" for f in forms],
+            [
+                ["drafter weights"] + [fmt_bytes((x.components or {}).get("drafter_weights")) for x in b],
+                ["required"] + [fmt_bytes(x.required_bytes) for x in b],
+                ["usable"] + [fmt_bytes(x.usable_bytes) for x in b],
+                ["fits"] + [NOT_MEASURED if x.fits is None else "yes" if x.fits else "**no**" for x in b],
+                ["headroom"] + [fmt_bytes(x.headroom_bytes) for x in b],
+                ["max context"] + [ctx_text(x) for x in b],
+            ],
+        )
+    )
     notes = list(dict.fromkeys(n for x in b for n in (x.notes or [])))
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
-    lines.append("This is an estimate from dflash-quant's memory model (`dflash-quant budget` gives the full "
-                 "breakdown), not a measurement in a serving engine.")
+    lines.append(
+        "This is an estimate from dflash-quant's memory model (`dflash-quant budget` gives the full "
+        "breakdown), not a measurement in a serving engine."
+    )
     return lines
 
 
@@ -539,8 +648,11 @@ def _section_mtp_comparison(ctx: dict) -> str:
              [f"max concurrency at {_fmt_any(cmp.get('context'))}", *[_fmt_any(methods[n].get("max_concurrency")) for n in names]],
              ["per request, speculation", *[fmt_bytes(methods[n].get("per_request_speculation_bytes")) for n in names]]]  # fmt: skip
     out.append(_table(["", *[methods[n].get("label", n) for n in names]], rows))
-    out += ["", "The per-request speculation cost is what each concurrent request adds over no speculation: "
-            "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model."]
+    out += [
+        "",
+        "The per-request speculation cost is what each concurrent request adds over no speculation: "
+        "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model.",
+    ]
     return "\n".join(out)
 
 
@@ -564,15 +676,23 @@ def _parts_table(ctx: dict, weights: dict, baseline: dict | None) -> list[str]:
         totals = [(baseline or {}).get("total_bytes"), weights.get("total_bytes")]
     if not isinstance(quant, dict) or not any(quant.values()):
         return []
-    rows = [[_PART_LABELS.get(k, k), fmt_bytes(bf16.get(k)) if bf16 else NOT_MEASURED, fmt_bytes(v)]
-            for k, v in quant.items() if v or bf16.get(k)]
-    rows.append(["**whole drafter**", fmt_bytes(totals[0]) if totals[0] else NOT_MEASURED, fmt_bytes(totals[1])])
+    rows: list[list[str]] = [
+        [str(_PART_LABELS.get(k, k)), str(fmt_bytes(bf16.get(k))) if bf16 else NOT_MEASURED, str(fmt_bytes(v))]
+        for k, v in quant.items()
+        if v or bf16.get(k)
+    ]
+    rows.append(
+        ["**whole drafter**", str(fmt_bytes(totals[0])) if totals[0] else NOT_MEASURED, str(fmt_bytes(totals[1]))]
+    )
     out = ["", "Whole drafter by part (every tensor of the source at bf16 vs every tensor written):", ""]
     out.append(_table(["part", "bf16", "this artifact"], rows))
     codebooks, total = quant.get("selector_codebooks"), totals[1]
     if codebooks and isinstance(total, (int, float)) and total:
-        out += ["", f"- The selector codebooks (vocab x rank x 2, bf16 in every engine) are "
-                    f"{fmt_pct(codebooks / total)} of this artifact's weights."]
+        out += [
+            "",
+            f"- The selector codebooks (vocab x rank x 2, bf16 in every engine) are "
+            f"{fmt_pct(codebooks / total)} of this artifact's weights.",
+        ]
     return out
 
 
@@ -583,48 +703,75 @@ def _serving_notes(lay: dict, qkv: str) -> tuple[list[str], list[str], list[str]
     if profile == "vllm":
         general.append("- Made with `--profile vllm`: q/k/v kept bf16 for vLLM's fused context-KV precompute.")
     elif profile == "sglang":
-        general.append("- Made with `--profile sglang`: q/k/v and `fc` kept bf16 (SGLang builds `qkv_proj` "
-                       "unquantized and mis-loads a packed `fc`).")
+        general.append(
+            "- Made with `--profile sglang`: q/k/v and `fc` kept bf16 (SGLang builds `qkv_proj` "
+            "unquantized and mis-loads a packed `fc`)."
+        )
     elif profile == "full":
-        general.append("- Made with `--profile full` (every backbone Linear and `fc` quantized): stock vLLM needs "
-                       "`--profile vllm`, SGLang needs `--profile sglang`.")
+        general.append(
+            "- Made with `--profile full` (every backbone Linear and `fc` quantized): stock vLLM needs "
+            "`--profile vllm`, SGLang needs `--profile sglang`."
+        )
     if lay["dflash2"]:
-        general.append("- **DFlash2:** every engine (vLLM, SGLang, MLX) keeps the convolutions (`base_kernel`, "
-                       "`kernel_projection`), the candidate selector (`predecessor_codebook`, `successor_codebook`, "
-                       "`hidden_projection`) and the norms in bf16. `base_kernel` and the codebooks are bf16 in this "
-                       "file whatever the flags (GPTQ applies to Linears, not to per-channel kernels or gathers).")
-        extras = [f"`{n}`" for n, k in (("kernel_projection", "conv"), ("hidden_projection", "selector")) if lay[k] == "quantized"]
+        general.append(
+            "- **DFlash2:** every engine (vLLM, SGLang, MLX) keeps the convolutions (`base_kernel`, "
+            "`kernel_projection`), the candidate selector (`predecessor_codebook`, `successor_codebook`, "
+            "`hidden_projection`) and the norms in bf16. `base_kernel` and the codebooks are bf16 in this "
+            "file whatever the flags (GPTQ applies to Linears, not to per-channel kernels or gathers)."
+        )
+        extras = [
+            f"`{n}`"
+            for n, k in (("kernel_projection", "conv"), ("hidden_projection", "selector"))
+            if lay[k] == "quantized"
+        ]
         if extras:
-            general.append(f"- **Caveat:** this artifact packs {' and '.join(extras)} as GPTQ (`--quantize-conv` / "
-                           "`--quantize-selector`, for the smallest file). Engines build these layers unquantized and "
-                           "will not load them; dflash-quant's loader does. For an engine, re-quantize without those flags.")
+            general.append(
+                f"- **Caveat:** this artifact packs {' and '.join(extras)} as GPTQ (`--quantize-conv` / "
+                "`--quantize-selector`, for the smallest file). Engines build these layers unquantized and "
+                "will not load them; dflash-quant's loader does. For an engine, re-quantize without those flags."
+            )
         elif lay["conv"] == "bf16":
-            general.append("- `kernel_projection` and `hidden_projection` are bf16 here, as every engine expects "
-                           "(negative `dynamic` rules in `quantization_config` tell GPTQ loaders so).")
-        general.append("- **DFlash2 needs a dense target `lm_head`:** the selector scores the top-k of the target "
-                       "head's logits over the full vocabulary (the codebooks' `vocab_size`), so serve the target "
-                       "with its dense, full-vocabulary head (no pruned or draft-vocabulary head).")
+            general.append(
+                "- `kernel_projection` and `hidden_projection` are bf16 here, as every engine expects "
+                "(negative `dynamic` rules in `quantization_config` tell GPTQ loaders so)."
+            )
+        general.append(
+            "- **DFlash2 needs a dense target `lm_head`:** the selector scores the top-k of the target "
+            "head's logits over the full vocabulary (the codebooks' `vocab_size`), so serve the target "
+            "with its dense, full-vocabulary head (no pruned or draft-vocabulary head)."
+        )
     vllm: list[str] = []
     if qkv == "quantized":
-        vllm.append("- **Caveat:** this artifact quantizes the attention q/k/v projections. vLLM's fused context-KV "
-                    "precompute reads `qkv_proj.weight` directly, so stock vLLM crashes (`no attribute 'weight'`) or "
-                    "silently corrupts acceptance until upstream fixes land. Re-quantize with `--profile vllm` "
-                    "(q/k/v kept in bf16) for stock vLLM.")
+        vllm.append(
+            "- **Caveat:** this artifact quantizes the attention q/k/v projections. vLLM's fused context-KV "
+            "precompute reads `qkv_proj.weight` directly, so stock vLLM crashes (`no attribute 'weight'`) or "
+            "silently corrupts acceptance until upstream fixes land. Re-quantize with `--profile vllm` "
+            "(q/k/v kept in bf16) for stock vLLM."
+        )
     elif qkv == "bf16":
         vllm.append("- q/k/v are kept in bf16 in this artifact, as stock vLLM's fused context-KV precompute requires.")
     else:
         vllm.append("- Whether q/k/v are quantized is not recorded here; stock vLLM needs them in bf16.")
-    sglang = ["- SGLang keeps `qkv_proj` unquantized; o_proj, MLP and fc follow this drafter's quant config."
-              + (" This artifact's quantized q/k/v do not match that expectation: use `--profile sglang`."
-                 if qkv == "quantized" else "")]
+    sglang = [
+        "- SGLang keeps `qkv_proj` unquantized; o_proj, MLP and fc follow this drafter's quant config."
+        + (
+            " This artifact's quantized q/k/v do not match that expectation: use `--profile sglang`."
+            if qkv == "quantized"
+            else ""
+        )
+    ]
     if lay["fc"] == "quantized":
-        sglang.append("- **Caveat:** `fc` is packed in this artifact. SGLang mis-loads a packed `fc` (open issue "
-                      "#39087: a W4A16 DFlash2 drafter accepted ~1.05 tokens per step instead of 5.25); for SGLang "
-                      "re-quantize with `--profile sglang`, which keeps `fc` bf16.")
+        sglang.append(
+            "- **Caveat:** `fc` is packed in this artifact. SGLang mis-loads a packed `fc` (open issue "
+            "#39087: a W4A16 DFlash2 drafter accepted ~1.05 tokens per step instead of 5.25); for SGLang "
+            "re-quantize with `--profile sglang`, which keeps `fc` bf16."
+        )
     elif lay["fc"] == "bf16":
         sglang.append("- `fc` is bf16 here, which avoids SGLang's packed-`fc` mis-load (issue #39087).")
-    sglang.append("- Check that the acceptance length SGLang reports is close to the tau above before trusting a "
-                  "deployment (a quantized DFlash drafter has been seen at ~1.0 there).")
+    sglang.append(
+        "- Check that the acceptance length SGLang reports is close to the tau above before trusting a "
+        "deployment (a quantized DFlash drafter has been seen at ~1.0 there)."
+    )
     return general, vllm, sglang
 
 
@@ -640,29 +787,49 @@ def _section_serving(ctx: dict) -> str:
     if repo == PLACEHOLDER_REPO:
         out.append(f"Replace `{PLACEHOLDER_REPO}` with this repository's id (or a local path to it).")
         out.append("")
-    fmt = _get(cfg, "quantization_config", "quant_method") or ("mlx" if isinstance(_get(cfg, "quantization"), dict) else "gptq")
+    fmt = _get(cfg, "quantization_config", "quant_method") or (
+        "mlx" if isinstance(_get(cfg, "quantization"), dict) else "gptq"
+    )
     if fmt in ("gguf", "mlx"):
         return "\n".join(out + _serving_lines(fmt, cfg, target, repo))
     if fmt == "compressed-tensors":
-        out += ["This artifact is compressed-tensors `pack-quantized` (converted from dflash-quant's GPTQ codes); "
-                "vLLM and SGLang read its `quantization_config` directly.", ""]
+        out += [
+            "This artifact is compressed-tensors `pack-quantized` (converted from dflash-quant's GPTQ codes); "
+            "vLLM and SGLang read its `quantization_config` directly.",
+            "",
+        ]
     general, vllm_notes, sglang_notes = _serving_notes(_layout(ctx), qkv)
     if general:
         out += general + [""]
     out += ["### vLLM", "", "```bash", f"vllm serve {target} \\", f"  --speculative-config '{spec_cfg}'", "```", ""]
-    out.append("- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
-               "group -1/32/64/128, otherwise the slower `gptq` path).")
+    out.append(
+        "- vLLM reads the drafter's own `quantization_config` (GPTQ v1; `gptq_marlin` needs sym, 4/8 bits, "
+        "group -1/32/64/128, otherwise the slower `gptq` path)."
+    )
     out += vllm_notes
-    out.append("- Draft-layer names are offset by the target's layer count inside vLLM: use regexes, not exact "
-               "names, in any ignore list.")
-    out += ["", "### SGLang", "", "```bash", f"python -m sglang.launch_server --model-path {target} \\",
-            "  --speculative-algorithm DFLASH \\", f"  --speculative-draft-model-path {repo}", "```", ""]
+    out.append(
+        "- Draft-layer names are offset by the target's layer count inside vLLM: use regexes, not exact "
+        "names, in any ignore list."
+    )
+    out += [
+        "",
+        "### SGLang",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} \\",
+        "  --speculative-algorithm DFLASH \\",
+        f"  --speculative-draft-model-path {repo}",
+        "```",
+        "",
+    ]
     out += sglang_notes
     out += ["", "### transformers / reference loop", ""]
-    out.append("The DFlash forward is not part of transformers; the drafter needs the DFlash modeling code "
-               "(the source drafter's remote code or the `dflash` package) and a GPTQ kernel (GPTQModel) to run "
-               "these tensors. The path this card's numbers come from is dflash-quant's own reference loop, "
-               "`dflash-quant verify` (see `dflash-quant verify --help`).")
+    out.append(
+        "The DFlash forward is not part of transformers; the drafter needs the DFlash modeling code "
+        "(the source drafter's remote code or the `dflash` package) and a GPTQ kernel (GPTQModel) to run "
+        "these tensors. The path this card's numbers come from is dflash-quant's own reference loop, "
+        "`dflash-quant verify` (see `dflash-quant verify --help`)."
+    )
     return "\n".join(out)
 
 
@@ -670,16 +837,28 @@ def _serving_lines(fmt: str, cfg: dict | None, target: str, repo: str) -> list[s
     """Serving commands for the GGUF (llama.cpp) and MLX (dflash-mlx) exports."""
     if fmt == "gguf":
         gguf_file = _get(cfg, "quantization_config", "file") or "drafter.gguf"
-        return ["### llama.cpp", "", "```bash",
-                f"python convert_hf_to_gguf.py {target} --outfile target.gguf   # the target, once",
-                f"llama-server -m target.gguf -md {repo}/{gguf_file} --spec-type draft-dflash", "```", "",
-                "- The GGUF follows llama.cpp's own DFlash conversion (arch `dflash`, no token embedding or output "
-                "tensors: the target's are used; target layer ids stored +1) and carries the target's vocabulary.",
-                "- Check the `draft acceptance ... mean len` that llama-server logs against the tau above."]
-    return ["### MLX (dflash-mlx)", "", "```bash",
-            f"dflash generate --model {target} --draft {repo} --prompt \"...\"", "```", "",
-            "- MLX affine layout (`weight`/`scales`/`biases`, `quantization` in config.json) as `mx.quantize` writes it; "
-            "mlx-lm loads it pre-quantized, so no on-load quantization (which needs Metal) is involved."]
+        return [
+            "### llama.cpp",
+            "",
+            "```bash",
+            f"python convert_hf_to_gguf.py {target} --outfile target.gguf   # the target, once",
+            f"llama-server -m target.gguf -md {repo}/{gguf_file} --spec-type draft-dflash",
+            "```",
+            "",
+            "- The GGUF follows llama.cpp's own DFlash conversion (arch `dflash`, no token embedding or output "
+            "tensors: the target's are used; target layer ids stored +1) and carries the target's vocabulary.",
+            "- Check the `draft acceptance ... mean len` that llama-server logs against the tau above.",
+        ]
+    return [
+        "### MLX (dflash-mlx)",
+        "",
+        "```bash",
+        f'dflash generate --model {target} --draft {repo} --prompt "..."',
+        "```",
+        "",
+        "- MLX affine layout (`weight`/`scales`/`biases`, `quantization` in config.json) as `mx.quantize` writes it; "
+        "mlx-lm loads it pre-quantized, so no on-load quantization (which needs Metal) is involved.",
+    ]
 
 
 def _section_limitations(ctx: dict) -> str:
@@ -687,15 +866,24 @@ def _section_limitations(ctx: dict) -> str:
     out = ["## Limitations", ""]
     temp = parity.get("temperature")
     n = parity.get("num_prompts")
-    out.append("- Acceptance was measured "
-               + (f"at temperature {_fmt_any(temp)} on {_fmt_any(n)} prompts ({_fmt_any(parity.get('prompt_set'))})"
-                  if ctx["parity"] else "**not at all** (parity.json is missing)")
-               + "; other domains and sampling temperatures can accept differently. A spread of about +-3% in "
-                 "tokens per step between runs is normal: repeat before believing a 2% difference.")
-    out.append("- The drafter only works with its target model; a different target (even a fine-tune) "
-               "changes the hidden states and the mask-token embedding it relies on.")
-    out.append("- int4 saves memory; it only saves time with a kernel built for 16-row blocks (Marlin-class). "
-               "Generic int4 kernels can be slower than bf16 at the drafter's batch shape.")
+    out.append(
+        "- Acceptance was measured "
+        + (
+            f"at temperature {_fmt_any(temp)} on {_fmt_any(n)} prompts ({_fmt_any(parity.get('prompt_set'))})"
+            if ctx["parity"]
+            else "**not at all** (parity.json is missing)"
+        )
+        + "; other domains and sampling temperatures can accept differently. A spread of about +-3% in "
+        "tokens per step between runs is normal: repeat before believing a 2% difference."
+    )
+    out.append(
+        "- The drafter only works with its target model; a different target (even a fine-tune) "
+        "changes the hidden states and the mask-token embedding it relies on."
+    )
+    out.append(
+        "- int4 saves memory; it only saves time with a kernel built for 16-row blocks (Marlin-class). "
+        "Generic int4 kernels can be slower than bf16 at the drafter's batch shape."
+    )
     out.append("- Memory numbers are estimates from dflash-quant's model of the engine, not engine measurements.")
     return "\n".join(out)
 
@@ -709,9 +897,11 @@ def _section_reproduce(ctx: dict) -> str:
     else:
         out.append(f"Command line: {NOT_MEASURED} (provenance.json does not record it).")
     out.append("")
-    out.append(f"Tool: {_get(prov, 'tool', default='dflash-quant')} {_get(prov, 'tool_version', default='version not recorded')}"
-               + (f", created {prov['created_utc']} (UTC)" if _get(prov, "created_utc") else "")
-               + f". Card written by dflash-quant {__version__}.")
+    out.append(
+        f"Tool: {_get(prov, 'tool', default='dflash-quant')} {_get(prov, 'tool_version', default='version not recorded')}"
+        + (f", created {prov['created_utc']} (UTC)" if _get(prov, "created_utc") else "")
+        + f". Card written by dflash-quant {__version__}."
+    )
     out.append("")
     out.append("`manifest.json` lists the sha256 and size of every file in this repository.")
     return "\n".join(out)
@@ -720,8 +910,9 @@ def _section_reproduce(ctx: dict) -> str:
 # --------------------------------------------------------------------------- card
 
 
-def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None,
-               chart: bool | None = None) -> ModelCard:
+def build_card(
+    artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None, chart: bool | None = None
+) -> ModelCard:
     artifact_dir = Path(artifact_dir)
     reports, problems = load_reports(artifact_dir)
     source = resolve_source(reports["provenance.json"])
@@ -733,11 +924,15 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
     license_value = meta.get("license") if isinstance(meta.get("license"), str) else None
     if license_value:
         where = "provenance.json" if source["metadata_from"] == "provenance.json" else "the source drafter's card"
-        license_note = f"`{license_value}`, inherited from {where}; the quantized weights are a derivative of the source drafter"
+        license_note = (
+            f"`{license_value}`, inherited from {where}; the quantized weights are a derivative of the source drafter"
+        )
     else:
-        license_note = ("not determined: the source drafter's card was not available when this card was written, "
-                        "so no license is declared in the metadata. The quantized weights are a derivative of the "
-                        "source drafter: check its license before use or redistribution")
+        license_note = (
+            "not determined: the source drafter's card was not available when this card was written, "
+            "so no license is declared in the metadata. The quantized weights are a derivative of the "
+            "source drafter: check its license before use or redistribution"
+        )
 
     tags = ["dflash", "speculative-decoding", "draft-model", "gptq"]
     if isinstance(bits, int):
@@ -762,30 +957,43 @@ def build_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
 
     has_chart = chart if chart is not None else (artifact_dir / CHART_NAME).is_file()
     ctx = {
-        "source": source, "provenance": prov, "config": cfg, "quant_report": view["quant_report.json"],
-        "parity": view["parity.json"], "memory": reports["memory.json"], "problems": problems,
-        "command": command, "repo_id": repo_id, "chart": has_chart, "license_note": license_note,
+        "source": source,
+        "provenance": prov,
+        "config": cfg,
+        "quant_report": view["quant_report.json"],
+        "parity": view["parity.json"],
+        "memory": reports["memory.json"],
+        "problems": problems,
+        "command": command,
+        "repo_id": repo_id,
+        "chart": has_chart,
+        "license_note": license_note,
     }
     title_src = source["hub_id"] or (Path(source["id"]).name if source["id"] else artifact_dir.name)
     title = f"# {title_src.split('/')[-1]} — GPTQ int{bits}" if bits else f"# {title_src.split('/')[-1]} — GPTQ"
     if not source["hub_id"]:
         what = {"shipped": "is a model shipped with dflash-quant", "local": "is a local directory"}.get(
-            source["kind"], "was not a Hugging Face Hub id")
-        base_note = (f"\n\n_The source drafter {what} (`{source['id'] or 'not recorded'}`), not a Hub repo, "
-                     "so `base_model` is not set in the metadata._")
+            source["kind"], "was not a Hugging Face Hub id"
+        )
+        base_note = (
+            f"\n\n_The source drafter {what} (`{source['id'] or 'not recorded'}`), not a Hub repo, "
+            "so `base_model` is not set in the metadata._"
+        )
     else:
         base_note = ""
-    body = "\n\n".join([
-        title,
-        _section_summary(ctx) + base_note,
-        _section_parity(ctx),
-        _section_recipe(ctx),
-        _section_memory(ctx),
-        *([_section_mtp_comparison(ctx)] if _mtp_comparison(ctx) else []),
-        _section_serving(ctx),
-        _section_limitations(ctx),
-        _section_reproduce(ctx),
-    ])
+    body = "\n\n".join(
+        [
+            title,
+            _section_summary(ctx) + base_note,
+            _section_parity(ctx),
+            _section_recipe(ctx),
+            _section_memory(ctx),
+            *([_section_mtp_comparison(ctx)] if _mtp_comparison(ctx) else []),
+            _section_serving(ctx),
+            _section_limitations(ctx),
+            _section_reproduce(ctx),
+        ]
+    )
     content = f"---\n{card_data.to_yaml()}\n---\n\n{body}\n"
     return ModelCard(content)
 
@@ -800,7 +1008,9 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
     """
     artifact_dir = Path(artifact_dir)
     if not artifact_dir.is_dir():
-        raise DFlashQuantError(f"artifact directory {artifact_dir} does not exist; pass the --output of `dflash-quant gptq`")
+        raise DFlashQuantError(
+            f"artifact directory {artifact_dir} does not exist; pass the --output of `dflash-quant gptq`"
+        )
     manifest = has_manifest(artifact_dir)
     if manifest:
         require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME))
@@ -814,7 +1024,9 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
         if pb or pq:
             tmp = chart_path.with_name(".acceptance.png.tmp")
             write_acceptance_chart(
-                tmp, pb, pq,
+                tmp,
+                pb,
+                pq,
                 baseline_tau=base.tau if base else None,
                 quantized_tau=quant.tau if quant else None,
                 title="Per-position acceptance: bf16 vs quantized drafter",

@@ -37,8 +37,15 @@ def write_acceptance_chart(
             continue
         xs = list(range(1, len(values) + 1))
         name = label if tau is None else f"{label} (tau {tau:.2f})"
-        ax.plot(xs, [float(v) for v in values], label=name, linewidth=1.8, markersize=4,
-                color=style["color"], marker=style["marker"])
+        ax.plot(
+            xs,
+            [float(v) for v in values],
+            label=name,
+            linewidth=1.8,
+            markersize=4,
+            color=style["color"],
+            marker=style["marker"],
+        )
     longest = max(len(baseline or []), len(quantized or []), 1)
     ax.set_xlim(0.5, longest + 0.5)
     ax.set_ylim(0.0, 1.02)

@@ -70,8 +70,10 @@ def _read_text(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
-                         "save it as UTF-8 (one prompt per line, or JSON lines)") from exc
+        raise UsageError(
+            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
+            "save it as UTF-8 (one prompt per line, or JSON lines)"
+        ) from exc
     if "\0" in text:
         raise UsageError(f"{path} is binary (NUL at byte {data.index(0)}); pass a UTF-8 .txt or .jsonl prompt file")
     return text
@@ -153,7 +155,9 @@ def load_prompts(spec: str | Path) -> list[Prompt]:
         elif suffix == ".txt":
             prompts = _read_txt(path)
         else:
-            raise UsageError(f"{path}: unknown prompt file type {suffix or '(none)'!r}; use .txt (one per line) or .jsonl")
+            raise UsageError(
+                f"{path}: unknown prompt file type {suffix or '(none)'!r}; use .txt (one per line) or .jsonl"
+            )
     if not prompts:
         raise UsageError(f"prompt set {text!r} is empty; add prompts or pick another set")
     return prompts

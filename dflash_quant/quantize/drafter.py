@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -83,9 +83,15 @@ class QuantOutcome:
 
 def check_variant(model: DFlashDrafter, settings: QuantSettings) -> None:
     """The DFlash2-only flags on a v1 drafter are a usage error, caught before any compute."""
-    flags = [f for f, on in (("--quantize-conv", settings.quantize_conv), ("--quantize-selector", settings.quantize_selector)) if on]
+    flags = [
+        f
+        for f, on in (("--quantize-conv", settings.quantize_conv), ("--quantize-selector", settings.quantize_selector))
+        if on
+    ]
     if flags and not model.config.is_dflash2:
-        raise UsageError(f"{' and '.join(flags)} only apply to a DFlash2 drafter (conv/selector); this is a DFlash v1 drafter, drop the flag")
+        raise UsageError(
+            f"{' and '.join(flags)} only apply to a DFlash2 drafter (conv/selector); this is a DFlash v1 drafter, drop the flag"
+        )
 
 
 def extra_linears(model: DFlashDrafter, settings: QuantSettings) -> list[str]:
@@ -94,7 +100,9 @@ def extra_linears(model: DFlashDrafter, settings: QuantSettings) -> list[str]:
     names = []
     for name in model.other_linear_names():
         leaf = name.rsplit(".", 1)[-1]
-        if (leaf == "kernel_projection" and settings.quantize_conv) or (leaf == "hidden_projection" and settings.quantize_selector):
+        if (leaf == "kernel_projection" and settings.quantize_conv) or (
+            leaf == "hidden_projection" and settings.quantize_selector
+        ):
             names.append(name)
     return names
 
@@ -119,13 +127,14 @@ def candidate_linears(model: DFlashDrafter, settings: QuantSettings) -> list[str
 def select_linears(model: DFlashDrafter, settings: QuantSettings) -> tuple[list[str], list[str]]:
     """(to quantize, kept in bf16), in execution order; norms are never Linears, so never quantized."""
     patterns = [re.compile(p) for p in PROFILES[settings.profile] + list(settings.skip)]
-    chosen, kept = [], []
+    chosen: list[str] = []
+    kept: list[str] = []
     for name in candidate_linears(model, settings):
         (kept if any(p.search(name) for p in patterns) else chosen).append(name)
     if not chosen:
         raise UsageError("the profile and --skip patterns leave no Linear to quantize; loosen --skip")
     for name in chosen:
-        module = model.get_submodule(name)
+        module = cast(nn.Linear, model.get_submodule(name))
         settings.spec().group_width(module.in_features, name)  # group size must divide the width
         if (module.in_features * settings.bits) % 32 or (module.out_features * settings.bits) % 32:
             # GPTQ v1 packs qweight along the inputs and qzeros along the outputs into whole int32 words
@@ -181,25 +190,38 @@ def _quantize_groups(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GPTQFallbackWarning)
             solved = gptq_quantize_groups(
-                [(weights, hessian, names) for names, weights, _, hessian in prepared], spec,
-                desc_act=settings.desc_act, static_groups=settings.static_groups,
-                damp_percent=settings.damp, block_size=settings.lazy_block,
+                [(weights, cast(torch.Tensor, hessian), names) for names, weights, _, hessian in prepared],
+                spec,
+                desc_act=settings.desc_act,
+                static_groups=settings.static_groups,
+                damp_percent=settings.damp,
+                block_size=settings.lazy_block,
             )
         for w in caught:
             warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
     else:
-        solved = [[rtn_quantize(w, spec, name=n) for w, n in zip(weights, names, strict=False)] for names, weights, _, _ in prepared]
+        solved = [
+            [rtn_quantize(w, spec, name=n) for w, n in zip(weights, names, strict=False)]
+            for names, weights, _, _ in prepared
+        ]
     out = []
     for (names, weights, acc, hessian), qws in zip(prepared, solved, strict=False):
         results = []
         for name, weight, qw in zip(names, weights, qws, strict=False):
             entry: dict[str, Any] = {
-                "name": name, "shape": list(weight.shape), "bits": settings.bits, "group_size": settings.group_size,
-                "hessian_rows": acc.rows if acc is not None else None, "damp": qw.damp_used, "fallback": qw.fallback,
+                "name": name,
+                "shape": list(weight.shape),
+                "bits": settings.bits,
+                "group_size": settings.group_size,
+                "hessian_rows": acc.rows if acc is not None else None,
+                "damp": qw.damp_used,
+                "fallback": qw.fallback,
                 "rel_output_error": None,
             }
             if hessian is not None:  # ||X dW^T|| / ||X W^T|| over the calibration rows
-                entry["rel_output_error"] = round(math.sqrt(max(relative_output_error(weight, qw.dequantize(), hessian), 0.0)), 6)
+                entry["rel_output_error"] = round(
+                    math.sqrt(max(relative_output_error(weight, qw.dequantize(), hessian), 0.0)), 6
+                )
             results.append((qw, entry))
         out.append(results)
     return out
@@ -241,7 +263,7 @@ def quantize_drafter(
         for name in stage:
             shared.setdefault(input_group(name, kv_mode), []).append(name)
         for group, names in shared.items():
-            pending.append((names, [model.get_submodule(n) for n in names], accs.get(group)))
+            pending.append((names, [cast(nn.Linear, model.get_submodule(n)) for n in names], accs.get(group)))
         if settings.sequential:
             _apply(pending, settings, outcome, progress)
             pending = []

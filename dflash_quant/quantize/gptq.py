@@ -119,9 +119,7 @@ class HessianAccumulator:
         return acc
 
 
-def _damped_inverse_factor(
-    H: torch.Tensor, damp_percent: float, tries: int
-) -> tuple[torch.Tensor | None, float]:
+def _damped_inverse_factor(H: torch.Tensor, damp_percent: float, tries: int) -> tuple[torch.Tensor | None, float]:
     """Upper Cholesky factor of (H + damp*mean(diag H)*I)^-1, raising damp x10 on failure; (None, last damp) if hopeless."""
     mean = H.diagonal().mean()
     damp = damp_percent
@@ -164,7 +162,9 @@ def gptq_quantize(
             f"layer {name!r}: Hessian shape {tuple(hessian.shape)} does not match the weight's input width {in_features}"
         )
     if not damp_percent > 0:
-        raise UsageError(f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}")
+        raise UsageError(
+            f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}"
+        )
     if block_size <= 0:
         raise UsageError(f"block_size must be positive, got {block_size}")
     width = spec.group_width(in_features, name)
@@ -268,7 +268,12 @@ def relative_output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessi
 
 
 def gptq_quantize_shared(
-    weights: list[torch.Tensor], hessian: torch.Tensor | HessianAccumulator, spec: QuantSpec, *, names: list[str], **kwargs
+    weights: list[torch.Tensor],
+    hessian: torch.Tensor | HessianAccumulator,
+    spec: QuantSpec,
+    *,
+    names: list[str],
+    **kwargs,
 ) -> list[QuantizedWeight]:
     """GPTQ of several Linears that read the same input (q/k/v, gate/up) in one pass.
 
@@ -278,12 +283,22 @@ def gptq_quantize_shared(
     """
     if len(weights) == 1:
         return [gptq_quantize(weights[0], hessian, spec, name=names[0], **kwargs)]
-    stacked = gptq_quantize(torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs)
+    stacked = gptq_quantize(
+        torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs
+    )
     out, row = [], 0
     for w, name in zip(weights, names, strict=True):
         rows = slice(row, row + w.shape[0])
         # Own copies: views of one stacked tensor would be shared storage in the exported file.
-        out.append(replace(stacked, codes=stacked.codes[rows].clone(), scales=stacked.scales[:, rows].clone(),
-                           zeros=stacked.zeros[:, rows].clone(), g_idx=stacked.g_idx.clone(), name=name))
+        out.append(
+            replace(
+                stacked,
+                codes=stacked.codes[rows].clone(),
+                scales=stacked.scales[:, rows].clone(),
+                zeros=stacked.zeros[:, rows].clone(),
+                g_idx=stacked.g_idx.clone(),
+                name=name,
+            )
+        )
         row += w.shape[0]
     return out

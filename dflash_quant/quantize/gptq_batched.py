@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -129,8 +130,8 @@ def _solve(batch: list[_Prepared], spec: QuantSpec, block_size: int, precomputed
     width = spec.group_width(cols)
     n_groups = cols // width
     if precomputed:
-        S = torch.stack([p.scales for p in batch]).contiguous()  # [B, n_groups, rows]
-        Z = torch.stack([p.zeros for p in batch]).contiguous()
+        S = torch.stack([cast(torch.Tensor, p.scales) for p in batch]).contiguous()  # [B, n_groups, rows]
+        Z = torch.stack([cast(torch.Tensor, p.zeros) for p in batch]).contiguous()
     else:
         S = torch.zeros(B, n_groups, rows, device=W.device)
         Z = torch.zeros(B, n_groups, rows, device=W.device)
@@ -206,7 +207,9 @@ def gptq_quantize_many(
     if kernel not in KERNELS:
         raise UsageError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if not damp_percent > 0:
-        raise UsageError(f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}")
+        raise UsageError(
+            f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}"
+        )
     if block_size <= 0:
         raise UsageError(f"block_size must be positive, got {block_size}")
     results: list[QuantizedWeight | None] = [None] * len(problems)
@@ -237,8 +240,15 @@ def gptq_quantize_many(
                 codes = torch.empty(shape, dtype=torch.uint8, device=device)
                 codes[:, p.order] = Q[b].to(torch.uint8)
                 results[p.index] = QuantizedWeight(
-                    codes=codes, scales=S[b].clone(), zeros=Z[b].to(torch.int32), g_idx=g_idx, spec=spec,
-                    desc_act=desc_act, static_groups=static_groups, damp_used=p.damp_used, fallback=None,
+                    codes=codes,
+                    scales=S[b].clone(),
+                    zeros=Z[b].to(torch.int32),
+                    g_idx=g_idx,
+                    spec=spec,
+                    desc_act=desc_act,
+                    static_groups=static_groups,
+                    damp_used=p.damp_used,
+                    fallback=None,
                     name=problems[p.index][2],
                 )
             del Q, S, Z, batch
@@ -266,8 +276,16 @@ def gptq_quantize_groups(
         parts, row = [], 0
         for w, name in zip(weights, names, strict=False):
             rows = slice(row, row + w.shape[0])
-            parts.append(replace(qw, codes=qw.codes[rows].clone(), scales=qw.scales[:, rows].clone(),
-                                 zeros=qw.zeros[:, rows].clone(), g_idx=qw.g_idx.clone(), name=name))
+            parts.append(
+                replace(
+                    qw,
+                    codes=qw.codes[rows].clone(),
+                    scales=qw.scales[:, rows].clone(),
+                    zeros=qw.zeros[:, rows].clone(),
+                    g_idx=qw.g_idx.clone(),
+                    name=name,
+                )
+            )
             row += w.shape[0]
         out.append(parts)
     return out

@@ -45,8 +45,19 @@ def _div_int(x, q, inv, RECIP: tl.constexpr):
 
 
 @triton.jit
-def _group_params(tile, gmask, MAXQ: tl.constexpr, inv_q, inv_q1, tiny, fmax,
-                  SYM: tl.constexpr, V1Z: tl.constexpr, RECIP: tl.constexpr, INTERPRET: tl.constexpr):
+def _group_params(
+    tile,
+    gmask,
+    MAXQ: tl.constexpr,
+    inv_q,
+    inv_q1,
+    tiny,
+    fmax,
+    SYM: tl.constexpr,
+    V1Z: tl.constexpr,
+    RECIP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """grid.find_params over the masked columns of `tile`, per row: (scale, zero, overflowed)."""
     xmax = tl.maximum(tl.max(tl.where(gmask, tile, float("-inf")), axis=1), 0.0)
     xmin = tl.minimum(tl.min(tl.where(gmask, tile, float("inf")), axis=1), 0.0)
@@ -75,9 +86,34 @@ def _group_params(tile, gmask, MAXQ: tl.constexpr, inv_q, inv_q1, tiny, fmax,
 
 
 @triton.jit
-def _gptq_block(W, Hinv, Q, Err, S, Z, G, Bad, rows, cols, i1, n_groups, inv_q, inv_q1, tiny, fmax,
-                ncols: tl.constexpr, MAXQ: tl.constexpr, WIDTH: tl.constexpr, SYM: tl.constexpr, V1Z: tl.constexpr,
-                RECIP: tl.constexpr, PRE: tl.constexpr, INTERPRET: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+def _gptq_block(
+    W,
+    Hinv,
+    Q,
+    Err,
+    S,
+    Z,
+    G,
+    Bad,
+    rows,
+    cols,
+    i1,
+    n_groups,
+    inv_q,
+    inv_q1,
+    tiny,
+    fmax,
+    ncols: tl.constexpr,
+    MAXQ: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SYM: tl.constexpr,
+    V1Z: tl.constexpr,
+    RECIP: tl.constexpr,
+    PRE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     r = pid * BR + tl.arange(0, BR)
@@ -173,9 +209,34 @@ def solve_blocks(W, Hinv, col_group, S, Z, spec: QuantSpec, block_size: int, pre
             S[:, g], Z[:, g] = s.view(B, rows), z.view(B, rows)
         Err = torch.empty(B, rows, i2 - i1, device=W.device)
         _gptq_block[grid](
-            W, Hinv, Q, Err, S, Z, G, bad, rows, cols, i1, n_groups, inv_q, inv_q1, _FP16_TINY, _FP16_MAX,
-            ncols=i2 - i1, MAXQ=spec.maxq, WIDTH=width if in_kernel else 1, SYM=spec.sym, V1Z=spec.v1_zeros, RECIP=recip,
-            PRE=not in_kernel, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", BR=BR, BC=BC, num_warps=4, enable_fp_fusion=False,
+            W,
+            Hinv,
+            Q,
+            Err,
+            S,
+            Z,
+            G,
+            bad,
+            rows,
+            cols,
+            i1,
+            n_groups,
+            inv_q,
+            inv_q1,
+            _FP16_TINY,
+            _FP16_MAX,
+            ncols=i2 - i1,
+            MAXQ=spec.maxq,
+            WIDTH=width if in_kernel else 1,
+            SYM=spec.sym,
+            V1Z=spec.v1_zeros,
+            RECIP=recip,
+            PRE=not in_kernel,
+            INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+            BR=BR,
+            BC=BC,
+            num_warps=4,
+            enable_fp_fusion=False,
         )
         if i2 < cols:
             for b in range(B):  # one matmul per matrix, with the textbook's shapes

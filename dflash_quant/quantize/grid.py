@@ -38,7 +38,9 @@ class QuantSpec:
         if self.bits not in SUPPORTED_BITS:
             raise UsageError(f"bits={self.bits} is not supported; use one of {list(SUPPORTED_BITS)}")
         if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size <= 0):
-            raise UsageError(f"group_size={self.group_size!r} is invalid; use -1 (per row) or a positive width like 128")
+            raise UsageError(
+                f"group_size={self.group_size!r} is invalid; use -1 (per row) or a positive width like 128"
+            )
 
     @property
     def maxq(self) -> int:

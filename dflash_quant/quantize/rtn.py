@@ -8,7 +8,9 @@ from dflash_quant.errors import DFlashQuantError
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec, group_params, quantize_codes
 
 
-def rtn_quantize(weight: torch.Tensor, spec: QuantSpec, *, name: str = "", fallback: str | None = None) -> QuantizedWeight:
+def rtn_quantize(
+    weight: torch.Tensor, spec: QuantSpec, *, name: str = "", fallback: str | None = None
+) -> QuantizedWeight:
     """Quantize `weight` [out, in] group by group with min/max scales (GPTQ v1 grid)."""
     if weight.dim() != 2:
         raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")

@@ -14,9 +14,7 @@ from pathlib import Path
 
 # Directory names skipped anywhere in the tree: installed
 # third-party packages, generated data modules and the codec tables of encodings/ (long, trivially predictable).
-SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "__pycache__", "pydoc_data", "ensurepip", "encodings"}
-)
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "pydoc_data", "ensurepip", "encodings"})
 MAX_FILE_BYTES = 300_000
 HELDOUT_PERCENT = 5
 

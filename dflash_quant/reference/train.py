@@ -122,11 +122,34 @@ class Recipe:
 
 def smoke_recipe() -> Recipe:
     return Recipe(
-        max_docs=60, vocab_size=512, hidden=64, target_layers=4, heads=2, kv_heads=1, head_dim=32,
-        target_intermediate=128, target_seq=128, target_batch=16, target_steps=60, target_warmup=10,
-        target_eval_every=30, n_calibration=64, n_heldout=32, gen_prefix=24, gen_new=40, gen_sequences=64,
-        gen_batch=32, draft_intermediate=128, target_layer_ids=[0, 1, 2], draft_batch=8, anchors_per_seq=8,
-        draft_steps=60, draft_stop_step=None, draft_warmup=10, eval_prompts=4, eval_new_tokens=32,
+        max_docs=60,
+        vocab_size=512,
+        hidden=64,
+        target_layers=4,
+        heads=2,
+        kv_heads=1,
+        head_dim=32,
+        target_intermediate=128,
+        target_seq=128,
+        target_batch=16,
+        target_steps=60,
+        target_warmup=10,
+        target_eval_every=30,
+        n_calibration=64,
+        n_heldout=32,
+        gen_prefix=24,
+        gen_new=40,
+        gen_sequences=64,
+        gen_batch=32,
+        draft_intermediate=128,
+        target_layer_ids=[0, 1, 2],
+        draft_batch=8,
+        anchors_per_seq=8,
+        draft_steps=60,
+        draft_stop_step=None,
+        draft_warmup=10,
+        eval_prompts=4,
+        eval_new_tokens=32,
     )
 
 
@@ -338,16 +361,23 @@ def train_target(r: Recipe, train: torch.Tensor, heldout: torch.Tensor, eos_id: 
             last = True
         if (step + 1) % r.target_eval_every == 0 or last:
             val_loss = eval_target(model, val, device)
-            log(f"target step {step + 1}/{r.target_steps} train {loss.item():.3f} held-out {val_loss:.3f}",
-                step=step + 1, train_loss=loss.item(), heldout_loss=val_loss,
-                seconds=time.perf_counter() - t_start)
+            log(
+                f"target step {step + 1}/{r.target_steps} train {loss.item():.3f} held-out {val_loss:.3f}",
+                step=step + 1,
+                train_loss=loss.item(),
+                heldout_loss=val_loss,
+                seconds=time.perf_counter() - t_start,
+            )
             if val_loss < best[0]:
                 best = (val_loss, {k: v.detach().clone() for k, v in model.state_dict().items()}, step + 1)
         if last:
             break
     model.load_state_dict(best[1])
-    log(f"target: kept step {best[2]} (held-out loss {best[0]:.3f})", target_best_step=best[2],
-        target_heldout_loss=best[0])
+    log(
+        f"target: kept step {best[2]} (held-out loss {best[0]:.3f})",
+        target_best_step=best[2],
+        target_heldout_loss=best[0],
+    )
     # Round to bf16 now, so the drafter learns the continuations of the weights that ship.
     with torch.no_grad():
         for p in model.parameters():
@@ -558,8 +588,9 @@ def train_drafter(r: Recipe, target, seqs: torch.Tensor, mask_id: int, device: t
         short = torch.rand(anchors.shape, generator=gen) < r.short_block_frac
         sizes[short] = torch.randint(2, r.block_size, (int(short.sum()),), generator=gen)
         batch = seqs[idx].to(device, non_blocking=True)
-        loss, correct = drafter_loss(drafter, target, batch, anchors.to(device), sizes.to(device), r, mask_id, device,
-                                     weights)
+        loss, correct = drafter_loss(
+            drafter, target, batch, anchors.to(device), sizes.to(device), r, mask_id, device, weights
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -574,8 +605,13 @@ def train_drafter(r: Recipe, target, seqs: torch.Tensor, mask_id: int, device: t
         if (step + 1) % max(1, r.draft_steps // 20) == 0 or step + 1 == r.draft_steps or stop:
             tau_est = torch.stack(acc_hist).mean().item()
             acc_hist.clear()
-            log(f"drafter step {step + 1}/{r.draft_steps} loss {loss.item():.3f} block-acceptance {tau_est:.2f}",
-                step=step + 1, loss=loss.item(), train_block_tau=tau_est, seconds=time.perf_counter() - t_start)
+            log(
+                f"drafter step {step + 1}/{r.draft_steps} loss {loss.item():.3f} block-acceptance {tau_est:.2f}",
+                step=step + 1,
+                loss=loss.item(),
+                train_block_tau=tau_est,
+                seconds=time.perf_counter() - t_start,
+            )
         if stop:
             break
     drafter.eval()
@@ -649,8 +685,12 @@ def evaluate(drafter, target, conts: list[tuple[torch.Tensor, int]], mask_id: in
     tau_steps = sum(all_lengths) / len(all_lengths)
     tau_prompts = sum(per_prompt) / len(per_prompt)
     per_pos = [sum(a >= k for a in all_acc) / len(all_acc) for k in range(1, block)]
-    return {"tau": tau_steps, "tau_mean_of_prompts": tau_prompts, "steps": len(all_lengths),
-            "p_accept_at_least_k": per_pos}
+    return {
+        "tau": tau_steps,
+        "tau_mean_of_prompts": tau_prompts,
+        "steps": len(all_lengths),
+        "p_accept_at_least_k": per_pos,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -709,8 +749,10 @@ def run(args: argparse.Namespace) -> dict:
     import tokenizers
     import transformers
 
-    log(f"torch {torch.__version__}, transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
-        f"python {sys.version.split()[0]}, device {device}")
+    log(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, tokenizers {tokenizers.__version__}, "
+        f"python {sys.version.split()[0]}, device {device}"
+    )
 
     corpus_dir = Path(args.corpus) if args.corpus else default_corpus_dir()
     docs = load_corpus(corpus_dir)
@@ -719,9 +761,12 @@ def run(args: argparse.Namespace) -> dict:
     train_docs, held_docs = split_corpus(docs)
     if not held_docs:  # tiny smoke subsets
         held_docs, train_docs = train_docs[:2], train_docs[2:]
-    log(f"corpus {corpus_dir}: {len(train_docs)} train files ({sum(len(d.text) for d in train_docs)} chars), "
+    log(
+        f"corpus {corpus_dir}: {len(train_docs)} train files ({sum(len(d.text) for d in train_docs)} chars), "
         f"{len(held_docs)} held-out files ({sum(len(d.text) for d in held_docs)} chars)",
-        train_files=len(train_docs), heldout_files=len(held_docs))
+        train_files=len(train_docs),
+        heldout_files=len(held_docs),
+    )
 
     if args.reuse_target or r.tokenizer_file:  # an earlier run's (drafter iteration) / the first pair's
         from tokenizers import Tokenizer
@@ -741,8 +786,12 @@ def run(args: argparse.Namespace) -> dict:
     r.vocab_size = tok.get_vocab_size()
     train_stream = encode_stream(tok, train_docs, eos_id)
     held_stream = encode_stream(tok, held_docs, eos_id)
-    log(f"tokenizer: vocab {r.vocab_size}, eos {eos_id}, mask {mask_id}; {train_stream.numel()} train tokens, "
-        f"{held_stream.numel()} held-out tokens", train_tokens=train_stream.numel(), heldout_tokens=held_stream.numel())
+    log(
+        f"tokenizer: vocab {r.vocab_size}, eos {eos_id}, mask {mask_id}; {train_stream.numel()} train tokens, "
+        f"{held_stream.numel()} held-out tokens",
+        train_tokens=train_stream.numel(),
+        heldout_tokens=held_stream.numel(),
+    )
 
     rng = random.Random(r.seed + 4)
     calib = make_prompts(tok, train_docs, r.n_calibration, r, rng, "calib")
@@ -767,8 +816,10 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(0, prefixes.shape[0], r.gen_batch):
         batches.append(greedy_continue(target, prefixes[i : i + r.gen_batch].to(device), r.gen_new))
     seqs = torch.cat(batches)
-    log(f"drafter data: {seqs.shape[0]} greedy continuations of {r.gen_new} tokens after {r.gen_prefix}-token prefixes",
-        drafter_sequences=seqs.shape[0])
+    log(
+        f"drafter data: {seqs.shape[0]} greedy continuations of {r.gen_new} tokens after {r.gen_prefix}-token prefixes",
+        drafter_sequences=seqs.shape[0],
+    )
 
     drafter = train_drafter(r, target, seqs, mask_id, device, log)
     save_drafter(out, drafter)
@@ -780,18 +831,27 @@ def run(args: argparse.Namespace) -> dict:
             p.copy_(p.to(torch.bfloat16).float())
     conts = continuations(target, tok, held[: r.eval_prompts], r.eval_new_tokens, device)
     res = evaluate(drafter, target, conts, mask_id, device, r.block_size)
-    log(f"held-out replay tau {res['tau']:.3f} (mean of prompts {res['tau_mean_of_prompts']:.3f}) over "
-        f"{res['steps']} steps; P(accept >= k) {[round(x, 3) for x in res['p_accept_at_least_k']]}", **res)
+    log(
+        f"held-out replay tau {res['tau']:.3f} (mean of prompts {res['tau_mean_of_prompts']:.3f}) over "
+        f"{res['steps']} steps; P(accept >= k) {[round(x, 3) for x in res['p_accept_at_least_k']]}",
+        **res,
+    )
 
     from dflash_quant.reference.sensitivity import rtn_quantize_drafter
 
     q = rtn_quantize_drafter(drafter, bits=2, group_size=128, names=drafter.linear_names())
     res2 = evaluate(q, target, conts, mask_id, device, r.block_size)
-    log(f"2-bit RTN drafter: replay tau {res2['tau']:.3f} ({100 * (1 - res2['tau'] / res['tau']):.1f}% lost)",
-        rtn2=res2)
+    log(
+        f"2-bit RTN drafter: replay tau {res2['tau']:.3f} ({100 * (1 - res2['tau'] / res['tau']):.1f}% lost)", rtn2=res2
+    )
 
-    report = {"recipe": asdict(r), "events": log.events, "eval": res, "eval_rtn2": res2,
-              "seconds": time.perf_counter() - log.t0}
+    report = {
+        "recipe": asdict(r),
+        "events": log.events,
+        "eval": res,
+        "eval_rtn2": res2,
+        "seconds": time.perf_counter() - log.t0,
+    }
     (out / "train_log.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 
@@ -802,15 +862,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--corpus", default=None, help="directory of .py sources (default: this interpreter's stdlib)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pair", choices=["dflash", "dflash2"], default="dflash",
-                   help="dflash: the first pair (Qwen3 + DFlash); dflash2: hybrid Qwen3.5 target + DFlash2 drafter")
+    p.add_argument(
+        "--pair",
+        choices=["dflash", "dflash2"],
+        default="dflash",
+        help="dflash: the first pair (Qwen3 + DFlash); dflash2: hybrid Qwen3.5 target + DFlash2 drafter",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny configuration that finishes in a minute or two on CPU")
     p.add_argument("--steps-scale", type=float, default=1.0, help="scale both step counts (debugging)")
-    p.add_argument("--reuse-target", default=None, metavar="DIR",
-                   help="skip tokenizer and target training: take DIR/target from an earlier run (drafter iteration)")
-    p.add_argument("--set", nargs="*", metavar="KEY=JSON", help="override recipe fields (debugging), e.g. draft_steps=10")
-    p.add_argument("--deadline-min", type=float, default=None,
-                   help="safety stop: cut target training at 40%% and drafter training at 85%% of this many minutes")
+    p.add_argument(
+        "--reuse-target",
+        default=None,
+        metavar="DIR",
+        help="skip tokenizer and target training: take DIR/target from an earlier run (drafter iteration)",
+    )
+    p.add_argument(
+        "--set", nargs="*", metavar="KEY=JSON", help="override recipe fields (debugging), e.g. draft_steps=10"
+    )
+    p.add_argument(
+        "--deadline-min",
+        type=float,
+        default=None,
+        help="safety stop: cut target training at 40%% and drafter training at 85%% of this many minutes",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     args = p.parse_args(argv)
     if args.threads:

@@ -29,8 +29,14 @@ CONFIGS = [
 
 def _gptqmodel_linear(tensors, bits, group, sym, desc_act, out_features, in_features):
     m = TorchLinear(
-        bits=bits, group_size=group, sym=sym, desc_act=desc_act,
-        in_features=in_features, out_features=out_features, bias=False, pack_dtype=torch.int32,
+        bits=bits,
+        group_size=group,
+        sym=sym,
+        desc_act=desc_act,
+        in_features=in_features,
+        out_features=out_features,
+        bias=False,
+        pack_dtype=torch.int32,
     )
     for key, value in tensors.items():
         getattr(m, key).data.copy_(value)
