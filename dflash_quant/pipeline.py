@@ -122,6 +122,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     drafter, target = load_pair(job.drafter, job.target, device, dtype)
+    if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
+        from dflash_quant.config import read_config_json
+        from dflash_quant.export.gguf import pairing_problem
+
+        if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
+            raise UsageError(problem)
     timings["load_s"] = time.perf_counter() - t0
 
     drafter_sha = weights_sha256(drafter.source.path)

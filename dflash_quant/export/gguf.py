@@ -78,6 +78,34 @@ def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requanti
     return None
 
 
+def target_depth(target: Path | None, config: dict[str, Any]) -> int | None:
+    """The target's layer count: from its config.json (text_config for multimodal ones), else the drafter's
+    `num_target_layers`; None when neither says."""
+    if target is not None and (Path(target) / "config.json").is_file():
+        try:
+            raw = json.loads((Path(target) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            raw = {}
+        n = (raw.get("text_config") or raw).get("num_hidden_layers")
+        if n is not None:
+            return int(n)
+    n = config.get("num_target_layers") or (config.get("dflash_config") or {}).get("num_target_layers")
+    return int(n) if n is not None else None
+
+
+def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
+    """Why llama.cpp cannot run this drafter with this target (None: it can). llama.cpp taps layer *inputs*
+    (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts."""
+    from dflash_quant.config import parse_draft_config
+
+    ids = [int(i) for i in parse_draft_config(config).target_layer_ids]
+    depth = target_depth(target, config)
+    if depth is not None and ids and max(ids) >= depth - 1:
+        return (f"the drafter taps target layer {max(ids)}, the last of {depth}: llama.cpp reads layer inputs "
+                f"(id + 1) and has none after the last layer, so llama-server would abort; GGUF needs taps below {depth - 1}")
+    return None
+
+
 def gguf_name(hf_name: str) -> str:
     """`layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
     base, _, suffix = hf_name.rpartition(".")
@@ -225,6 +253,8 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
 
     if target is None:
         raise UsageError("GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET")
+    if problem := pairing_problem(art.config, Path(target)):
+        raise UsageError(problem)
     hp = _hparams(art.config)
     cfg = hp["cfg"]
     written: dict[str, tuple[np.ndarray, str]] = {}
