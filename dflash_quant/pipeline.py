@@ -53,6 +53,7 @@ class GptqJob:
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
+    gguf_type: str | None = None  # Q4_K | Q3_K | Q2_K | IQ4_NL: GPTQ directly on llama.cpp's grid (format gguf)
 
 
 @dataclass
@@ -104,7 +105,13 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     """Quantize job.drafter and write the artifact to job.output (atomically, holding the output's lock)."""
     job.quant = job.quant.normalized()
     job.quant.check()
-    if job.format != "gptq":
+    if job.gguf_type is not None:
+        from dflash_quant.quantize.kquant import grid_for
+
+        grid_for(job.gguf_type)
+        if job.format != "gguf":
+            raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
+    elif job.format != "gptq":
         from dflash_quant.export.convert import format_problem
 
         permuted = job.quant.desc_act and not job.quant.static_groups
@@ -146,7 +153,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     t = time.perf_counter()
     advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(drafter.model.linear_names()))
-    outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
+    if job.gguf_type is not None:
+        from dflash_quant.quantize.kquant import quantize_drafter_kquant
+
+        outcome = quantize_drafter_kquant(drafter.model, stats, job.quant, job.gguf_type, progress=lambda name: advance())
+    else:
+        outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 
     quant_report = QuantReport.from_dict({
@@ -171,11 +183,16 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
     with staging(final, job.overwrite) as tmp:
-        export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+        if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
+            from dflash_quant.quantize.kquant import write_kquant_gguf
+
+            write_kquant_gguf(tmp, drafter, outcome, job.gguf_type, target.source.path, provenance, quant_report, stats)
+        else:
+            export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
         result.quant_report = quant_report.to_dict()
-        # memory of the GPTQ tensors, before any conversion
-        _memory(tmp, final, drafter.source, provenance.target.id, target.source.path, device)
-        if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
+        if job.gguf_type is None:  # memory of the GPTQ tensors, before any conversion
+            _memory(tmp, final, drafter.source, provenance.target.id, target.source.path, device)
+        if job.format != "gptq" and job.gguf_type is None:  # same codes in the engine's layout; the parity check below loads exactly these
             from dflash_quant.export.convert import convert_artifact
 
             convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)

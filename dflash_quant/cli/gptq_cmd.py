@@ -74,6 +74,7 @@ def gptq(
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     fmt: str = typer.Option("gptq", "--format", help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128)."),
+    gguf_type: Optional[str] = typer.Option(None, help="With --format gguf: GPTQ directly on llama.cpp's Q4_K | Q3_K | Q2_K | IQ4_NL grid (ignores --bits/--group-size/--sym)."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -95,6 +96,7 @@ def gptq(
                 calib_cache=calib_cache, verify=verify, eval_prompts=eval_prompts, eval_num_prompts=eval_num_prompts,
                 eval_max_new_tokens=eval_max_new_tokens, tolerance=tolerance, device=device, dtype=dtype,
                 chat_template=chat_template, write_card=card, command=["dflash-quant", *sys.argv[1:]], format=fmt,
+                gguf_type=gguf_type,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

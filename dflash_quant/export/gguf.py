@@ -57,6 +57,7 @@ KEYS = (
 )
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
+K_FILE_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 14, "IQ4_NL": 25}  # MOSTLY_Q2_K, Q3_K_S, Q4_K_S, IQ4_NL
 MAPPING_HINT = ("use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
                 "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0")
 
@@ -248,7 +249,9 @@ def default_pre(vocab_size: int) -> str:
     return "qwen2" if vocab_size >= 151643 else "gpt-2"
 
 
-def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None) -> dict[str, Any]:
+def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None,
+               encoded: dict[str, tuple[np.ndarray, str]] | None = None) -> dict[str, Any]:
+    """`encoded` (GGUF name -> (bytes, type)) replaces encoding art.quantized: GPTQ already on a llama.cpp grid."""
     import gguf
 
     if target is None:
@@ -257,7 +260,7 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
         raise UsageError(problem)
     hp = _hparams(art.config)
     cfg = hp["cfg"]
-    written: dict[str, tuple[np.ndarray, str]] = {}
+    written: dict[str, tuple[np.ndarray, str]] = dict(encoded or {})
     for name, qw in art.quantized.items():
         written[gguf_name(f"{name}.weight")] = encode_weight(qw, requantize)
     kinds = sorted({k for _, k in written.values()})
@@ -278,7 +281,7 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_file_type(FILE_TYPES.get(main, 32))  # 32: MOSTLY_BF16
+    writer.add_file_type(FILE_TYPES.get(main, K_FILE_TYPES.get(main, 32)))  # 32: MOSTLY_BF16
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{ARCH}.block_size", int(cfg.block_size))  # not in PyPI gguf 0.19's writer
     writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
@@ -319,9 +322,13 @@ def write_gguf(dst: Path, art, *, target: Path | None, requantize: bool = False,
         "requantized": any(not _exact_weight(qw) for qw in art.quantized.values()),
         "bits": art.bits, "group_size": art.group_size, "sym": art.sym, "layout": LLAMA_CPP_REVISION,
     }
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if encoded:
+        config["quantization_config"]["grid"] = "llama.cpp " + "/".join(sorted({k for _, k in encoded.values()}))
     exact = {"Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)", "Q8_0": "bit-identical (q = code - 128)",
              "Q4_1": "codes and d identical; m = -scale*zero rounded to fp16"}
+    exact.update({k: f"GPTQ on the {k} grid: codes, sub-block scales/mins and fp16 super-block scales stored as chosen"
+                  for k in K_FILE_TYPES})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     requantized = any(not _exact_weight(qw) for qw in art.quantized.values())
     return {"format": "gguf", "files": [fname, "config.json"], "quantized_bytes": qbytes, "types": kinds,
             "requantized": requantized,
@@ -345,7 +352,7 @@ def read_gguf(path: Path) -> dict[str, torch.Tensor]:
     """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
     import gguf
 
-    files = sorted(Path(path).glob("*.gguf"))
+    files = [f for f in sorted(Path(path).glob("*.gguf")) if not f.name.endswith(".imatrix.gguf")]  # imatrix: not weights
     if len(files) != 1:
         raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
     try:

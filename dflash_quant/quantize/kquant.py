@@ -80,6 +80,14 @@ class KQuantWeight:
     name: str = ""
     damp_used: float | None = None
 
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
     def steps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-column (step, offset) [out, in] so that w = step * code - offset (IQ4_NL: step = d, offset 0)."""
         return column_grid(self.grid, self.d, self.dmin, self.sc, self.m)
@@ -383,3 +391,81 @@ def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tenso
     num = ((E @ hessian) * E).sum()
     den = ((weight.float() @ hessian) * weight.float()).sum()
     return math.sqrt(max(float(num / den), 0.0)) if den > 0 else float("nan")
+
+
+# ------------------------------------------------------------------------------------------ whole drafter
+
+
+def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=None):
+    """GPTQ (or RTN) of the chosen Linears on a llama.cpp grid; weights replaced in place by their exact
+    dequantized values (so the parity check measures what the GGUF holds). Returns a QuantOutcome whose
+    weights are KQuantWeights."""
+    import time
+
+    from dflash_quant.calibration.capture import input_group
+    from dflash_quant.quantize.drafter import QuantOutcome, select_linears
+
+    grid = grid_for(gguf_type)
+    settings = settings.normalized()
+    if settings.method == "gptq" and stats is None:
+        raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
+    if settings.sequential or settings.desc_act:
+        raise UsageError(f"--gguf-type {gguf_type} runs plain GPTQ in column order; drop --sequential/--desc-act")
+    chosen, kept = select_linears(model, settings)
+    for name in chosen:
+        _check(model.get_submodule(name).weight, grid, name)
+    outcome = QuantOutcome(weights={}, kept=kept)
+    t0 = time.perf_counter()
+    kv_mode = stats.kv_hessian if stats is not None else "block"
+    for name in chosen:
+        module = model.get_submodule(name)
+        weight = module.weight.detach().float().cpu()
+        acc = stats.hessians.get(input_group(name, kv_mode)) if stats is not None else None
+        hessian = acc.hessian().cpu() if acc is not None else None
+        if settings.method == "gptq":
+            if acc is None or acc.rows < settings.min_rows:
+                raise DFlashQuantError(f"too few calibration rows reached {name}; raise --num-prompts or --max-new-tokens")
+            qw = gptq_kquant(weight, hessian, grid, damp=settings.damp, name=name)
+        else:
+            qw = rtn_kquant(weight, grid, None if hessian is None else hessian.diagonal(), name=name)
+        deq = qw.dequantize()
+        with torch.no_grad():
+            module.weight.copy_(deq.to(module.weight.device, module.weight.dtype))
+        outcome.weights[name] = qw
+        outcome.layers.append({
+            "name": name, "shape": list(weight.shape), "gguf_type": grid.name, "bits_per_weight": grid.bits_per_weight,
+            "hessian_rows": acc.rows if acc is not None else None, "damp": qw.damp_used, "fallback": None,
+            "rel_output_error": round(relative_error(weight, deq, hessian), 6) if hessian is not None else None,
+        })
+        if progress:
+            progress(name)
+    outcome.seconds = time.perf_counter() - t0
+    return outcome
+
+
+def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance, quant_report, stats=None) -> dict:
+    """The GGUF artifact of a k-quant GPTQ run (plus provenance, quant report, and the drafter imatrix)."""
+    from pathlib import Path
+
+    from dflash_quant.export.convert import GptqArtifact
+    from dflash_quant.export.gguf import gguf_name, write_gguf
+
+    out = Path(out)
+    state = {k: v.detach().cpu() for k, v in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
+    encoded = {}
+    for name, qw in outcome.weights.items():
+        state.pop(f"{name}.weight")
+        encoded[gguf_name(f"{name}.weight")] = (qw.pack(), qw.grid.name)
+    grid = grid_for(gguf_type)
+    art = GptqArtifact(path=Path(drafter.source.path), config=dict(drafter.raw_config),
+                       qcfg={"bits": grid.bits_per_weight, "group_size": grid.sub, "sym": not grid.has_min},
+                       dense={k: v.to(torch.bfloat16) for k, v in state.items()})
+    summary = write_gguf(out, art, target=Path(target), encoded=encoded)
+    provenance.write(out)
+    quant_report.quantized_bytes = summary["quantized_bytes"]
+    quant_report.write(out)
+    if stats is not None:
+        from dflash_quant.export.imatrix import FILE, write_for_stats
+
+        write_for_stats(out / FILE, stats, drafter.model.linear_names(), provenance.calibration.prompts or "calibration")
+    return summary
