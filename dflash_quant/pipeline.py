@@ -177,7 +177,8 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         target=source_ref(target.source, weights_sha256(target.source.path)),
         calibration=Calibration.from_dict({**calib_info, "prompts": prompt_label(calib_info["prompts"]),
                                            "seed": job.seed, "chat_template": job.chat_template}),
-        quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}),
+        quantization=Quantization.from_dict({**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept,
+                                             **_grid_fields(job.gguf_type)}),
         device=str(device), dtype=str(dtype).replace("torch.", ""),
     )
 
@@ -235,6 +236,17 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
         "block_size": block, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "baseline": s_base, "quantized": s_quant,
     })
+
+
+def _grid_fields(gguf_type: str | None) -> dict[str, Any]:
+    """A run on a llama.cpp grid records that grid, not the GPTQ v1 defaults it did not use."""
+    if gguf_type is None:
+        return {}
+    from dflash_quant.quantize.kquant import grid_for
+
+    grid = grid_for(gguf_type)
+    return {"bits": grid.code_bits, "group_size": grid.sub, "sym": not grid.has_min, "desc_act": False,
+            "static_groups": False, "gguf_type": grid.name, "bits_per_weight": grid.bits_per_weight}
 
 
 def _memory(artifact: Path, final: Path, source, target_name: str, target: Path, device: torch.device) -> None:

@@ -44,6 +44,10 @@ class KGrid:
     bytes_per_block: int
 
     @property
+    def code_bits(self) -> int:
+        return int(math.log2(self.levels))
+
+    @property
     def bits_per_weight(self) -> float:
         return 8 * self.bytes_per_block / self.block
 
@@ -173,8 +177,8 @@ def _wls_symmetric(x, w, nmax, values=None):
     best_s = torch.zeros_like(peak)
     best_err = (w * x * x).sum(-1)
     top = -values[0] if values is not None else nmax
-    for k in range(-9, 10):
-        s0 = -peak / (top + 0.1 * k)
+    for k in range(-9, 10):  # the peak maps to the grid's end, +-22 %
+        s0 = -peak / (top + top / 40 * k)
         if values is not None:
             vals = torch.tensor(values, dtype=x.dtype, device=x.device)
             l = vals[(s0.unsqueeze(-1).unsqueeze(-1) * vals - x.unsqueeze(-1)).abs().argmin(-1)]
@@ -458,7 +462,7 @@ def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance,
         encoded[gguf_name(f"{name}.weight")] = (qw.pack(), qw.grid.name)
     grid = grid_for(gguf_type)
     art = GptqArtifact(path=Path(drafter.source.path), config=dict(drafter.raw_config),
-                       qcfg={"bits": grid.bits_per_weight, "group_size": grid.sub, "sym": not grid.has_min},
+                       qcfg={"bits": grid.code_bits, "group_size": grid.sub, "sym": not grid.has_min},
                        dense={k: v.to(torch.bfloat16) for k, v in state.items()})
     summary = write_gguf(out, art, target=Path(target), encoded=encoded)
     provenance.write(out)
