@@ -185,3 +185,17 @@ def test_llama_quantize_accepts_the_imatrix(tmp_path, kind):
     reader = gguf.GGUFReader(str(tmp_path / "q.gguf"))
     assert {t.name for t in reader.tensors} >= {gguf_name(f"{n}.weight") for n in names}
     shutil.rmtree(tmp_path / "bf16")
+
+
+def test_imatrix_command_refuses_bad_outputs_before_loading(tmp_path):
+    from dflash_quant.cli.imatrix_cmd import make_imatrix
+
+    existing = tmp_path / "d.imatrix.gguf"
+    existing.write_bytes(b"keep me")
+    with pytest.raises(UsageError, match="exists; pass --overwrite"):
+        make_imatrix("reference", None, existing)
+    assert existing.read_bytes() == b"keep me"
+    with pytest.raises(UsageError, match="is a directory"):
+        make_imatrix("reference", None, tmp_path)
+    with pytest.raises(UsageError, match="does not exist"):
+        make_imatrix("reference", None, tmp_path / "missing" / "x.gguf")
