@@ -423,7 +423,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
     kv_mode = stats.kv_hessian if stats is not None else "block"
     for name in chosen:
         module = model.get_submodule(name)
-        weight = module.weight.detach().float().cpu()
+        weight = module.weight.detach().float().cpu().clone()  # the module's weight is overwritten below
         acc = stats.hessians.get(input_group(name, kv_mode)) if stats is not None else None
         hessian = acc.hessian().cpu() if acc is not None else None
         if settings.method == "gptq":
