@@ -74,6 +74,7 @@ class GptqJob:
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
     lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
+    gguf_type: str | None = None  # Q4_K | Q3_K | Q2_K | IQ4_NL: GPTQ directly on llama.cpp's grid (format gguf)
 
 
 @dataclass
@@ -158,7 +159,13 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
     job.quant.check()
     if job.lookup is not None:
         job.lookup.check()
-    if job.format != "gptq":
+    if job.gguf_type is not None:
+        from dflash_quant.quantize.kquant import grid_for
+
+        grid_for(job.gguf_type)
+        if job.format != "gguf":
+            raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
+    elif job.format != "gptq":
         from dflash_quant.export.convert import format_problem
 
         permuted = job.quant.desc_act and not job.quant.static_groups
@@ -176,6 +183,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     drafter, target = load_pair(job.drafter, job.target, device, dtype)
+    if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
+        from dflash_quant.config import read_config_json
+        from dflash_quant.export.gguf import pairing_problem
+
+        if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
+            raise UsageError(problem)
     timings["load_s"] = time.perf_counter() - t0
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 
@@ -201,7 +214,14 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     t = time.perf_counter()
     advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(candidates))
-    outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
+    if job.gguf_type is not None:
+        from dflash_quant.quantize.kquant import quantize_drafter_kquant
+
+        outcome = quantize_drafter_kquant(
+            drafter.model, stats, job.quant, job.gguf_type, progress=lambda name: advance()
+        )
+    else:
+        outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
     timings["quantize_s"] = time.perf_counter() - t
 
     quant_report = QuantReport.from_dict(
@@ -231,7 +251,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             }
         ),
         quantization=Quantization.from_dict(
-            {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept}
+            {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept, **_grid_fields(job.gguf_type)}
         ),
         device=str(device),
         dtype=str(dtype).replace("torch.", ""),
@@ -239,11 +259,16 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
     with staging(final, job.overwrite) as tmp:
-        export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+        if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
+            from dflash_quant.quantize.kquant import write_kquant_gguf
+
+            write_kquant_gguf(tmp, drafter, outcome, job.gguf_type, target.source.path, provenance, quant_report, stats)
+        else:
+            export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
         result.quant_report = quant_report.to_dict()
-        # memory of the GPTQ tensors, before any conversion
-        _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
-        if job.format != "gptq":  # same codes in the engine's layout; the parity check below loads exactly these
+        if job.gguf_type is None:  # memory of the GPTQ tensors, before any conversion
+            _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
+        if job.format != "gptq" and job.gguf_type is None:  # same codes in the engine's layout; parity loads these
             from dflash_quant.export.convert import convert_artifact
 
             convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)
@@ -359,6 +384,24 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
             },
         }
     )
+
+
+def _grid_fields(gguf_type: str | None) -> dict[str, Any]:
+    """A run on a llama.cpp grid records that grid, not the GPTQ v1 defaults it did not use."""
+    if gguf_type is None:
+        return {}
+    from dflash_quant.quantize.kquant import grid_for
+
+    grid = grid_for(gguf_type)
+    return {
+        "bits": grid.code_bits,
+        "group_size": grid.sub,
+        "sym": not grid.has_min,
+        "desc_act": False,
+        "static_groups": False,
+        "gguf_type": grid.name,
+        "bits_per_weight": grid.bits_per_weight,
+    }
 
 
 def _memory(artifact: Path, final: Path, source, target_name: str | None, target: Path, device: torch.device) -> None:

@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "dflash_quant.cli.verify_cmd",
     "dflash_quant.cli.gptq_cmd",
     "dflash_quant.cli.export_cmd",
+    "dflash_quant.cli.imatrix_cmd",
     "dflash_quant.cli.memory_cmd",
     "dflash_quant.cli.card_cmd",
     "dflash_quant.cli.push_cmd",

@@ -147,6 +147,10 @@ def gptq(
         "--format",
         help="gptq (v1, default) | compressed-tensors | gguf (needs --group-size 32) | mlx (group 32/64/128).",
     ),
+    gguf_type: str | None = typer.Option(
+        None,
+        help="With --format gguf: GPTQ directly on llama.cpp's Q4_K | Q3_K | Q2_K | IQ4_NL grid (ignores --bits/--group-size/--sym).",
+    ),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -204,6 +208,7 @@ def gptq(
                 check_cache=None if no_check_cache else (check_cache or default_dir()),
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
+                gguf_type=gguf_type,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

@@ -70,6 +70,7 @@ KEYS = (
 )
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
+K_FILE_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 14, "IQ4_NL": 25}  # MOSTLY_Q2_K, Q3_K_S, Q4_K_S, IQ4_NL
 MAPPING_HINT = (
     "use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
     "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0"
@@ -90,6 +91,36 @@ def grid_problem(bits: int, group_size: int, sym: bool, desc_act: bool, requanti
         why.append("act-order without static groups")
     if why:
         return f"GPTQ with {', '.join(why)} has no GGUF type that holds it exactly; {MAPPING_HINT}"
+    return None
+
+
+def target_depth(target: Path | None, config: dict[str, Any]) -> int | None:
+    """The target's layer count: from its config.json (text_config for multimodal ones), else the drafter's
+    `num_target_layers`; None when neither says."""
+    if target is not None and (Path(target) / "config.json").is_file():
+        try:
+            raw = json.loads((Path(target) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            raw = {}
+        n = (raw.get("text_config") or raw).get("num_hidden_layers")
+        if n is not None:
+            return int(n)
+    n = config.get("num_target_layers") or (config.get("dflash_config") or {}).get("num_target_layers")
+    return int(n) if n is not None else None
+
+
+def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
+    """Why llama.cpp cannot run this drafter with this target (None: it can). llama.cpp taps layer *inputs*
+    (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts."""
+    from dflash_quant.config import parse_draft_config
+
+    ids = [int(i) for i in parse_draft_config(config).target_layer_ids]
+    depth = target_depth(target, config)
+    if depth is not None and ids and max(ids) >= depth - 1:
+        return (
+            f"the drafter taps target layer {max(ids)}, the last of {depth}: llama.cpp reads layer inputs "
+            f"(id + 1) and has none after the last layer, so llama-server would abort; GGUF needs taps below {depth - 1}"
+        )
     return None
 
 
@@ -248,17 +279,26 @@ def default_pre(vocab_size: int) -> str:
 
 
 def write_gguf(
-    dst: Path, art, *, target: Path | None, requantize: bool = False, pre: str | None = None
+    dst: Path,
+    art,
+    *,
+    target: Path | None,
+    requantize: bool = False,
+    pre: str | None = None,
+    encoded: dict[str, tuple[np.ndarray, str]] | None = None,
 ) -> dict[str, Any]:
+    """`encoded` (GGUF name -> (bytes, type)) replaces encoding art.quantized: GPTQ already on a llama.cpp grid."""
     import gguf
 
     if target is None:
         raise UsageError(
             "GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET"
         )
+    if problem := pairing_problem(art.config, Path(target)):
+        raise UsageError(problem)
     hp = _hparams(art.config)
     cfg = hp["cfg"]
-    written: dict[str, tuple[np.ndarray, str]] = {}
+    written: dict[str, tuple[np.ndarray, str]] = dict(encoded or {})
     for name, qw in art.quantized.items():
         written[gguf_name(f"{name}.weight")] = encode_weight(qw, requantize)
     kinds = sorted({k for _, k in written.values()})
@@ -279,7 +319,7 @@ def write_gguf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_file_type(FILE_TYPES.get(main, 32))  # 32: MOSTLY_BF16
+    writer.add_file_type(FILE_TYPES.get(main, K_FILE_TYPES.get(main, 32)))  # 32: MOSTLY_BF16
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{ARCH}.block_size", int(cfg.block_size))  # not in PyPI gguf 0.19's writer
     writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
@@ -326,12 +366,20 @@ def write_gguf(
         "sym": art.sym,
         "layout": LLAMA_CPP_REVISION,
     }
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if encoded:
+        config["quantization_config"]["grid"] = "llama.cpp " + "/".join(sorted({k for _, k in encoded.values()}))
     exact = {
         "Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)",
         "Q8_0": "bit-identical (q = code - 128)",
         "Q4_1": "codes and d identical; m = -scale*zero rounded to fp16",
     }
+    exact.update(
+        {
+            k: f"GPTQ on the {k} grid: codes, sub-block scales/mins and fp16 super-block scales stored as chosen"
+            for k in K_FILE_TYPES
+        }
+    )
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     requantized = any(not _exact_weight(qw) for qw in art.quantized.values())
     return {
         "format": "gguf",
@@ -360,7 +408,9 @@ def read_gguf(path: Path) -> dict[str, torch.Tensor]:
     """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
     import gguf
 
-    files = sorted(Path(path).glob("*.gguf"))
+    files = [
+        f for f in sorted(Path(path).glob("*.gguf")) if not f.name.endswith(".imatrix.gguf")
+    ]  # imatrix: not weights
     if len(files) != 1:
         raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
     try:

