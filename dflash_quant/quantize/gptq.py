@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -286,6 +287,13 @@ def gptq_quantize_shared(
     stacked = gptq_quantize(
         torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs
     )
+    return split_rows(stacked, weights, names)
+
+
+def split_rows(
+    stacked: QuantizedWeight, weights: Sequence[torch.Tensor], names: Sequence[str]
+) -> list[QuantizedWeight]:
+    """One QuantizedWeight per matrix of a row-stacked solve (q/k/v or gate/up sharing one Hessian)."""
     out, row = [], 0
     for w, name in zip(weights, names, strict=True):
         rows = slice(row, row + w.shape[0])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -30,6 +30,7 @@ from dflash_quant.quantize.gptq import (
     GPTQFallbackWarning,
     HessianAccumulator,
     _damped_inverse_factor,
+    split_rows,
 )
 from dflash_quant.quantize.grid import (
     QuantizedWeight,
@@ -273,19 +274,5 @@ def gptq_quantize_groups(
         if len(weights) == 1:
             out.append([qw])
             continue
-        parts, row = [], 0
-        for w, name in zip(weights, names, strict=False):
-            rows = slice(row, row + w.shape[0])
-            parts.append(
-                replace(
-                    qw,
-                    codes=qw.codes[rows].clone(),
-                    scales=qw.scales[:, rows].clone(),
-                    zeros=qw.zeros[:, rows].clone(),
-                    g_idx=qw.g_idx.clone(),
-                    name=name,
-                )
-            )
-            row += w.shape[0]
-        out.append(parts)
+        out.append(split_rows(qw, weights, names))
     return out
