@@ -203,13 +203,7 @@ def gptq_quantize(
     Hinv, damp_used = _damped_inverse_factor(H, damp_percent, damp_tries)
     del H
     if Hinv is None:
-        why = f"rtn: Hessian not positive definite even at damp {damp_used:g} x mean diagonal"
-        msg = f"GPTQ fell back to round-to-nearest for layer {name!r} ({why})"
-        warnings.warn(msg, GPTQFallbackWarning, stacklevel=2)
-        log.warning(msg)
-        qw = rtn_quantize(weight, spec, name=name, fallback=why)
-        qw.damp_used = damp_used
-        return qw
+        return rtn_fallback(weight, spec, name, damp_used, stacklevel=2)
     if damp_used != damp_percent:
         log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
 
@@ -288,6 +282,19 @@ def gptq_quantize_shared(
         torch.cat([w.detach().float() for w in weights]), hessian, spec, name="+".join(names), **kwargs
     )
     return split_rows(stacked, weights, names)
+
+
+def rtn_fallback(
+    weight: torch.Tensor, spec: QuantSpec, name: str, damp_used: float, stacklevel: int
+) -> QuantizedWeight:
+    """Round-to-nearest for a layer whose Hessian stays singular at every damp tried, said loudly (warning + log)."""
+    why = f"rtn: Hessian not positive definite even at damp {damp_used:g} x mean diagonal"
+    msg = f"GPTQ fell back to round-to-nearest for layer {name!r} ({why})"
+    warnings.warn(msg, GPTQFallbackWarning, stacklevel=stacklevel + 1)
+    log.warning(msg)
+    qw = rtn_quantize(weight, spec, name=name, fallback=why)
+    qw.damp_used = damp_used
+    return qw
 
 
 def split_rows(

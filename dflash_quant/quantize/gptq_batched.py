@@ -18,7 +18,6 @@ benchmarks/bench_gptq.py on the GPU compares every code with the textbook's).
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import cast
 
@@ -27,9 +26,9 @@ import torch
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.quantize.gptq import (
     DAMP_TRIES,
-    GPTQFallbackWarning,
     HessianAccumulator,
     _damped_inverse_factor,
+    rtn_fallback,
     split_rows,
 )
 from dflash_quant.quantize.grid import (
@@ -40,7 +39,6 @@ from dflash_quant.quantize.grid import (
     group_params,
     quantize_codes,
 )
-from dflash_quant.quantize.rtn import rtn_quantize
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +93,7 @@ def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent
     Hinv, damp_used = _damped_inverse_factor(H, damp_percent, damp_tries)
     del H
     if Hinv is None:
-        why = f"rtn: Hessian not positive definite even at damp {damp_used:g} x mean diagonal"
-        msg = f"GPTQ fell back to round-to-nearest for layer {name!r} ({why})"
-        warnings.warn(msg, GPTQFallbackWarning, stacklevel=3)
-        log.warning(msg)
-        qw = rtn_quantize(weight, spec, name=name, fallback=why)
-        qw.damp_used = damp_used
-        return qw
+        return rtn_fallback(weight, spec, name, damp_used, stacklevel=3)
     if damp_used != damp_percent:
         log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
     return _Prepared(index, W, Hinv, order, col_group, scales, zeros, damp_used)
