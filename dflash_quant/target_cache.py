@@ -38,8 +38,17 @@ def make_cache(config, rollback: bool = True) -> DynamicCache:
     """A DynamicCache for `config`; with rollback, layers keep what is needed to be cropped (past recording)."""
     cache = DynamicCache(config=config)
     if rollback and hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()  # sliding windows and conv states keep the rows a crop may need
+        # Sliding windows and conv states keep the rows a crop may need. transformers >= 5.25 can also record
+        # per-token recurrent states (computed token by token); we ask for none and restore + replay instead,
+        # so the verify forward runs the same chunked kernel on every version.
+        kwargs = {"recurrent_states_to_keep": 0} if _records_recurrent() else {}
+        cache.activate_past_recording(**kwargs)
     return cache
+
+
+def _records_recurrent() -> bool:
+    method = getattr(_LINEAR, "activate_past_recording", None)
+    return method is not None and "recurrent_states_to_keep" in inspect.signature(method).parameters
 
 
 def _sync(device: torch.device) -> float:
@@ -54,6 +63,14 @@ def _is_linear(layer) -> bool:
 
 def _has_attention(layer) -> bool:
     return isinstance(layer, _ATTENTION)
+
+
+def _attention_crop(layer, tokens: int) -> None:
+    """Crop only the attention part of a layer that holds linear-attention state too (one cache layer for both)."""
+    for cls in type(layer).__mro__:
+        if issubclass(cls, _ATTENTION) and not (_LINEAR is not None and issubclass(cls, _LINEAR)):
+            cls.crop(layer, -tokens)
+            return
 
 
 def _classify(cache: DynamicCache, model_type: str) -> list[int]:
@@ -106,16 +123,22 @@ class TargetCache:
             self._classified = len(self.cache.layers)
 
     def _crop(self, tokens: int) -> None:
-        """Remove `tokens` from every layer; crop(0) also trims recorded pasts back to their working size."""
+        """Remove `tokens` from every attention layer; crop(0) also trims recorded pasts back to their working size.
+
+        Linear-attention layers are only ever trimmed (crop(0)): what a crop of them does differs between
+        transformers releases (5.25 rolls the recurrent state back from a history we do not record), so after a
+        rejected draft their state is restored from `save` by the caller, never cropped.
+        """
         layer: Any  # cache layer classes differ across transformers versions: duck-typed via _is_linear/_has_attention
         for layer in self.cache.layers:
             if _DUMMY is not None and isinstance(layer, _DUMMY):
                 continue
-            if _is_linear(layer) and not all(layer.is_conv_states_initialized.values()):
-                continue  # nothing cached yet (a conv-free layer never initializes its conv state)
-            if _has_attention(layer) and not layer.is_initialized:
+            linear, attention = _is_linear(layer), _has_attention(layer)
+            if linear and tokens == 0 and all(layer.is_conv_states_initialized.values()):
+                layer.crop(0)  # (a conv-free layer never initializes its conv state: nothing to trim)
+            if not attention or not layer.is_initialized or (linear and tokens == 0):
                 continue
-            layer.crop(-tokens)
+            _attention_crop(layer, tokens) if linear else layer.crop(-tokens)
 
     def save(self, length: int, size: int) -> Saved:
         """Call right before the verify forward of `size` tokens, with `length` tokens committed so far."""
@@ -128,7 +151,11 @@ class TargetCache:
                 "conv": {k: None if v is None else v.clone() for k, v in layer.conv_states.items()},
                 "recurrent": {k: None if v is None else v.clone() for k, v in layer.recurrent_states.items()},
                 "has_previous_state": dict(layer.has_previous_state),
+                # transformers >= 5.25 counts the tokens a linear layer has seen
+                "length": getattr(layer, "cumulative_length_linear", None),
             }
+            if saved.states[i]["length"] is not None:
+                saved.states[i]["length"] = saved.states[i]["length"].clone()
         return saved
 
     def _restore(self, saved: Saved) -> None:
@@ -146,6 +173,12 @@ class TargetCache:
                 else:
                     layer.recurrent_states[k] = v
             layer.has_previous_state.update(state["has_previous_state"])
+            if state["length"] is not None:
+                layer.cumulative_length_linear.copy_(state["length"])
+            history = getattr(layer, "recurrent_states_history", None)
+            if history is not None:  # the verify forward's recorded entry belongs to the rejected block
+                for k in history:
+                    history[k] = []
 
     def commit(self, saved: Saved, ids: torch.Tensor, length: int, final: bool = False) -> None:
         """Bring the cache to exactly the first `length` tokens of `ids` after the verify forward of `saved`.
