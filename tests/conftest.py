@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny models: threads only contend (see runtime._cpu_threads)
 
 import tiny  # noqa: E402
+
+# A suite started under `nohup` would hand its SIG_IGN for SIGHUP to every CLI run it starts; dflash-quant
+# rightly leaves an ignored signal ignored, so the signal tests' runs would never stop. Give them the default.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
