@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -74,7 +75,9 @@ class GptqJob:
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
     lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
-    gguf_type: str | None = None  # Q4_K | Q3_K | Q2_K | IQ4_NL: GPTQ directly on llama.cpp's grid (format gguf)
+    gguf_type: str | None = (
+        None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
+    )
 
 
 @dataclass
@@ -251,7 +254,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             }
         ),
         quantization=Quantization.from_dict(
-            {**asdict(job.quant), "skip": list(job.quant.skip), "skipped": outcome.kept, **_grid_fields(job.gguf_type)}
+            {
+                **asdict(job.quant),
+                "skip": list(job.quant.skip),
+                "skipped": outcome.kept,
+                **_grid_fields(job.gguf_type, outcome.layers),
+            }
         ),
         device=str(device),
         dtype=str(dtype).replace("torch.", ""),
@@ -386,21 +394,24 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     )
 
 
-def _grid_fields(gguf_type: str | None) -> dict[str, Any]:
-    """A run on a llama.cpp grid records that grid, not the GPTQ v1 defaults it did not use."""
+def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run on a llama.cpp grid records that grid (a mix: its default grid, and bits/weight over all its
+    tensors), not the GPTQ v1 defaults it did not use."""
     if gguf_type is None:
         return {}
     from dflash_quant.quantize.kquant import grid_for
 
     grid = grid_for(gguf_type)
+    sizes = [(math.prod(layer["shape"]), layer["bits_per_weight"]) for layer in layers]
+    total = sum(n for n, _ in sizes)
     return {
         "bits": grid.code_bits,
         "group_size": grid.sub,
         "sym": not grid.has_min,
         "desc_act": False,
         "static_groups": False,
-        "gguf_type": grid.name,
-        "bits_per_weight": grid.bits_per_weight,
+        "gguf_type": gguf_type,
+        "bits_per_weight": round(sum(n * b for n, b in sizes) / total, 4) if total else grid.bits_per_weight,
     }
 
 

@@ -21,6 +21,7 @@ from dflash_quant.errors import UsageError  # noqa: E402
 from dflash_quant.export.gguf import gguf_name, pairing_problem, read_gguf  # noqa: E402
 from dflash_quant.export.imatrix import read_imatrix, write_for_stats  # noqa: E402
 from dflash_quant.quantize.gptq import HessianAccumulator  # noqa: E402
+from dflash_quant.quantize.kmix import MIXES, tensor_types  # noqa: E402
 from dflash_quant.quantize.kquant import GRIDS, gptq_kquant, relative_error, rtn_kquant  # noqa: E402
 
 PAIR = Path(__file__).resolve().parents[1] / "dflash_quant" / "reference" / "pair"
@@ -48,8 +49,7 @@ def test_grid_tensors_decode_through_gguf_py_exactly(kind):
         ours = qw.dequantize().numpy()
         assert np.array_equal(theirs.view(np.uint32), ours.view(np.uint32)), kind  # bit for bit
         # stored fields stay inside what the type can hold
-        lo = -32 if kind == "Q3_K" else 0
-        assert int(qw.sc.min()) >= lo and int(qw.sc.max()) <= max(grid.scale_max, 0)
+        assert int(qw.sc.min()) >= grid.scale_lo and int(qw.sc.max()) <= max(grid.scale_max, 0)
         assert int(qw.codes.max()) < grid.levels
         assert torch.equal(qw.d, qw.d.half().float())
 
@@ -161,14 +161,69 @@ def test_gptq_gguf_type_writes_llama_cpp_grid_read_back_exactly(tmp_path):
         assert torch.equal(stored[f"{name}.weight"], qw.dequantize()), name
 
 
+def _linears(n_layer):
+    roles = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    return ["fc.weight"] + [f"blk.{i}.{r}.weight" for i in range(n_layer) for r in roles]
+
+
+def test_mixes_assign_types_per_tensor_as_llama_quantize():
+    """Hand-derived from llama-quant.cpp's rules: the reference drafter (3 layers, 4 heads / 2 kv heads) and a
+    Qwen3-8B-DFlash-like drafter (5 layers, gqa 4)."""
+    ref = {m: tensor_types(m, _linears(3), 3, 4, 2) for m in MIXES}
+    # Q4_K_M: use_more_bits(i, 3) holds only for layer 2 (i >= 7*3//8 = 2)
+    assert {t for t, k in ref["Q4_K_M"].items() if k != "Q4_K"} == {"blk.2.attn_v.weight", "blk.2.ffn_down.weight"}
+    assert ref["Q4_K_M"]["blk.2.attn_v.weight"] == "Q6_K" and ref["Q4_K_M"]["fc.weight"] == "Q4_K"
+    # Q3_K_M: attn_v Q5_K on the first two layers then Q4_K; every ffn_down and attn_output Q4_K (n/16 = 0)
+    q3m = ref["Q3_K_M"]
+    assert [q3m[f"blk.{i}.attn_v.weight"] for i in range(3)] == ["Q5_K", "Q5_K", "Q4_K"]
+    assert {q3m[f"blk.{i}.{r}.weight"] for i in range(3) for r in ("ffn_down", "attn_output")} == {"Q4_K"}
+    assert {q3m[f"blk.{i}.{r}.weight"] for i in range(3) for r in ("attn_q", "ffn_up")} | {q3m["fc.weight"]} == {"Q3_K"}
+    # llama-quantize's Q2_K mix: gqa 2 < 4 keeps attn_v at Q3_K; ffn_down and attn_output Q3_K
+    assert ref["Q2_K_MIX"]["blk.1.attn_v.weight"] == "Q3_K" and ref["Q2_K_MIX"]["blk.1.ffn_gate.weight"] == "Q2_K"
+    assert set(ref["Q3_K_S"].values()) == {"Q3_K"} and set(ref["Q2_K_S"].values()) == {"Q2_K"}
+    assert set(ref["Q4_K_S"].values()) == {"Q4_K", "Q5_K"} and ref["Q4_K_S"]["blk.2.attn_v.weight"] == "Q5_K"
+    big = {m: tensor_types(m, _linears(5), 5, 32, 8) for m in ("Q2_K_MIX", "Q4_K_M")}
+    assert big["Q2_K_MIX"]["blk.0.attn_v.weight"] == "Q4_K"  # gqa 4
+    # use_more_bits(i, 5): n/8 = 0, 7n/8 = 4, (i - 0) % 3 == 2 -> layers 2 and 4
+    assert [big["Q4_K_M"][f"blk.{i}.ffn_down.weight"] for i in range(5)] == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q6_K"]
+
+
+def test_gptq_mix_writes_each_tensor_on_its_type(tmp_path):
+    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.quantize.drafter import QuantSettings
+
+    out = tmp_path / "q3km"
+    run_gptq(
+        GptqJob(
+            output=out,
+            quant=QuantSettings(method="rtn"),
+            verify=False,
+            write_card=False,
+            format="gguf",
+            gguf_type="Q3_K_M",
+            device="cpu",
+        )
+    )
+    reader = gguf.GGUFReader(str(out / "drafter-Q3_K_M.gguf"))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type.name not in ("F32", "BF16")}
+    assert kinds == tensor_types("Q3_K_M", list(kinds), 3, 4, 2)
+    assert {"Q3_K", "Q4_K", "Q5_K"} == set(kinds.values())
+    assert int(reader.fields["general.file_type"].contents()) == 12  # LLAMA_FTYPE_MOSTLY_Q3_K_M
+    import json
+
+    prov = json.loads((out / "provenance.json").read_text())
+    q = prov["quantization"]
+    assert q.get("gguf_type", q.get("extra", {}).get("gguf_type")) == "Q3_K_M"
+
+
 def test_gguf_type_needs_format_gguf(tmp_path):
     from dflash_quant.pipeline import GptqJob, run_gptq
     from dflash_quant.quantize.drafter import QuantSettings
 
     with pytest.raises(UsageError, match="add --format gguf"):
         run_gptq(GptqJob(output=tmp_path / "x", quant=QuantSettings(method="rtn"), gguf_type="Q4_K"))
-    with pytest.raises(UsageError, match="Q5_K.*not supported"):
-        run_gptq(GptqJob(output=tmp_path / "y", quant=QuantSettings(method="rtn"), format="gguf", gguf_type="Q5_K"))
+    with pytest.raises(UsageError, match="Q7_K.*not supported"):
+        run_gptq(GptqJob(output=tmp_path / "y", quant=QuantSettings(method="rtn"), format="gguf", gguf_type="Q7_K"))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 

@@ -149,7 +149,9 @@ def gptq(
     ),
     gguf_type: str | None = typer.Option(
         None,
-        help="With --format gguf: GPTQ directly on llama.cpp's Q4_K | Q3_K | Q2_K | IQ4_NL grid (ignores --bits/--group-size/--sym).",
+        help="With --format gguf: GPTQ directly on llama.cpp's grids: a pure type (Q6_K | Q5_K | Q4_K | Q3_K | Q2_K | IQ4_NL, "
+        "= llama-quantize --pure) or llama-quantize's per-tensor mix (Q4_K_M | Q4_K_S | Q3_K_M | Q3_K_S | Q3_K_L | "
+        "Q2_K_S | Q2_K_MIX = its Q2_K | Q5_K_M | Q5_K_S); ignores --bits/--group-size/--sym.",
     ),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""

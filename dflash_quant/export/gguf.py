@@ -70,7 +70,7 @@ KEYS = (
 )
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
-K_FILE_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 14, "IQ4_NL": 25}  # MOSTLY_Q2_K, Q3_K_S, Q4_K_S, IQ4_NL
+K_FILE_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25}  # MOSTLY_Q2_K, Q3_K_S, ...
 MAPPING_HINT = (
     "use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
     "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0"
@@ -286,8 +286,11 @@ def write_gguf(
     requantize: bool = False,
     pre: str | None = None,
     encoded: dict[str, tuple[np.ndarray, str]] | None = None,
+    file_type: int | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
-    """`encoded` (GGUF name -> (bytes, type)) replaces encoding art.quantized: GPTQ already on a llama.cpp grid."""
+    """`encoded` (GGUF name -> (bytes, type)) replaces encoding art.quantized: GPTQ already on a llama.cpp grid;
+    `file_type` (llama_ftype) and `label` (file name) name a per-tensor mix, else the most common type does."""
     import gguf
 
     if target is None:
@@ -303,7 +306,7 @@ def write_gguf(
         written[gguf_name(f"{name}.weight")] = encode_weight(qw, requantize)
     kinds = sorted({k for _, k in written.values()})
     main = max(kinds, key=lambda k: sum(1 for _, kk in written.values() if kk == k)) if kinds else "BF16"
-    fname = f"drafter-{main}.gguf"
+    fname = f"drafter-{label or main}.gguf"
     writer = gguf.GGUFWriter(str(dst / fname), ARCH)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(Path(str(art.config.get("_name_or_path") or art.path.name)).name or "dflash-drafter")
@@ -319,7 +322,9 @@ def write_gguf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_file_type(FILE_TYPES.get(main, K_FILE_TYPES.get(main, 32)))  # 32: MOSTLY_BF16
+    if file_type is None:
+        file_type = FILE_TYPES.get(main, K_FILE_TYPES.get(main, 32))  # 32: MOSTLY_BF16
+    writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{ARCH}.block_size", int(cfg.block_size))  # not in PyPI gguf 0.19's writer
     writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
@@ -368,6 +373,8 @@ def write_gguf(
     }
     if encoded:
         config["quantization_config"]["grid"] = "llama.cpp " + "/".join(sorted({k for _, k in encoded.values()}))
+    if label:
+        config["quantization_config"]["gguf_type"] = label
     exact = {
         "Q4_0": "bit-identical (fp16 d = GPTQ scale, codes unchanged)",
         "Q8_0": "bit-identical (q = code - 128)",

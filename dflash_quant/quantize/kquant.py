@@ -1,7 +1,9 @@
-"""GPTQ on llama.cpp's own grids (Q4_K, Q3_K, Q2_K, IQ4_NL): every code, sub-block scale/min and super-block
-scale is exactly what that GGUF type stores, so the file is written without requantizing.
+"""GPTQ on llama.cpp's own grids (Q6_K, Q5_K, Q4_K, Q3_K, Q2_K, IQ4_NL): every code, sub-block scale/min and
+super-block scale is exactly what that GGUF type stores, so the file is written without requantizing.
 
 Grids (ggml block layouts; gguf-py's `gguf.quants` dequantizes them in fp32 in this order):
+  Q6_K   super-block 256 = 16 x 16; w = (d*sc)*(u-32), u 6-bit, sc int8 [-128, 127], d fp16
+  Q5_K   super-block 256 = 8 x 32; w = (d*sc)*q - (dmin*m), q 5-bit, sc/m 6-bit, d/dmin fp16
   Q4_K   super-block 256 = 8 x 32; w = (d*sc)*q - (dmin*m), q 4-bit, sc/m 6-bit, d/dmin fp16
   Q3_K   super-block 256 = 16 x 16; w = (d*sc)*(u-4), u 3-bit, sc signed 6-bit [-32, 31], d fp16
   Q2_K   super-block 256 = 16 x 16; w = (d*sc)*q - (dmin*m), q 2-bit, sc/m 4-bit, d/dmin fp16
@@ -18,6 +20,8 @@ through the Cholesky factor of H^-1. Where this differs from llama.cpp's own qua
 (2) the scales see the updated weights, not the original ones; (3) importance is diag(X^T X) of the drafter's
 own inputs (llama.cpp without an imatrix weights by x^2 of the weights themselves); (4) Q3_K/Q2_K scale search
 is a single weighted least-squares grid search, not llama.cpp's iterative make_q3_quants / make_qkx2_quants.
+Per-tensor mixes (Q4_K_M, Q3_K_M, ...) assign one of these grids to each tensor as llama-quantize does
+(dflash_quant/quantize/kmix.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ class KGrid:
     bytes_per_block: int
 
     @property
+    def signed(self) -> bool:
+        """Q3_K/Q6_K: symmetric codes u - levels/2 under signed integer sub-block scales."""
+        return not self.has_min and self.name != "IQ4_NL"
+
+    @property
+    def scale_lo(self) -> int:
+        return -(self.scale_max + 1) if self.signed else 0
+
+    @property
     def code_bits(self) -> int:
         return int(math.log2(self.levels))
 
@@ -53,6 +66,8 @@ class KGrid:
 
 
 GRIDS = {
+    "Q6_K": KGrid("Q6_K", 256, 16, 64, 127, False, 210),
+    "Q5_K": KGrid("Q5_K", 256, 32, 32, 63, True, 176),
     "Q4_K": KGrid("Q4_K", 256, 32, 16, 63, True, 144),
     "Q3_K": KGrid("Q3_K", 256, 16, 8, 31, False, 110),
     "Q2_K": KGrid("Q2_K", 256, 16, 4, 15, True, 84),
@@ -61,8 +76,16 @@ GRIDS = {
 
 
 def grid_for(name: str) -> KGrid:
+    """The grid of a pure type, or the default grid of a per-tensor mix (kmix.MIXES)."""
+    from dflash_quant.quantize.kmix import MIXES
+
+    if name in MIXES:
+        return GRIDS[MIXES[name].base]
     if name not in GRIDS:
-        raise UsageError(f"--gguf-type {name!r} is not supported; use one of {', '.join(GRIDS)}")
+        raise UsageError(
+            f"--gguf-type {name!r} is not supported; use a pure type ({', '.join(GRIDS)}) "
+            f"or a llama.cpp mix ({', '.join(MIXES)})"
+        )
     return GRIDS[name]
 
 
@@ -72,7 +95,7 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class KQuantWeight:
-    """One Linear on a llama.cpp grid: codes [out, in] (Q3_K: u = q + 4; IQ4_NL: codebook index),
+    """One Linear on a llama.cpp grid: codes [out, in] (Q3_K/Q6_K: u = q + levels/2; IQ4_NL: codebook index),
     d/dmin [out, blocks] (fp16 values in fp32), sc/m [out, sub-blocks] integers."""
 
     grid: KGrid
@@ -117,8 +140,8 @@ def column_grid(grid: KGrid, d, dmin, sc, m) -> tuple[torch.Tensor, torch.Tensor
 def decode(grid: KGrid, codes: torch.Tensor, step: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     if grid.name == "IQ4_NL":
         return step * torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
-    if grid.name == "Q3_K":
-        return step * (codes.float() - 4)
+    if grid.signed:
+        return step * (codes.float() - grid.levels // 2)
     return step * codes.float() - off
 
 
@@ -128,9 +151,10 @@ def encode(grid: KGrid, w: torch.Tensor, step: torch.Tensor, off: torch.Tensor) 
         values = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=w.device)
         return (step.unsqueeze(-1) * values - w.unsqueeze(-1)).abs().argmin(-1).float()
     safe = torch.where(step == 0, torch.ones_like(step), step)
-    if grid.name == "Q3_K":
-        q = torch.round(w / safe).clamp(-4, 3) + 4
-        return torch.where(step == 0, torch.full_like(q, 4), q)
+    if grid.signed:
+        half = grid.levels // 2
+        q = torch.round(w / safe).clamp(-half, half - 1) + half
+        return torch.where(step == 0, torch.full_like(q, half), q)
     q = torch.round((w + off) / safe).clamp(0, grid.levels - 1)
     return torch.where(step == 0, torch.zeros_like(q), q)
 
@@ -212,21 +236,21 @@ def fit_block(grid: KGrid, x: torch.Tensor, imp: torch.Tensor):
         return d, torch.zeros_like(d), zero, zero
     if grid.has_min:
         nmax = grid.levels - 1
-        rmin, nstep = (-1.0, 20) if grid.name == "Q4_K" else (-0.5, 15)
+        rmin, nstep = (-1.0, 20) if grid.name == "Q4_K" else (-0.5, 15)  # llama.cpp's make_qkx2_quants ranges
         s, mins = _wls_affine(xs, ws, nmax, rmin, 0.1, nstep)
         d = _fp16(s.amax(-1, keepdim=True) / grid.scale_max)
         dmin = _fp16(mins.amax(-1, keepdim=True) / grid.scale_max)
         sc = torch.round(s / torch.where(d == 0, torch.ones_like(d), d)).clamp(0, grid.scale_max)
         m = torch.round(mins / torch.where(dmin == 0, torch.ones_like(dmin), dmin)).clamp(0, grid.scale_max)
-    else:  # Q3_K: signed 6-bit sub-block scales under a signed fp16 d
-        s = _wls_symmetric(xs, ws, 4)
+    else:  # Q3_K/Q6_K: signed integer sub-block scales under a signed fp16 d (the peak maps to scale_lo)
+        s = _wls_symmetric(xs, ws, grid.levels // 2)
         peak = torch.gather(s, -1, s.abs().argmax(-1, keepdim=True))
-        d = _fp16(peak / -32)
-        sc = torch.round(s / torch.where(d == 0, torch.ones_like(d), d)).clamp(-32, 31)
+        d = _fp16(peak / grid.scale_lo)
+        sc = torch.round(s / torch.where(d == 0, torch.ones_like(d), d)).clamp(grid.scale_lo, grid.scale_max)
         dmin = torch.zeros_like(d)
         m = torch.zeros_like(sc)
     # integer sub-block scale/min: the best of +-1 around the rounded values under the weighted error
-    lo = -32 if grid.name == "Q3_K" else 0
+    lo = grid.scale_lo
     best_sc, best_m = sc.clone(), m.clone()
     best = _block_error(grid, x, imp, d, dmin, sc, m).reshape(rows, nsub, grid.sub).sum(-1)
     for dsc in (-1, 0, 1):
@@ -372,6 +396,33 @@ def pack_q4_k(qw: KQuantWeight) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
+def pack_q5_k(qw: KQuantWeight) -> np.ndarray:
+    """Q4_K's scales and low nibbles, plus the fifth bit of value j*32 + l at bit j of qh byte l."""
+    rows, nb = _blocks(qw)
+    sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 8)
+    m = qw.m.numpy().astype(np.uint8).reshape(rows, nb, 8)
+    scales = np.zeros((rows, nb, 12), dtype=np.uint8)
+    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    u = qw.codes.numpy().reshape(rows, nb, 256)
+    qh = _pack_bits((u >> 4) & 1, 1, 32).reshape(rows, nb, 32)
+    qs = _pack_bits(u & 0xF, 4, 32).reshape(rows, nb, 128)
+    blocks = np.concatenate([_f16(qw.d), _f16(qw.dmin), scales, qh, qs], axis=2)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def pack_q6_k(qw: KQuantWeight) -> np.ndarray:
+    """Per half of 128: ql byte b holds values b and 64+b (nibbles), qh byte l holds bits 4-5 of 32s+l at 2s."""
+    rows, nb = _blocks(qw)
+    u = qw.codes.numpy().reshape(rows, nb, 2, 128)
+    ql = _pack_bits(u & 0xF, 4, 64).reshape(rows, nb, 128)
+    qh = _pack_bits(u >> 4, 2, 32).reshape(rows, nb, 64)
+    scales = qw.sc.numpy().astype(np.int8).reshape(rows, nb, 16).view(np.uint8)
+    blocks = np.concatenate([ql, qh, scales, _f16(qw.d)], axis=2)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
 def pack_q2_k(qw: KQuantWeight) -> np.ndarray:
     rows, nb = _blocks(qw)
     sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 16)
@@ -404,7 +455,14 @@ def pack_iq4_nl(qw: KQuantWeight) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
-PACKERS = {"Q4_K": pack_q4_k, "Q3_K": pack_q3_k, "Q2_K": pack_q2_k, "IQ4_NL": pack_iq4_nl}
+PACKERS = {
+    "Q6_K": pack_q6_k,
+    "Q5_K": pack_q5_k,
+    "Q4_K": pack_q4_k,
+    "Q3_K": pack_q3_k,
+    "Q2_K": pack_q2_k,
+    "IQ4_NL": pack_iq4_nl,
+}
 
 
 def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor) -> float:
@@ -426,15 +484,16 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
     from dflash_quant.calibration.capture import input_group
     from dflash_quant.quantize.drafter import QuantOutcome, select_linears
 
-    grid = grid_for(gguf_type)
+    grid_for(gguf_type)
     settings = settings.normalized()
     if settings.method == "gptq" and stats is None:
         raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
     if settings.sequential or settings.desc_act:
         raise UsageError(f"--gguf-type {gguf_type} runs plain GPTQ in column order; drop --sequential/--desc-act")
     chosen, kept = select_linears(model, settings)
+    grids = plan_grids(model, chosen, gguf_type)
     for name in chosen:
-        _check(model.get_submodule(name).weight, grid, name)
+        _check(model.get_submodule(name).weight, grids[name], name)
     outcome = QuantOutcome(weights={}, kept=kept)
     t0 = time.perf_counter()
     kv_mode = stats.kv_hessian if stats is not None else "block"
@@ -443,6 +502,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
         weight = module.weight.detach().float().cpu().clone()  # the module's weight is overwritten below
         acc = stats.hessians.get(input_group(name, kv_mode)) if stats is not None else None
         hessian = acc.hessian().cpu() if acc is not None else None
+        grid = grids[name]
         if settings.method == "gptq":
             if acc is None or acc.rows < settings.min_rows:
                 raise DFlashQuantError(
@@ -474,12 +534,26 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
     return outcome
 
 
+def plan_grids(model, linears: list[str], gguf_type: str) -> dict[str, KGrid]:
+    """Linear name -> grid: every Linear on a pure type, or llama.cpp's per-tensor choice for a mix."""
+    from dflash_quant.export.gguf import gguf_name
+    from dflash_quant.quantize.kmix import tensor_types
+
+    cfg = model.config
+    names = {gguf_name(f"{n}.weight"): n for n in linears}
+    types = tensor_types(
+        gguf_type, list(names), int(cfg.num_hidden_layers), int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    )
+    return {names[t]: GRIDS[k] for t, k in types.items()}
+
+
 def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance, quant_report, stats=None) -> dict:
     """The GGUF artifact of a k-quant GPTQ run (plus provenance, quant report, and the drafter imatrix)."""
     from pathlib import Path
 
     from dflash_quant.export.convert import GptqArtifact
     from dflash_quant.export.gguf import gguf_name, write_gguf
+    from dflash_quant.quantize.kmix import file_type
 
     out = Path(out)
     state = {k: v.detach().cpu() for k, v in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
@@ -494,7 +568,9 @@ def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance,
         qcfg={"bits": grid.code_bits, "group_size": grid.sub, "sym": not grid.has_min},
         dense={k: v.to(torch.bfloat16) for k, v in state.items()},
     )
-    summary = write_gguf(out, art, target=Path(target), encoded=encoded)
+    summary = write_gguf(
+        out, art, target=Path(target), encoded=encoded, file_type=file_type(gguf_type), label=gguf_type
+    )
     provenance.write(out)
     quant_report.quantized_bytes = summary["quantized_bytes"]
     quant_report.write(out)
