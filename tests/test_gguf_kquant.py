@@ -264,6 +264,43 @@ def test_llama_quantize_accepts_the_imatrix(tmp_path, kind):
     shutil.rmtree(tmp_path / "bf16")
 
 
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not (LLAMA_BIN / "llama-quantize").is_file(), reason="llama.cpp not built (LLAMA_CPP_BIN)")
+def test_mix_types_equal_llama_quantize_choice(tmp_path):
+    """For every mix, llama-quantize (no --pure) puts each drafter tensor on the type tensor_types says."""
+    import json
+
+    from dflash_quant.export.convert import GptqArtifact
+    from dflash_quant.export.gguf import write_gguf
+    from dflash_quant.loading import load_drafter
+    from dflash_quant.quantize.kmix import LLAMA_QUANTIZE_NAME
+
+    model = load_drafter(str(PAIR / "drafter")).model
+    names = [gguf_name(f"{n}.weight") for n in model.linear_names()]
+    config = json.loads((PAIR / "drafter" / "config.json").read_text())
+    state = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    art = GptqArtifact(
+        path=PAIR / "drafter", config=config, qcfg={"bits": 16, "group_size": -1, "sym": True}, dense=state
+    )
+    (tmp_path / "bf16").mkdir()
+    write_gguf(tmp_path / "bf16", art, target=PAIR / "target")
+    src = next((tmp_path / "bf16").glob("*.gguf"))
+    cfg = model.config
+    for mix in MIXES:
+        out = tmp_path / f"{mix}.gguf"
+        kind = LLAMA_QUANTIZE_NAME.get(mix, mix)
+        res = subprocess.run(
+            [str(LLAMA_BIN / "llama-quantize"), str(src), str(out), kind], capture_output=True, text=True, timeout=300
+        )
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        reader = gguf.GGUFReader(str(out))
+        theirs = {t.name: t.tensor_type.name for t in reader.tensors if t.name in names}
+        ours = tensor_types(mix, names, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+        assert theirs == ours, mix
+        assert int(reader.fields["general.file_type"].contents()) == MIXES[mix].file_type, mix
+        out.unlink()
+
+
 def test_imatrix_command_refuses_bad_outputs_before_loading(tmp_path):
     from dflash_quant.cli.imatrix_cmd import make_imatrix
 
