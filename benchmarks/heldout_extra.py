@@ -30,7 +30,8 @@ def main() -> None:
     args = ap.parse_args()
 
     root = pair_dir(args.pair)
-    recorded = json.loads((root / "train_log.json").read_text())["recipe"]
+    log = json.loads((root / "train_log.json").read_text())
+    recorded = log["recipe"] if "recipe" in log else log["stage2_drafter"]["recipe"]  # reference: two-stage log
     recipe = Recipe(prompt_min_tokens=recorded["prompt_min_tokens"], prompt_max_tokens=recorded["prompt_max_tokens"])
     tok = Tokenizer.from_file(str(root / "target" / "tokenizer.json"))
     known = set()

