@@ -276,7 +276,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, help="also write the bits/weight vs tau-ratio plot (PNG)")
     ap.add_argument("--plot-only", action="store_true", help="only redraw --plot from an existing --out")
+    ap.add_argument("--layer-errors", type=Path, help="only write per-tensor output errors (needs a --kquant --work)")
     args = ap.parse_args()
+    if args.layer_errors:
+        SRC, BIN = args.llama_src, args.llama_bin
+        layer_errors(args.work, args.layer_errors)
+        return
     if args.plot_only:
         plot(args.out, args.plot, args.plot_with)
         return
@@ -400,6 +405,54 @@ def tensor_type_counts(gguf_path: Path) -> dict[str, int]:
         if len(t.shape) == 2 and not t.name.endswith("_norm.weight"):
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return counts
+
+
+def layer_errors(w: Path, out: Path) -> None:
+    """Per tensor, the relative output error sqrt(tr(E H E^T) / tr(W H W^T)) against the f32 drafter under the
+    calibration Hessians H (the drafter's own inputs), for llama-quantize without / with our imatrix and for our
+    GPTQ on the same types: what each quantizer leaves in every Linear's output, independent of tau's noise."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_quant.calibration.capture import input_group
+    from dflash_quant.export.gguf import hf_name
+    from dflash_quant.quantize.kquant import relative_error
+
+    hess = load_file(str(w / "calib" / "hessians.safetensors"))
+
+    def weights(path: Path) -> dict[str, tuple[torch.Tensor, str]]:
+        got = {}
+        for t in gguf.GGUFReader(str(path)).tensors:
+            if len(t.shape) == 2 and not t.name.endswith("_norm.weight"):
+                shape = [int(d) for d in reversed(t.shape.tolist())]
+                v = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+                got[t.name] = (torch.from_numpy(v), t.tensor_type.name)
+        return got
+
+    f32 = weights(w / "drafter-f32.gguf")
+    doc: dict = {"what": layer_errors.__doc__, "types": {}}
+    for kind, mine in PAIRS.items():
+        files = {
+            "llama-quantize": w / f"lq-{kind}.gguf",
+            "llama-quantize + imatrix": w / f"lqi-{kind}.gguf",
+            "dflash-quant GPTQ": ours(w / f"ours-{mine}", "--gguf-type", mine),
+        }
+        got = {k: weights(p) for k, p in files.items()}
+        rows = {}
+        for name, (W, _) in f32.items():
+            group = input_group(hf_name(name)[: -len(".weight")], "block+context")
+            H = hess[f"{group}.xtx"].float()
+            rows[name] = {"type": got["dflash-quant GPTQ"][name][1]} | {
+                k: round(relative_error(W, g[name][0], H), 5) for k, g in got.items()
+            }
+        mean = {k: round(sum(r[k] for r in rows.values()) / len(rows), 5) for k in files}
+        lower = sum(r["dflash-quant GPTQ"] < r["llama-quantize"] for r in rows.values())
+        doc["types"][kind] = {"mean": mean, "ours_lower_than_llama_quantize": f"{lower}/{len(rows)}", "tensors": rows}
+        print(f"{kind:8s} mean rel. output error {mean}; ours lower on {lower}/{len(rows)} tensors", flush=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
