@@ -472,12 +472,16 @@ def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
         "dflash-quant GPTQ v1 (Q4_0 g32 exact; others dequantized)": (
             "D",
             lambda k: "GPTQ g32" in k or "GPTQ v1" in k,
-            (5, -9),
+            (0, 7),
         ),
     }
     fig, ax = plt.subplots(figsize=(8.5, 5.8))
     for name, (marker, pick, offset) in groups.items():
-        pts = [(v["bits_per_weight"], v["tau_ratio_vs_f32"], k.split(" ")[0]) for k, v in res.items() if pick(k)]
+        pts = [
+            (v["bits_per_weight"], v["tau_ratio_vs_f32"], k.split(" ")[0].replace("GPTQ-v1-", "v1 "))
+            for k, v in res.items()
+            if pick(k)
+        ]
         if not pts:
             continue
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name, s=45)
@@ -485,7 +489,12 @@ def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
             if offset is not None or t.startswith("IQ3") or t.startswith("IQ2"):
                 dx, dy = offset or (5, 3)
                 ax.annotate(
-                    t, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=7, ha="right" if dx < 0 else "left"
+                    t,
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(dx, dy),
+                    fontsize=7,
+                    ha="right" if dx < 0 else "left" if dx > 0 else "center",
                 )
     ax.axhline(1.0, color="grey", lw=0.6)
     ax.set_xlabel("bits per weight (quantized Linears)")
