@@ -33,7 +33,8 @@ class Placement:
     _tmp: Any = field(default=None, repr=False)
 
     def describe(self) -> dict[str, Any]:
-        return {"device_map": self.device_map, "max_memory": self.max_memory}
+        mem = None if self.max_memory is None else {str(k): v for k, v in self.max_memory.items()}
+        return {"device_map": self.device_map, "max_memory": mem}
 
     def offload_folder(self) -> str:
         if self.offload_dir is not None:
@@ -127,6 +128,16 @@ def make_placement(device_map: str | None, max_memory: str | None) -> Placement 
     return Placement(dmap, mem)
 
 
+def check_hessian_device(name: str | None) -> None:
+    """--hessian-device: cpu or a visible cuda[:N]."""
+    if name is None or name == "cpu":
+        return
+    m = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if m is None:
+        raise UsageError(f"--hessian-device {name!r} is not a device; use cpu or cuda[:N]")
+    _device(int(m.group(1) or 0), "--hessian-device")
+
+
 def check_map(model: torch.nn.Module, dmap: dict[str, str | int], source: str) -> None:
     """An explicit map against the target's modules (a meta model): every key a module, every weight placed."""
     names = {n for n, _ in model.named_modules()}
@@ -204,8 +215,10 @@ def device_summary(model: torch.nn.Module) -> dict[str, Any] | None:
     if not dmap:
         return None
     per: dict[str, int] = {}
+    seen: set[int] = set()  # a tied lm_head shares the embedding's tensor: counted once
     for name, dev in dmap.items():
         module = model.get_submodule(name) if name else model
-        size = sum(p.numel() * p.element_size() for p in module.parameters())
+        size = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in seen)
+        seen.update(id(p) for p in module.parameters())
         per[str(dev)] = per.get(str(dev), 0) + size
     return {"map": {k: str(v) for k, v in dmap.items()}, "weight_bytes": per}

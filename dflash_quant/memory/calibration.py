@@ -1,0 +1,118 @@
+"""Peak memory of calibration (`gptq` capture), predicted from the configs, and `budget --calibration`.
+
+Calibration holds, at once: the target's weights, the drafter's weights, one fp32 Hessian per drafter input
+group (fc's is num_taps x hidden wide: 5 x 5120 -> 2.6 GB for the 27B drafters), and the activations of the
+largest target forward. The two candidate largest forwards are:
+  prefill   the longest prompt P: target KV for P tokens, the (L + 1) hidden states output_hidden_states
+            returns ([P, hidden] each), one row of logits;
+  last step the final verify: target KV for P + N + B tokens, (L + 1) hidden states of a B-token block,
+            B rows of logits (B = block size, N = max new tokens).
+Terms that do not stay resident (the drafter's context KV and its block logits, and the transients inside one
+target layer: MLP [P, 3 x intermediate], and on CPU, where SDPA runs the math path, the [heads, P, P] scores)
+are added to the peak but left out of `resident`, which is what the CPU tracking in capture can see.
+The replay of --sequential lives in host memory and is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_quant.memory.kv import ModelShape, dtype_bytes, kv_per_token, recurrent_state_bytes
+
+FP32 = 4
+
+
+def hessian_widths(drafter: ModelShape, kv_hessian: str = "block+context") -> dict[str, int]:
+    """Input width of every Hessian capture collects for a DFlash drafter (calibration.capture.input_group)."""
+    h = drafter.hidden_size
+    q = drafter.num_attention_heads * drafter.head_dim
+    widths = {"fc": drafter.num_taps * h}
+    for i in range(drafter.num_layers):
+        widths[f"layers.{i}.self_attn.qkv"] = h
+        if kv_hessian == "block+context":
+            widths[f"layers.{i}.self_attn.kv"] = h
+        widths[f"layers.{i}.self_attn.o_proj"] = q
+        widths[f"layers.{i}.mlp.gate_up"] = h
+        widths[f"layers.{i}.mlp.down_proj"] = drafter.intermediate_size
+    return widths
+
+
+@dataclass
+class CalibrationPrediction:
+    """Predicted bytes by term; `peak` is the whole, `resident` leaves out the transients."""
+
+    terms: dict[str, int]
+    transient: dict[str, int] = field(default_factory=dict)
+    phase: str = "prefill"  # which forward is the larger
+
+    @property
+    def resident(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def peak(self) -> int:
+        return self.resident + sum(self.transient.values())
+
+    def on(self, devices: dict[str, str], device: str) -> int:
+        """Bytes of the peak that sit on `device`, given {term: device} (terms not listed follow 'compute')."""
+        every = {**self.terms, **self.transient}
+        return sum(v for k, v in every.items() if devices.get(k, devices.get("compute")) == device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.terms, **{f"transient_{k}": v for k, v in self.transient.items()}}
+
+
+def predict_calibration(
+    target: ModelShape,
+    target_weight_bytes: int,
+    drafter: ModelShape,
+    drafter_weight_bytes: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    *,
+    dtype: str = "bfloat16",
+    kv_hessian: str = "block+context",
+    attention_scores: bool = False,
+    offloaded_weight_bytes: int = 0,
+) -> CalibrationPrediction:
+    """Peak calibration memory for the longest prompt (prompt_tokens) generating max_new_tokens.
+
+    dtype: the run's compute dtype (activations and KV); weights are given in bytes as they are resident.
+    attention_scores: count SDPA's [heads, P, P] scores (CPU math path; CUDA's fused kernels keep none).
+    offloaded_weight_bytes: the largest module streamed in from cpu/disk offload (it is resident while it runs).
+    """
+    a = dtype_bytes(dtype)
+    p, n = prompt_tokens, max_new_tokens
+    b = drafter.block_size or 16
+    h, layers = target.hidden_size, target.num_layers
+    kv = kv_per_token(target, dtype)
+    state = recurrent_state_bytes(target, 0, conv_dtype=dtype)  # hybrid targets: fixed-size per request
+    prefill = {
+        "target_kv": kv.bytes_for(p) + state,
+        "hidden_states": (layers + 1) * p * h * a,
+        "logits": target.vocab_size * a,
+    }
+    last = {
+        "target_kv": kv.bytes_for(p + n + b) + state,
+        "hidden_states": (layers + 1) * b * h * a,
+        "logits": b * target.vocab_size * a,
+    }
+    phase, acts = ("prefill", prefill) if sum(prefill.values()) >= sum(last.values()) else ("last_step", last)
+    terms = {
+        "target_weights": target_weight_bytes,
+        "drafter_weights": drafter_weight_bytes,
+        "hessians": sum(w * w * FP32 for w in hessian_widths(drafter, kv_hessian).values()),
+        **acts,
+    }
+    dkv = 2 * drafter.num_kv_heads * drafter.head_dim * a * drafter.num_layers * (p + n)
+    transient = {
+        "drafter_kv": dkv,
+        "drafter_logits": b * drafter.vocab_size * a,
+        "layer_mlp": 3 * p * target.intermediate_size * a,
+    }
+    if attention_scores:
+        transient["attention_scores"] = 2 * target.num_attention_heads * p * p * a
+    if offloaded_weight_bytes:
+        transient["offloaded_module"] = offloaded_weight_bytes
+    return CalibrationPrediction(terms, transient, phase)
