@@ -409,6 +409,38 @@ class Budget(Record):
         return next((k for k in self.budgets if k != "bf16"), None)
 
 
+@dataclass
+class CalibrationFix(Record):
+    """What would make a calibration fit: where the Hessians go and how much of the target stays on the GPU."""
+
+    fits: bool | None = doc("the calibration fits with these flags")
+    flags: list[str] | None = doc("the gptq flags to add")
+    gpu_bytes: int | None = doc("predicted peak on the GPU with them")
+    cpu_bytes: int | None = doc("host memory they need for offloaded target weights and Hessians")
+    target_on_gpu_bytes: int | None = doc("target weight bytes --max-memory leaves on the GPU")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class CalibrationBudget(Record):
+    """`dflash-quant budget --calibration --json`: will `gptq`'s calibration fit on this GPU with this target?"""
+
+    gpu: GpuRef | None = doc("card")
+    usable_bytes: int | None = doc("card bytes less `reserve_bytes`")
+    reserve_bytes: int | None = doc("kept free for the CUDA context and allocator slack")
+    target: str | None = doc("target (preset, directory or config)")
+    drafter: str | None = doc("drafter (preset, directory or config)")
+    prompt_tokens: int | None = doc("longest calibration prompt, tokens")
+    max_new_tokens: int | None = doc("tokens generated per calibration prompt")
+    kv_hessian: str | None = doc("`block` or `block+context`")
+    predicted: dict[str, int] | None = doc("bytes per term on one GPU (memory.calibration.predict_calibration)")
+    phase: str | None = doc("`prefill` or `last_step`: which forward sets the peak")
+    peak_bytes: int | None = doc("predicted peak with everything on the GPU")
+    fits: bool | None = doc("peak_bytes <= usable_bytes")
+    fix: CalibrationFix | None = doc("when it does not fit: the cheapest flags that make it fit", omit_none=True)
+    extra: E = doc("", factory=dict)
+
+
 # ------------------------------------------------------------------------------------------ memory
 
 

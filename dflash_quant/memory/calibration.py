@@ -116,3 +116,96 @@ def predict_calibration(
     if offloaded_weight_bytes:
         transient["offloaded_module"] = offloaded_weight_bytes
     return CalibrationPrediction(terms, transient, phase)
+
+
+RESERVE = 1 << 30  # kept free on the GPU: the CUDA context (~0.5 GiB) and allocator slack
+
+
+def _gib(n: int, up: bool = False) -> str:
+    """Bytes as a --max-memory size, rounded to 0.01 GiB (down for a GPU limit, up for host memory)."""
+    step = (1 << 30) / 100
+    units = -(-n // step) if up else n // step
+    return f"{units / 100:.2f}GiB"
+
+
+def mean_layer_bytes(shape: ModelShape, weight_bytes: int) -> int:
+    """One decoder layer's share of the target's weights (embedding and head left out): what accelerate
+    streams onto the GPU at a time for an offloaded layer."""
+    from dflash_quant.memory.weights import count_params
+
+    pc = count_params(shape)
+    outside = pc.other.get("embed_tokens", 0) + pc.other.get("lm_head", 0)
+    per_param = weight_bytes / max(pc.total_params, 1)
+    return int((pc.total_params - outside) * per_param / shape.num_layers)
+
+
+def calibration_budget(
+    target: str,
+    drafter: str,
+    gpu: str,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    kv_hessian: str = "block+context",
+    target_weights: str | None = None,
+) -> Any:
+    """Will `gptq` calibration (bf16 target and drafter, fp32 Hessians) fit on `gpu`? If not, which flags fix it:
+    first --hessian-device cpu; then also --device-map auto with a --max-memory that leaves the GPU room for
+    the activations and one streamed layer."""
+    from dflash_quant.artifact.reports import CalibrationBudget, CalibrationFix, GpuRef
+    from dflash_quant.errors import UsageError
+    from dflash_quant.memory.budget import resolve_drafter, resolve_target
+    from dflash_quant.memory.gpus import resolve_gpu
+
+    if prompt_tokens < 1 or max_new_tokens < 1:
+        raise UsageError("--prompt-tokens and --max-new-tokens must be at least 1")
+    t = resolve_target(target, target_weights, engine="reference")
+    d = resolve_drafter(drafter)
+    card = resolve_gpu(gpu)
+    pred = predict_calibration(
+        t.shape, t.weight_bytes, d.shape, d.bf16_bytes, prompt_tokens, max_new_tokens, kv_hessian=kv_hessian
+    )
+    usable = card.total_bytes - RESERVE
+    rep = CalibrationBudget(
+        gpu=GpuRef(name=card.name, total_bytes=card.total_bytes),
+        usable_bytes=usable,
+        reserve_bytes=RESERVE,
+        target=t.label,
+        drafter=d.label,
+        prompt_tokens=prompt_tokens,
+        max_new_tokens=max_new_tokens,
+        kv_hessian=kv_hessian,
+        predicted=pred.to_dict(),
+        phase=pred.phase,
+        peak_bytes=pred.peak,
+        fits=pred.peak <= usable,
+    )
+    if rep.fits:
+        return rep
+    hess = pred.terms["hessians"]
+    if pred.peak - hess <= usable:
+        rep.fix = CalibrationFix(
+            fits=True,
+            flags=["--hessian-device cpu"],
+            gpu_bytes=pred.peak - hess,
+            cpu_bytes=hess,
+            target_on_gpu_bytes=t.weight_bytes,
+        )
+        return rep
+    layer = mean_layer_bytes(t.shape, t.weight_bytes)
+    others = pred.peak - hess - t.weight_bytes  # activations, drafter, transients: never offloaded
+    limit = usable - others  # --max-memory for GPU 0; accelerate keeps one layer of it free for streaming
+    on_gpu = max(0, limit - layer)
+    off = t.weight_bytes - on_gpu
+    flags = [
+        "--hessian-device cpu",
+        "--device-map auto",
+        f"--max-memory 0={_gib(max(limit, 0))},cpu={_gib(off, up=True)}",
+    ]
+    rep.fix = CalibrationFix(
+        fits=on_gpu > 0,
+        flags=flags,
+        gpu_bytes=on_gpu + layer + others,
+        cpu_bytes=off + hess,
+        target_on_gpu_bytes=on_gpu,
+    )
+    return rep
