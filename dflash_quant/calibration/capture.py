@@ -219,7 +219,8 @@ def capture(
                 and (i + 1) % checkpoint_every == 0
                 and i + 1 < len(prompts)
             ):
-                checkpoint(CaptureState(i + 1, hooks.hessians, lengths, replay if keep_replay else None))
+                # the Hessians are the live accumulators (no copy of a 2.6 GB fc Hessian): valid during the call
+                checkpoint(CaptureState(i + 1, hooks.hessians, list(lengths), list(replay) if keep_replay else None))
     finally:
         hooks.detach()
         if rec_handle is not None:
