@@ -88,6 +88,7 @@ class GptqResult:
     quant_report: dict[str, Any]
     timings: dict[str, float]
     reasons: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None  # provenance's Calibration record (memory, placement, resume)
 
 
 def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
@@ -340,6 +341,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     )
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
+    result.calibration = provenance.calibration.to_dict() if provenance.calibration is not None else None
     with staging(final, job.overwrite) as tmp:
         if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
             from dflash_quant.quantize.kquant import write_kquant_gguf

@@ -160,7 +160,7 @@ def capture(
     *,
     hessian_device: torch.device | None = None,
     resume: CaptureState | None = None,
-    checkpoint: Callable[[CaptureState], None] | None = None,
+    checkpoint: Callable[[CaptureState], object] | None = None,
     checkpoint_every: int = 0,
     measure: bool = False,
 ) -> CalibrationStats:

@@ -52,6 +52,12 @@ def _summary(result) -> Table:
         table.add_row("parity", "PASS" if par["passed"] else "FAIL")
     else:
         table.add_row("parity", "not run (--no-verify)")
+    mem = (result.calibration or {}).get("memory")
+    if mem and mem.get("measured_bytes"):
+        kind = "GPU allocator" if mem["measured_kind"] == "cuda_max_memory_allocated" else "CPU tracked tensors"
+        table.add_row("calibration peak", f"{_fmt_bytes(mem['measured_bytes'])} ({kind}), x{mem['ratio']} of predicted")
+    if resumed := (result.calibration or {}).get("resumed_prompts"):
+        table.add_row("calibration resumed", f"{resumed} prompts from the checkpoint")
     for key, label in (
         ("calibrate_s", "calibration"),
         ("quantize_s", "quantization"),
@@ -255,6 +261,7 @@ def gptq(
                 "parity": result.parity,
                 "quant_report": result.quant_report,
                 "timings": result.timings,
+                "calibration": result.calibration,
             }
         )
     else:
