@@ -68,9 +68,10 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    # hidden_states[0] is the embedding output, so decoder layer l's output is at l + 1.
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int], device: torch.device) -> torch.Tensor:
+    # hidden_states[0] is the embedding output, so decoder layer l's output is at l + 1. A split target's
+    # layers live on several devices: each tap moves to the drafter's device (only the tapped layers move).
+    return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
 
 
 def rejection_step(
@@ -120,8 +121,13 @@ def speculative_generate(
 
     on_step(dict) is called after each verify with the step's tensors (calibration uses it).
     lookup: also propose from the request's own history (dflash_quant.lookup documents the rule per step).
+    input_ids live on the drafter's device; a target split by a device_map (devmap) gets its inputs on its
+    embedding's device, and its taps and picked tokens come back to the drafter's.
     """
+    from dflash_quant.devmap import input_device
+
     device = input_ids.device
+    t_dev = input_device(target, device)
     block = drafter.block_size if block_size is None else block_size
     if not 2 <= block <= drafter.block_size:
         raise ValueError(f"block size {block} must be in [2, {drafter.block_size}] for this drafter")
@@ -141,11 +147,11 @@ def speculative_generate(
     result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])
 
     t0 = _sync(device)
-    out = target(input_ids, **{kw: t_cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    out = target(input_ids.to(t_dev), **{kw: t_cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     result.target_forwards += 1
-    last_logits = out.logits[0, -1]
+    last_logits = out.logits[0, -1].to(device)
     ids[n] = _sample(_probs(last_logits, temperature), generator) if temperature > 0 else last_logits.argmax()
-    ctx = _taps(out.hidden_states, drafter.target_layer_ids)
+    ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)
     start = n
     stopped = int(ids[n]) in stops
 
@@ -161,7 +167,7 @@ def speculative_generate(
             blk, draft_probs, keep = torch.cat([blk[:1], look]), point_mass(look), 0
         elif size > 1:
             positions = torch.arange(start - ctx.shape[1], start + size, device=device)[None]
-            noise = embed(blk[None]) * scale
+            noise = embed(blk[None].to(t_dev)).to(device) * scale
             hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache)[:, 1:]
             result.drafter_forwards += 1
             ran_drafter = True
@@ -174,23 +180,23 @@ def speculative_generate(
         size = blk.shape[0]
         saved = t_state.save(start, size)
         out = target(
-            blk[None],
-            position_ids=torch.arange(start, start + size, device=device)[None],
+            blk[None].to(t_dev),
+            position_ids=torch.arange(start, start + size, device=t_dev)[None],
             **{kw: t_cache},
             use_cache=True,
             output_hidden_states=size > 1,
         )
         result.target_forwards += 1
-        logits = out.logits[0]
+        logits = out.logits[0]  # on the lm_head's device; only the picked tokens / probabilities move
         if temperature > 0:
-            t_probs = _probs(logits, temperature)
+            t_probs = _probs(logits, temperature).to(device)
             if size > 1:
                 assert draft_probs is not None  # propose returns its proposal when temperature > 0
                 acc, bonus = rejection_step(blk[1:], t_probs, draft_probs, generator)
             else:
                 acc, bonus = 0, int(_sample(t_probs[-1], generator))
         else:
-            greedy = logits.argmax(-1)
+            greedy = logits.argmax(-1).to(device)
             acc = int((blk[1:] == greedy[:-1]).int().cumprod(0).sum())
             bonus = int(greedy[acc])
         ids[start : start + acc + 1] = blk[: acc + 1]
@@ -210,7 +216,7 @@ def speculative_generate(
         start += produced
         t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)
         if size > 1:  # the committed tokens' taps; a step without the drafter hands them on to the next one
-            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids)[:, :produced]
+            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)[:, :produced]
             ctx = new_ctx if ran_drafter else torch.cat([ctx, new_ctx], dim=1)
 
     end = min(start + 1, max_len)

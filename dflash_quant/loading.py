@@ -336,8 +336,13 @@ def load_drafter(
 
 
 def load_target(
-    src: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, revision: str | None = None
+    src: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
+    placement: Any = None,
 ) -> LoadedTarget:
+    """The target on `device`, or split by `placement` (a devmap.Placement, checked before weights load)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -349,15 +354,23 @@ def load_target(
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks
     check_target_config(source, raw)
+    place: dict[str, Any] = {}
+    if placement is not None:
+        from dflash_quant.devmap import check_placement, load_kwargs
+
+        check_placement(source.path, placement, dtype, source.id)
+        place = load_kwargs(placement)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True
+            source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True, **place
         )
     except (OSError, ValueError, KeyError) as exc:
         raise DFlashQuantError(
             f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
         ) from exc
-    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
+    if placement is None:
+        model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
+    model.eval()
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)

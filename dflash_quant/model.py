@@ -196,7 +196,8 @@ class DFlashDrafter(PreTrainedModel):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        logits = head(hidden) * float(getattr(self.config, "output_multiplier", 1.0) or 1.0)
+        # the target's head may sit on another device of a split target: its logits come back to the drafter's
+        logits = head(hidden).to(hidden.device) * float(getattr(self.config, "output_multiplier", 1.0) or 1.0)
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / float(softcap)) * float(softcap)

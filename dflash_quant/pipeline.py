@@ -78,6 +78,9 @@ class GptqJob:
     gguf_type: str | None = (
         None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
     )
+    placement: Any = None  # devmap.Placement: the target split by --device-map / --max-memory
+    hessian_device: str | None = None  # where the fp32 Hessians accumulate (default: the drafter's device)
+    calib_checkpoint_every: int = 16  # prompts between calibration checkpoints (0: none)
 
 
 @dataclass
@@ -88,6 +91,7 @@ class GptqResult:
     quant_report: dict[str, Any]
     timings: dict[str, float]
     reasons: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None  # provenance's Calibration record (memory, placement, resume)
 
 
 def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
@@ -95,7 +99,15 @@ def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
 
 
 def _calibrate(
-    job, drafter, target, spec: str, prompts: list[list[int]], drafter_sha: str, device, progress: Progress
+    job,
+    drafter,
+    target,
+    spec: str,
+    prompts: list[list[int]],
+    drafter_sha: str,
+    device,
+    progress: Progress,
+    target_sha: str = "",
 ) -> tuple[CalibrationStats, dict[str, Any]]:
     key = {
         "drafter_sha256": drafter_sha,
@@ -117,12 +129,27 @@ def _calibrate(
         "kv_hessian": job.kv_hessian,
         "cached": False,
     }
+    hdev = resolve_hessian_device(job.hessian_device, device)
     if job.calib_cache is not None:
-        stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, device)
+        stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, hdev)
         if stats is not None:
             info["cached"] = True
             return stats, info
+    from dflash_quant.calibration import checkpoint as ckpt
+    from dflash_quant.calibration.checkpoint import prompts_digest
+
+    # An interrupted run resumes only under the same drafter, target weights, prompt ids and settings.
+    ckey = {
+        **key,
+        "target_sha256": target_sha,
+        "prompt_ids_sha256": prompts_digest(prompts),
+        "sequential": job.quant.sequential,
+    }
+    ckdir = checkpoint_dir(job)
+    resume = ckpt.load(ckdir, ckey, hdev) if job.calib_checkpoint_every > 0 else None
     advance = progress("calibrating (drafter speculating with its target)", len(prompts))
+    for _ in range(resume.done if resume else 0):
+        advance()
     stats = capture(
         drafter.model,
         target.model,
@@ -133,10 +160,54 @@ def _calibrate(
         keep_replay=job.quant.sequential,
         progress=advance,
         extra=extra,
+        hessian_device=hdev,
+        resume=resume,
+        checkpoint=lambda state: ckpt.save(ckdir, ckey, state),
+        checkpoint_every=job.calib_checkpoint_every,
+        measure=True,
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
+    ckpt.clear(ckdir)
+    if job.calib_cache is None and ckdir.is_dir() and not any(ckdir.iterdir()):
+        ckdir.rmdir()
+    info["resumed_prompts"] = stats.resumed_prompts
+    info["hessian_device"] = str(hdev)
+    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev)
     return stats, info
+
+
+def resolve_hessian_device(name: str | None, device: torch.device) -> torch.device:
+    if name is None:
+        return device
+    return resolve_device(name)
+
+
+def checkpoint_dir(job: GptqJob) -> Path:
+    """--calib-cache when given, else a hidden folder beside --output (removed once calibration finishes)."""
+    if job.calib_cache is not None:
+        return Path(job.calib_cache)
+    return job.output.parent / f".{job.output.name}.calib-checkpoint"
+
+
+def _calib_memory(job, drafter, target, prompts, stats, device, hdev) -> dict[str, Any] | None:
+    """Predicted (memory.calibration) and measured (calibration.peak) peak of the capture just run."""
+    from dflash_quant.calibration.peak import predict_run
+
+    if stats.memory is None:
+        return None
+    pred, comparable = predict_run(
+        target.model, drafter.model, target.source.path, drafter.raw_config,
+        prompts, job.calib_max_new_tokens, next(drafter.model.parameters()).dtype, job.kv_hessian, device, hdev,
+    )  # fmt: skip
+    measured = stats.memory["measured_bytes"]
+    return {
+        "predicted_peak_bytes": pred.peak,
+        "predicted_resident_bytes": pred.resident,
+        "predicted": pred.to_dict(),
+        **stats.memory,
+        "ratio": round(measured / comparable, 4) if comparable else None,
+    }
 
 
 def _eval_prompts(job, target, calib_spec: str) -> tuple[str, list[list[int]]]:
@@ -185,7 +256,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     dtype = resolve_dtype(job.dtype, device)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    drafter, target = load_pair(job.drafter, job.target, device, dtype)
+    drafter, target = load_pair(job.drafter, job.target, device, dtype, job.placement)
     if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
         from dflash_quant.config import read_config_json
         from dflash_quant.export.gguf import pairing_problem
@@ -196,6 +267,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 
     drafter_sha = weights_sha256(drafter.source.path)
+    target_sha = weights_sha256(target.source.path)
     calib_info: dict[str, Any]
     stats, calib_info = (
         None,
@@ -211,7 +283,9 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         if any(tuple(p) in seen for p in eval_ids):  # checked before the target runs
             raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
         t = time.perf_counter()
-        stats, calib_info = _calibrate(job, drafter, target, calib_spec, calib_ids, drafter_sha, device, progress)
+        stats, calib_info = _calibrate(
+            job, drafter, target, calib_spec, calib_ids, drafter_sha, device, progress, target_sha
+        )
         calib_info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
         timings["calibrate_s"] = time.perf_counter() - t
 
@@ -237,7 +311,16 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         }
     )
     source = source_ref(drafter.source, drafter_sha)
-    target_ref = source_ref(target.source, weights_sha256(target.source.path))
+    target_ref = source_ref(target.source, target_sha)
+    if job.placement is not None:
+        from dflash_quant.devmap import device_summary
+
+        placed = device_summary(target.model) or {}
+        calib_info["target_placement"] = {
+            **job.placement.describe(),
+            "resolved": placed.get("map"),
+            "weight_bytes": placed.get("weight_bytes"),
+        }
     provenance = Provenance(
         tool="dflash-quant",
         tool_version=__version__,
@@ -266,6 +349,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     )
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
+    result.calibration = provenance.calibration.to_dict() if provenance.calibration is not None else None
     with staging(final, job.overwrite) as tmp:
         if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
             from dflash_quant.quantize.kquant import write_kquant_gguf

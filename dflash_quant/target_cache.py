@@ -191,12 +191,14 @@ class TargetCache:
         if not self.stateful or final:
             self._crop(rejected)
             return
-        device = ids.device
+        from dflash_quant.devmap import input_device
+
+        device = input_device(self.target, ids.device)  # a split target takes its ids on its embedding's device
         t0 = _sync(device)
         self._crop(saved.size)  # attention back to the pre-block length; conv/recurrent restored below
         self._restore(saved)
         self.target(
-            ids[saved.length : length][None],
+            ids[saved.length : length][None].to(device),
             position_ids=torch.arange(saved.length, length, device=device)[None],
             **{self.kw: self.cache},
             use_cache=True,

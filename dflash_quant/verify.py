@@ -31,7 +31,9 @@ def baseline_runs(
     progress: Callable[[], None] | None = None,
 ) -> list[GreedyResult]:
     """Target-only greedy decoding of every prompt (the lossless reference and the speed baseline)."""
-    device = next(target.parameters()).device
+    from dflash_quant.devmap import input_device
+
+    device = input_device(target, torch.device("cpu"))
     runs = []
     for ids in prompts:
         runs.append(
@@ -51,7 +53,7 @@ def spec_runs(
     settings: CheckSettings,
     progress: Callable[[], None] | None = None,
 ) -> list[SpecResult]:
-    device = next(target.parameters()).device
+    device = next(drafter.parameters()).device  # a split target takes its inputs from the drafter's device
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     runs = []
     for ids in prompts:

@@ -51,6 +51,35 @@ class SourceRef(Record):
 
 
 @dataclass
+class CalibrationMemory(Record):
+    """Peak memory of calibration: predicted by dflash_quant.memory.calibration, and measured."""
+
+    predicted_peak_bytes: int | None = doc("formula: weights + Hessians + KV cache + kept hidden states + transients")
+    predicted_resident_bytes: int | None = doc("the same without the per-forward transients (what CPU tracking sees)")
+    predicted: dict[str, int] | None = doc("the formula's terms in bytes, by name")
+    measured_bytes: int | None = doc("measured peak (see `measured_kind`)")
+    measured_kind: str | None = doc(
+        "`cuda_max_memory_allocated` (torch allocator peak, summed over the GPUs used) or `cpu_tracked_tensors` "
+        "(bytes of the tensors the run can account for: weights, Hessians, replay, and the largest target "
+        "forward's outputs and KV cache; not the process RSS)"
+    )
+    measured_by_device: dict[str, int] | None = doc("measured peak per device", omit_none=True)
+    ratio: float | None = doc("measured / predicted (predicted_peak on GPU, predicted_resident on CPU)")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class TargetPlacement(Record):
+    """Where a target split by --device-map landed."""
+
+    device_map: Any = doc("--device-map as given: a strategy name or {module: device}")
+    max_memory: dict[str, str] | None = doc("--max-memory per device", omit_none=True)
+    resolved: dict[str, str] | None = doc("module -> device after loading (transformers' hf_device_map)")
+    weight_bytes: dict[str, int] | None = doc("target weight bytes per device (`disk`: read on use)")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class Calibration(Record):
     prompts: str | None = doc(
         "prompt set (`builtin:calib`, `reference:calib`, or a file relative to the working directory)"
@@ -64,6 +93,13 @@ class Calibration(Record):
     seed: int | None = doc("seed")
     chat_template: bool | None = doc("prompts wrapped in the tokenizer's chat template")
     cached: bool | None = doc("statistics reused from --calib-cache")
+    resumed_prompts: int | None = doc(
+        "prompts taken from an interrupted run's checkpoint (--calib-checkpoint-every) instead of recomputed",
+        omit_none=True,
+    )
+    hessian_device: str | None = doc("device the Hessians were accumulated on (--hessian-device)", omit_none=True)
+    target_placement: TargetPlacement | None = doc("the target's --device-map split, if any", omit_none=True)
+    memory: CalibrationMemory | None = doc("calibration peak memory, predicted and measured", omit_none=True)
     extra: E = doc("", factory=dict)
 
 
@@ -371,6 +407,38 @@ class Budget(Record):
 
     def quantized_form(self) -> str | None:
         return next((k for k in self.budgets if k != "bf16"), None)
+
+
+@dataclass
+class CalibrationFix(Record):
+    """What would make a calibration fit: where the Hessians go and how much of the target stays on the GPU."""
+
+    fits: bool | None = doc("the calibration fits with these flags")
+    flags: list[str] | None = doc("the gptq flags to add")
+    gpu_bytes: int | None = doc("predicted peak on the GPU with them")
+    cpu_bytes: int | None = doc("host memory they need for offloaded target weights and Hessians")
+    target_on_gpu_bytes: int | None = doc("target weight bytes --max-memory leaves on the GPU")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
+class CalibrationBudget(Record):
+    """`dflash-quant budget --calibration --json`: will `gptq`'s calibration fit on this GPU with this target?"""
+
+    gpu: GpuRef | None = doc("card")
+    usable_bytes: int | None = doc("card bytes less `reserve_bytes`")
+    reserve_bytes: int | None = doc("kept free for the CUDA context and allocator slack")
+    target: str | None = doc("target (preset, directory or config)")
+    drafter: str | None = doc("drafter (preset, directory or config)")
+    prompt_tokens: int | None = doc("longest calibration prompt, tokens")
+    max_new_tokens: int | None = doc("tokens generated per calibration prompt")
+    kv_hessian: str | None = doc("`block` or `block+context`")
+    predicted: dict[str, int] | None = doc("bytes per term on one GPU (memory.calibration.predict_calibration)")
+    phase: str | None = doc("`prefill` or `last_step`: which forward sets the peak")
+    peak_bytes: int | None = doc("predicted peak with everything on the GPU")
+    fits: bool | None = doc("peak_bytes <= usable_bytes")
+    fix: CalibrationFix | None = doc("when it does not fit: the cheapest flags that make it fit", omit_none=True)
+    extra: E = doc("", factory=dict)
 
 
 # ------------------------------------------------------------------------------------------ memory

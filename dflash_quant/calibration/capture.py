@@ -50,6 +50,16 @@ class DraftCall:
 
 
 @dataclass
+class CaptureState:
+    """What capture has accumulated after `done` prompts (a checkpoint; calibration.checkpoint stores it)."""
+
+    done: int
+    hessians: dict[str, HessianAccumulator]
+    lengths: list[int]
+    replay: list[list[DraftCall]] | None = None
+
+
+@dataclass
 class CalibrationStats:
     hessians: dict[str, HessianAccumulator]
     kv_hessian: str
@@ -57,6 +67,8 @@ class CalibrationStats:
     steps: int = 0
     mean_tau: float | None = None
     replay: list[list[DraftCall]] | None = None
+    resumed_prompts: int = 0  # prompts taken from a checkpoint of an interrupted run
+    memory: dict | None = None  # PeakProbe.result: measured peak of the capture
 
     def rows(self) -> dict[str, int]:
         return {k: v.rows for k, v in self.hessians.items()}
@@ -145,43 +157,88 @@ def capture(
     keep_replay: bool = False,
     progress: Callable[[], None] | None = None,
     extra: Sequence[str] = (),
+    *,
+    hessian_device: torch.device | None = None,
+    resume: CaptureState | None = None,
+    checkpoint: Callable[[CaptureState], object] | None = None,
+    checkpoint_every: int = 0,
+    measure: bool = False,
 ) -> CalibrationStats:
-    """Greedy speculative decoding over the prompts with hooks on the drafter's Linears (and `extra` ones)."""
+    """Greedy speculative decoding over the prompts with hooks on the drafter's Linears (and `extra` ones).
+
+    hessian_device: where the fp32 Hessians accumulate (default: the drafter's device); rows move there in
+    chunks no larger than the Hessian. resume: a checkpoint's state; its prompts are skipped. checkpoint is
+    called with the state every `checkpoint_every` prompts. Only the current prompt's taps are alive at once.
+    measure: record the peak memory (calibration.peak) in stats.memory.
+    """
     if kv_hessian not in KV_MODES:
         raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")
     device = next(drafter.parameters()).device
-    hooks = _Hooks(drafter, None, kv_hessian, device, tuple(extra)).attach()
+    hdev = hessian_device if hessian_device is not None else device
+    hooks = _Hooks(drafter, None, kv_hessian, hdev, tuple(extra))
     replay: list[list[DraftCall]] = []
+    lengths: list[int] = []
+    done = 0
+    if resume is not None:
+        hooks.hessians = {
+            k: HessianAccumulator.from_state_dict(v.state_dict(), name=k, device=hdev)
+            for k, v in resume.hessians.items()
+        }
+        lengths, done = list(resume.lengths), resume.done
+        replay = list(resume.replay or [])
+    hooks.attach()
     record: list[DraftCall] = []
 
     def keep(module, args):
         record.append(DraftCall(args[0].detach().cpu(), args[1].detach().cpu(), args[2].detach().cpu()))
 
+    from dflash_quant.calibration.peak import PeakProbe
+
+    probe = PeakProbe(target, drafter) if measure else None
     rec_handle = drafter.register_forward_pre_hook(keep) if keep_replay else None
-    steps, lengths = 0, []
     try:
-        for ids in prompts:
+        if probe is not None:
+            probe.__enter__()
+        for i in range(done, len(prompts)):
             record = []
             run = speculative_generate(
-                drafter, target, torch.tensor([ids], device=device), max_new_tokens, stop_token_ids=stop_token_ids
+                drafter,
+                target,
+                torch.tensor([prompts[i]], device=device),
+                max_new_tokens,
+                stop_token_ids=stop_token_ids,
             )
-            steps += len(run.acceptance_lengths)
             lengths.extend(run.acceptance_lengths)
             if keep_replay:
                 replay.append(record)
             if progress:
                 progress()
+            if (
+                checkpoint is not None
+                and checkpoint_every > 0
+                and (i + 1) % checkpoint_every == 0
+                and i + 1 < len(prompts)
+            ):
+                # the Hessians are the live accumulators (no copy of a 2.6 GB fc Hessian): valid during the call
+                checkpoint(CaptureState(i + 1, hooks.hessians, list(lengths), list(replay) if keep_replay else None))
     finally:
         hooks.detach()
         if rec_handle is not None:
             rec_handle.remove()
+        if probe is not None:
+            probe.__exit__()
+    memory = None
+    if probe is not None:
+        memory = probe.result(a.xtx for a in hooks.hessians.values() if a.xtx is not None)
     return CalibrationStats(
         hessians=hooks.hessians,
         kv_hessian=kv_hessian,
         prompts=len(prompts),
-        steps=steps,
+        steps=len(lengths),
         mean_tau=sum(lengths) / len(lengths) if lengths else None,
         replay=replay if keep_replay else None,
+        resumed_prompts=done,
+        memory=memory,
     )
 
 

@@ -52,6 +52,12 @@ def _summary(result) -> Table:
         table.add_row("parity", "PASS" if par["passed"] else "FAIL")
     else:
         table.add_row("parity", "not run (--no-verify)")
+    mem = (result.calibration or {}).get("memory")
+    if mem and mem.get("measured_bytes"):
+        kind = "GPU allocator" if mem["measured_kind"] == "cuda_max_memory_allocated" else "CPU tracked tensors"
+        table.add_row("calibration peak", f"{_fmt_bytes(mem['measured_bytes'])} ({kind}), x{mem['ratio']} of predicted")
+    if resumed := (result.calibration or {}).get("resumed_prompts"):
+        table.add_row("calibration resumed", f"{resumed} prompts from the checkpoint")
     for key, label in (
         ("calibrate_s", "calibration"),
         ("quantize_s", "quantization"),
@@ -120,7 +126,26 @@ def gptq(
     eval_num_prompts: int | None = typer.Option(None, help="Use only the first N parity prompts."),
     eval_max_new_tokens: int = typer.Option(128, min=1, help="Tokens generated per parity prompt."),
     tolerance: float = typer.Option(0.03, help="Fail when tau_q / tau_bf16 < 1 - tolerance; in [0, 1)."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
+    device: str = typer.Option(
+        "auto", help="auto, cpu or cuda[:N] (the drafter's device; also the target's without --device-map)."
+    ),
+    device_map: str | None = typer.Option(
+        None,
+        "--device-map",
+        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
+    ),
+    max_memory: str | None = typer.Option(
+        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
+    ),
+    hessian_device: str | None = typer.Option(
+        None, "--hessian-device", help="cpu | cuda[:N]: where the fp32 Hessians accumulate (default: --device)."
+    ),
+    calib_checkpoint_every: int = typer.Option(
+        16,
+        "--calib-checkpoint-every",
+        min=0,
+        help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     check_cache: Path | None = typer.Option(
@@ -159,6 +184,10 @@ def gptq(
     from dflash_quant.preflight import check_gptq_args, guard_run
 
     check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
+    from dflash_quant.devmap import check_hessian_device, make_placement
+
+    placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
+    check_hessian_device(hessian_device)
     look = None
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
         from dflash_quant.lookup import LookupSettings
@@ -211,6 +240,9 @@ def gptq(
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,
+                placement=placement,
+                hessian_device=hessian_device,
+                calib_checkpoint_every=calib_checkpoint_every,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:
@@ -231,6 +263,7 @@ def gptq(
                 "parity": result.parity,
                 "quant_report": result.quant_report,
                 "timings": result.timings,
+                "calibration": result.calibration,
             }
         )
     else:

@@ -24,6 +24,8 @@ def make_imatrix(
     device: str = "auto",
     dtype: str = "auto",
     chat_template: bool = True,
+    device_map: str | None = None,
+    max_memory: str | None = None,
 ) -> dict:
     from dflash_quant.errors import UsageError
 
@@ -35,6 +37,9 @@ def make_imatrix(
     if not output.parent.is_dir():
         raise UsageError(f"the directory of --output {output} does not exist; create it first")
 
+    from dflash_quant.devmap import make_placement
+
+    placement = make_placement(device_map, max_memory)  # before anything loads
     from dflash_quant.calibration import cache as calib_cache_mod
     from dflash_quant.calibration.capture import capture
     from dflash_quant.config import read_config_json
@@ -51,7 +56,7 @@ def make_imatrix(
     )
 
     dev = resolve_device(device)
-    drafter_l, target_l = load_pair(drafter, target, dev, resolve_dtype(dtype, dev))
+    drafter_l, target_l = load_pair(drafter, target, dev, resolve_dtype(dtype, dev), placement)
     if problem := pairing_problem(read_config_json(drafter_l.source.path), target_l.source.path):
         raise UsageError(problem)
     spec = calib_prompts or default_prompt_spec(target_l, "calib")
@@ -107,7 +112,17 @@ def imatrix(
     calib_cache: Path | None = typer.Option(
         None, help="Directory to save/reuse calibration statistics (shared with gptq)."
     ),
-    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
+    device: str = typer.Option(
+        "auto", help="auto, cpu or cuda[:N] (the drafter's; also the target's without --device-map)."
+    ),
+    device_map: str | None = typer.Option(
+        None,
+        "--device-map",
+        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
+    ),
+    max_memory: str | None = typer.Option(
+        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
@@ -126,6 +141,8 @@ def imatrix(
         device=device,
         dtype=dtype,
         chat_template=chat_template,
+        device_map=device_map,
+        max_memory=max_memory,
     )
     if json_out:
         print_json(result)

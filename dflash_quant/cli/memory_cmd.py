@@ -80,6 +80,30 @@ def _print_budget(rep) -> None:
         out_console.print(line, highlight=False, soft_wrap=True)
 
 
+def _print_calibration(rep) -> None:
+    """rep: artifact.reports.CalibrationBudget."""
+    from dflash_quant.memory.gpus import fmt_bytes
+
+    assert rep.gpu is not None and rep.predicted is not None
+    out_console.print(
+        f"calibration of {rep.drafter} with {rep.target} on {rep.gpu.name} ({fmt_bytes(rep.gpu.total_bytes)}, "
+        f"usable {fmt_bytes(rep.usable_bytes)}): prompts up to {rep.prompt_tokens} tokens + {rep.max_new_tokens} new"
+    )
+    for name, value in rep.predicted.items():
+        out_console.print(f"  {name:<28} {fmt_bytes(value):>12}")
+    out_console.print(f"  {'peak (' + str(rep.phase) + ')':<28} {fmt_bytes(rep.peak_bytes):>12}")
+    if rep.fits:
+        out_console.print("fits on one GPU as is")
+        return
+    fix = rep.fix
+    assert fix is not None
+    verdict = "fits with" if fix.fits else "does not fit even with"
+    out_console.print(
+        f"does not fit as is; {verdict}: {' '.join(fix.flags or [])} (GPU {fmt_bytes(fix.gpu_bytes)}, "
+        f"host {fmt_bytes(fix.cpu_bytes)}, target on GPU {fmt_bytes(fix.target_on_gpu_bytes)})"
+    )
+
+
 def _print_mtp_comparison(rep: dict) -> None:
     from dflash_quant.memory.gpus import fmt_bytes
 
@@ -316,8 +340,29 @@ def register(app: typer.Typer) -> None:
             None, "--mtp-weights", help="MTP weight format bf16|fp8|int8|int4 (default: mtp.* in the files, else bf16)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout."),
+        calibration: bool = typer.Option(
+            False,
+            "--calibration",
+            help="Budget gptq's calibration instead of serving: bf16 target + drafter + fp32 Hessians + activations.",
+        ),
+        prompt_tokens: int = typer.Option(1024, "--prompt-tokens", help="--calibration: longest calibration prompt."),
+        calib_new_tokens: int = typer.Option(
+            64, "--calib-new-tokens", help="--calibration: gptq --max-new-tokens (tokens generated per prompt)."
+        ),
+        kv_hessian: str = typer.Option("block+context", "--kv-hessian", help="--calibration: block | block+context."),
     ) -> None:
         """Will the target + drafter fit on this card? Headroom, max context, max concurrency; bf16 vs int4 drafter."""
+        if calibration:
+            from dflash_quant.memory.calibration import calibration_budget
+
+            if kv_hessian not in ("block", "block+context"):
+                raise UsageError(f"--kv-hessian must be block or block+context, got {kv_hessian!r}")
+            crep = calibration_budget(target, drafter, gpu, prompt_tokens, calib_new_tokens, kv_hessian, target_weights)
+            if as_json:
+                print_json(crep.to_dict())
+            else:
+                _print_calibration(crep)
+            return
         t, d, settings = _budget_objects(
             target, drafter, gpu, context, concurrency, spec_tokens, target_weights, kv_dtype, drafter_kv_dtype,
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,

@@ -100,7 +100,17 @@ def verify(
         None, help="Draft block size (default: the drafter's; only smaller is allowed)."
     ),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
-    device: str = typer.Option("auto", help="auto, cpu or cuda[:N]."),
+    device: str = typer.Option(
+        "auto", help="auto, cpu or cuda[:N] (the drafter's; also the target's without --device-map)."
+    ),
+    device_map: str | None = typer.Option(
+        None,
+        "--device-map",
+        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
+    ),
+    max_memory: str | None = typer.Option(
+        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
     chat_template: bool = typer.Option(
         True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
@@ -164,9 +174,12 @@ def verify(
     look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
     if look is not None:
         look.check()
+    from dflash_quant.devmap import make_placement
+
+    placement = make_placement(device_map, max_memory)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    loaded, tgt = load_pair(drafter, target, dev, dt)
+    loaded, tgt = load_pair(drafter, target, dev, dt, placement)
     drafters = [loaded]
     if compare is not None:
         other = load_drafter(compare, device=dev, dtype=dt)
@@ -247,6 +260,10 @@ def verify(
         "summary": summaries[-1],
         "cache": cached,  # "hit": that run and its timings come from an earlier run (ignore them for speed)
     }
+    if placement is not None:
+        from dflash_quant.devmap import device_summary
+
+        report["target_placement"] = {**placement.describe(), **(device_summary(tgt.model) or {})}
     if compare:
         report["baseline"] = summaries[0]
         report["parity"] = par
