@@ -5,6 +5,12 @@ held-out prompts were (`reference.train.make_prompts`, the pair's recorded promp
 and every text already in the pair's prompt files is dropped. Deterministic for one stdlib:
 
     python benchmarks/heldout_extra.py reference-dflash2 --n 256 --out benchmarks/prompts/d2_heldout_extra.jsonl
+
+`--categorized` (the lookup measurement's set) labels the first half `code` (the snippet as a prompt), wraps
+the second half in the built-in reproduce prompts' instruction (category `reproduce`), and puts the built-in
+held-out prompts (code / math / chat / reproduce) first:
+
+    python benchmarks/heldout_extra.py reference --n 48 --seed 2027 --categorized --out benchmarks/prompts/lookup_heldout_reference.jsonl
 """
 
 from __future__ import annotations
@@ -21,16 +27,22 @@ from dflash_quant.reference.corpus import load_corpus, split_corpus
 from dflash_quant.reference.train import Recipe, make_prompts
 
 
+# the instruction of the built-in reproduce prompts that copy code (dflash_quant/prompts/builtin.jsonl)
+REPRODUCE = "Copy the following code exactly as written, keeping the indentation:\n\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pair", choices=["reference", "reference-dflash2"])
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1009)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--categorized", action="store_true", help="code + reproduce halves after builtin:heldout")
     args = ap.parse_args()
 
     root = pair_dir(args.pair)
-    recorded = json.loads((root / "train_log.json").read_text())["recipe"]
+    log = json.loads((root / "train_log.json").read_text())
+    recorded = log["recipe"] if "recipe" in log else log["stage1_target"]["recipe"]  # the v1 pair logs per stage
     recipe = Recipe(prompt_min_tokens=recorded["prompt_min_tokens"], prompt_max_tokens=recorded["prompt_max_tokens"])
     tok = Tokenizer.from_file(str(root / "target" / "tokenizer.json"))
     known = set()
@@ -44,6 +56,18 @@ def main() -> None:
         raise SystemExit(f"only {len(rows)} new held-out prompts could be cut; ask for fewer")
     for i, row in enumerate(rows):
         row["id"] = f"heldout-extra-{i:03d}"
+    if args.categorized:
+        from dflash_quant.prompts import load_prompts
+
+        half = len(rows) // 2
+        for i, row in enumerate(rows):
+            row["category"] = "code" if i < half else "reproduce"
+            if i >= half:
+                row["prompt"] = REPRODUCE + row["prompt"]
+        builtin = [
+            {"id": p.id, "category": p.category, "prompt": p.as_text()} for p in load_prompts("builtin:heldout")
+        ]
+        rows = builtin + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     print(f"{len(rows)} prompts from {len(held_docs)} held-out files -> {args.out}")

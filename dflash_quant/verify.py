@@ -262,8 +262,9 @@ def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[
     counts: dict[str, list[list[int]]] = {"drafter": [], "lookup": []}
     lookup_steps = 0
     for r in runs:
-        for acc, n_draft, d in zip(r.accepted, r.drafted, r.drafter_drafts, strict=False):
-            lookup_steps += n_draft > d
+        two = r.verify_rows or [1] * len(r.accepted)
+        for acc, n_draft, d, n_rows in zip(r.accepted, r.drafted, r.drafter_drafts, two, strict=False):
+            lookup_steps += n_draft > d or n_rows > 1  # `both` counts its committed row below
             for k in range(n_draft):
                 source, j = ("drafter", k) if k < d else ("lookup", k - d)
                 rows = counts[source]
@@ -304,6 +305,12 @@ def lookup_summary(
         "per_position_acceptance_drafter": drafter_pos,
         "per_position_acceptance_lookup": lookup_pos,
         "target_forwards": full["target_forwards"],
+        "verified_tokens": sum(r.verified_tokens for r in runs),
+        "verified_tokens_without": sum(r.verified_tokens for r in plain_runs),
+        "two_row_steps": sum(n > 1 for r in runs for n in r.verify_rows),
+        "lookup_row_steps": sum(
+            n > 1 and d == 0 for r in runs for n, d in zip(r.verify_rows, r.drafter_drafts, strict=False)
+        ),
         "drafter_forwards": full["drafter_forwards"],
         "target_replay_forwards": full["target_replay_forwards"],
         "spec_seconds": full["spec_seconds"],
@@ -326,6 +333,10 @@ def lookup_summary(
                 "tau_without": without[cat]["tau"],
                 "tau": row["tau"],
                 "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
+                "verified_tokens_ratio": _ratio(
+                    sum(r.verified_tokens for r in picked),
+                    sum(r.verified_tokens for r, c in zip(plain_runs, categories, strict=False) if (c or "other") == cat),
+                ),
                 "lookup_step_share": round(steps / n_steps, 4) if n_steps else None,
             }
         out["by_category"] = cats
