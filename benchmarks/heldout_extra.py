@@ -26,7 +26,6 @@ from dflash_quant.reference import pair_dir
 from dflash_quant.reference.corpus import load_corpus, split_corpus
 from dflash_quant.reference.train import Recipe, make_prompts
 
-
 # the instruction of the built-in reproduce prompts that copy code (dflash_quant/prompts/builtin.jsonl)
 REPRODUCE = "Copy the following code exactly as written, keeping the indentation:\n\n"
 
@@ -64,9 +63,7 @@ def main() -> None:
             row["category"] = "code" if i < half else "reproduce"
             if i >= half:
                 row["prompt"] = REPRODUCE + row["prompt"]
-        builtin = [
-            {"id": p.id, "category": p.category, "prompt": p.as_text()} for p in load_prompts("builtin:heldout")
-        ]
+        builtin = [{"id": p.id, "category": p.category, "prompt": p.as_text()} for p in load_prompts("builtin:heldout")]
         rows = builtin + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -43,7 +43,13 @@ def main() -> None:
     reference = baseline_runs(target.model, ids, base_settings)
     plain_runs = spec_runs(drafter.model, target.model, ids, base_settings)
     plain = summarize(args.pair, plain_runs, reference, base_settings, block)
-    rows = {"off": {"tau": plain["tau"], "lossless": plain["lossless"], "verified_tokens": sum(r.verified_tokens for r in plain_runs)}}
+    rows = {
+        "off": {
+            "tau": plain["tau"],
+            "lossless": plain["lossless"],
+            "verified_tokens": sum(r.verified_tokens for r in plain_runs),
+        }
+    }
     print(f"off: tau {plain['tau']}", flush=True)
     for spec in args.settings.split(","):
         mode, grams, *tokens = spec.split(":")  # mode:min-max[:max lookup tokens]

@@ -307,6 +307,9 @@ def lookup_summary(
         "target_forwards": full["target_forwards"],
         "verified_tokens": sum(r.verified_tokens for r in runs),
         "verified_tokens_without": sum(r.verified_tokens for r in plain_runs),
+        "verified_tokens_ratio": _ratio(
+            sum(r.verified_tokens for r in runs), sum(r.verified_tokens for r in plain_runs)
+        ),
         "two_row_steps": sum(n > 1 for r in runs for n in r.verify_rows),
         "lookup_row_steps": sum(
             n > 1 and d == 0 for r in runs for n, d in zip(r.verify_rows, r.drafter_drafts, strict=False)
@@ -335,7 +338,9 @@ def lookup_summary(
                 "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
                 "verified_tokens_ratio": _ratio(
                     sum(r.verified_tokens for r in picked),
-                    sum(r.verified_tokens for r, c in zip(plain_runs, categories, strict=False) if (c or "other") == cat),
+                    sum(
+                        r.verified_tokens for r, c in zip(plain_runs, categories, strict=False) if (c or "other") == cat
+                    ),
                 ),
                 "lookup_step_share": round(steps / n_steps, 4) if n_steps else None,
             }

@@ -189,6 +189,7 @@ class LookupCheck(Record):
     target_forwards: int | None = doc("target prefill and verify forward passes")
     verified_tokens: int | None = doc("tokens the verify forwards processed (rows x length; `both` verifies 2 rows)")
     verified_tokens_without: int | None = doc("the same without lookup")
+    verified_tokens_ratio: float | None = doc("verified_tokens / verified_tokens_without (verify compute)")
     two_row_steps: int | None = doc("`both`: steps that verified the drafter's block and the lookup as 2 rows")
     lookup_row_steps: int | None = doc("`both`: two-row steps that committed the lookup row")
     drafter_forwards: int | None = doc("drafter forward passes (`prefer` skips the drafter on lookup steps)")

@@ -49,6 +49,7 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
             ("lookup tau ratio", "tau_ratio"),
             ("lossless with lookup", "lossless"),
             ("steps using lookup", "lookup_step_share"),
+            ("target tokens verified vs without", "verified_tokens_ratio"),
             ("lookup search seconds", "lookup_seconds"),
             ("speedup with lookup", "speedup"),
         ):
