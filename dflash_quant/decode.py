@@ -40,6 +40,8 @@ class SpecResult:
     # lookup step, else 1) and, over the run, the tokens those forwards processed (rows x length).
     verify_rows: list[int] = field(default_factory=list)
     verified_tokens: int = 0
+    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps, else []
+    row_accepted: list[list[int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -196,10 +198,13 @@ def speculative_generate(
         result.target_forwards += 1
         result.verified_tokens += batch.numel()
         result.verify_rows.append(batch.shape[0])
+        if rows is None:
+            result.row_accepted.append([])
         row = 0
         logits = out.logits[0]
         if rows is not None:
-            row, acc, bonus = two_row_step(rows, out.logits, draft_probs, temperature, generator)
+            row, acc, bonus, both_acc = two_row_step(rows, out.logits, draft_probs, temperature, generator)
+            result.row_accepted.append(both_acc)
             t_state.pick(row)
             blk, keep = rows[row], (size - 1 if row == 0 else 0)
         elif temperature > 0:

@@ -168,8 +168,9 @@ def two_row_step(
     draft_q: torch.Tensor | None,
     temperature: float,
     generator: torch.Generator | None,
-) -> tuple[int, int, int]:
-    """`both`: (row to commit, accepted tokens of that row, next token) after one batched verify.
+) -> tuple[int, int, int, list[int]]:
+    """`both`: (row to commit, accepted tokens of that row, next token, accepted tokens of each row) after one
+    batched verify; a row's own count is how far its tokens matched what the step accepted.
 
     rows [2, S]: the anchor and the drafter's block (row 0), the anchor and the lookup continuation (row 1);
     logits [2, S, V]; draft_q [S - 1, V]: the drafter's proposal (None at temperature 0).
@@ -179,10 +180,11 @@ def two_row_step(
         greedy = logits.argmax(-1)
         acc = (rows[:, 1:] == greedy[:, :-1]).int().cumprod(1).sum(1).tolist()
         row = 0 if acc[0] >= acc[1] else 1  # a tie keeps the drafter's row
-        return row, acc[row], int(greedy[row, acc[row]])
+        return row, acc[row], int(greedy[row, acc[row]]), acc
     assert draft_q is not None
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     alive = [True, True]  # which rows still agree with the tokens accepted so far
+    reached = [0, 0]
     i = 0
     while i < g and any(alive):
         row = 0 if alive[0] else 1
@@ -206,8 +208,9 @@ def two_row_step(
             total = residual.sum()
             p = residual / total if total > 0 else p
         if chosen is None:
-            return row, i, int(torch.multinomial(p, 1, generator=generator))
+            return row, i, int(torch.multinomial(p, 1, generator=generator)), reached
         alive = [alive[r] and int(rows[r, i + 1]) == chosen for r in (0, 1)]
         i += 1
+        reached = [i if alive[r] else reached[r] for r in (0, 1)]
     row = 0 if alive[0] else 1
-    return row, i, int(torch.multinomial(probs[row, i], 1, generator=generator))
+    return row, i, int(torch.multinomial(probs[row, i], 1, generator=generator)), reached

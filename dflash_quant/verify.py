@@ -258,20 +258,30 @@ def by_category(runs: list[SpecResult], categories: Sequence[str | None]) -> dic
 
 def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[float | None], int]:
     """Per-position acceptance of the drafter's positions and of the lookup's (index j: the lookup's j+1-th
-    token, over the steps that proposed one), and the steps that verified any lookup token."""
+    token, over the steps that proposed one), and the steps that verified any lookup token. A `both` step with
+    two rows counts each row's own accepted tokens, whichever row was committed."""
     counts: dict[str, list[list[int]]] = {"drafter": [], "lookup": []}
     lookup_steps = 0
+
+    def add(source: str, j: int, ok: bool) -> None:
+        rows = counts[source]
+        while len(rows) <= j:
+            rows.append([0, 0])
+        rows[j][0] += 1
+        rows[j][1] += int(ok)
+
     for r in runs:
-        two = r.verify_rows or [1] * len(r.accepted)
-        for acc, n_draft, d, n_rows in zip(r.accepted, r.drafted, r.drafter_drafts, two, strict=False):
-            lookup_steps += n_draft > d or n_rows > 1  # `both` counts its committed row below
+        both = r.row_accepted or [[]] * len(r.accepted)
+        for acc, n_draft, d, two in zip(r.accepted, r.drafted, r.drafter_drafts, both, strict=False):
+            if two:  # `both`: the drafter's row and the lookup's, n_draft tokens each
+                lookup_steps += 1
+                for k in range(n_draft):
+                    add("drafter", k, two[0] > k)
+                    add("lookup", k, two[1] > k)
+                continue
+            lookup_steps += n_draft > d
             for k in range(n_draft):
-                source, j = ("drafter", k) if k < d else ("lookup", k - d)
-                rows = counts[source]
-                while len(rows) <= j:
-                    rows.append([0, 0])
-                rows[j][0] += 1
-                rows[j][1] += int(acc > k)
+                add(*(("drafter", k) if k < d else ("lookup", k - d)), acc > k)
     drafter, lookup = ([round(a / n, 4) if n else None for n, a in counts[s]] for s in ("drafter", "lookup"))
     return drafter, lookup, lookup_steps
 

@@ -199,11 +199,11 @@ def test_two_rows_at_t0_commit_the_row_that_got_further():
     greedy = torch.tensor([[2, 3, 4, 5], [2, 1, 1, 0]])  # the target's argmax after each position, per row
     logits = torch.nn.functional.one_hot(greedy, vocab).float()
     rows = torch.tensor([[9, 2, 0, 0], [9, 2, 1, 1]])  # drafter: 1 accepted; lookup: all 3 accepted
-    assert two_row_step(rows, logits, None, 0.0, None) == (1, 3, 0)
+    assert two_row_step(rows, logits, None, 0.0, None) == (1, 3, 0, [1, 3])
     rows = torch.tensor([[9, 2, 3, 4], [9, 2, 1, 1]])  # drafter: all 3, lookup: 3 too -> the drafter's row
-    assert two_row_step(rows, logits, None, 0.0, None) == (0, 3, 5)
+    assert two_row_step(rows, logits, None, 0.0, None) == (0, 3, 5, [3, 3])
     rows = torch.tensor([[9, 0, 3, 4], [9, 1, 1, 1]])  # neither: the drafter's row and the target's token
-    assert two_row_step(rows, logits, None, 0.0, None) == (0, 0, 2)
+    assert two_row_step(rows, logits, None, 0.0, None) == (0, 0, 2, [0, 0])
 
 
 def test_two_rows_keep_the_target_distribution():
@@ -230,7 +230,8 @@ def test_two_rows_keep_the_target_distribution():
         rows = torch.stack([torch.cat([torch.tensor([0]), d]), torch.cat([torch.tensor([0]), look])])
         # per row: p0, then the row after its own first token, then uniform after two tokens
         probs = torch.stack([torch.stack([p0, after[int(r[1])], torch.full((5,), 0.2)]) for r in rows])
-        row, acc, nxt = two_row_step(rows, probs.log(), q, 1.0, gen)
+        row, acc, nxt, reached = two_row_step(rows, probs.log(), q, 1.0, gen)
+        assert reached[row] == acc and max(reached) == acc
         tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
         first[tokens[0]] += 1
         if len(tokens) > 1 and tokens[0] in second:
@@ -269,6 +270,8 @@ def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, monke
     assert spec.verified_tokens == sum(n * (d + 1) for n, d in zip(spec.verify_rows, spec.drafted, strict=True))
     won = [a for r, k, a in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, strict=True) if r == 2 and k == 0]
     assert len(won) >= 3 and max(won) == 3 and min(won) < 3  # the lookup row committed, whole and in part
+    for rows_, k, a, both in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, spec.row_accepted, strict=True):
+        assert (len(both) == 2) == (rows_ == 2) and (not both or both[int(k == 0)] == a >= both[int(k != 0)])
     if family is not None:
         assert spec.replay_forwards > 0
 
@@ -291,6 +294,22 @@ def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
         ]
         assert run[0].tokens == run[1].tokens and len(run[0].tokens) == 30
         assert sum(run[0].acceptance_lengths) == 29
+
+
+def test_split_acceptance_counts_each_row_of_a_two_row_step():
+    # step 1 (`both`): drafter row 1 accepted, lookup row 3 (committed); step 2: one row, 3 drafter drafts, 0
+    # accepted; step 3: the last token
+    r = SpecResult(
+        tokens=list(range(6)),
+        acceptance_lengths=[4, 1, 1],
+        accepted=[3, 0, 0],
+        drafted=[3, 3, 0],
+        drafter_drafts=[0, 3, 0],
+        verify_rows=[2, 1, 1],
+        row_accepted=[[1, 3], [], []],
+    )
+    drafter_pos, lookup_pos, steps = _split_acceptance([r])
+    assert drafter_pos == [0.5, 0.0, 0.0] and lookup_pos == [1.0, 1.0, 1.0] and steps == 1
 
 
 def test_split_acceptance_and_lookup_summary():

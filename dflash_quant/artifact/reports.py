@@ -184,7 +184,8 @@ class LookupCheck(Record):
     )
     per_position_acceptance_lookup: list[float | None] | None = doc(
         "index j: fraction of the steps proposing a (j+1)-th lookup token that accepted it (in `extend` after "
-        "the drafter's block, so only reached when the whole block was accepted; in `both` the committed row's)"
+        "the drafter's block, so only reached when the whole block was accepted; in `both` each row counts its own "
+        "accepted tokens, whichever row the step committed)"
     )
     target_forwards: int | None = doc("target prefill and verify forward passes")
     verified_tokens: int | None = doc("tokens the verify forwards processed (rows x length; `both` verifies 2 rows)")
