@@ -424,3 +424,24 @@ def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
         assert check.lookup is not None and check.lookup.lossless is True and check.lookup.mode == "both"
         assert check.lookup.tau_without == check.tau and check.by_category["code"].prompts == 2
     assert result.passed is True
+
+
+def test_dflash2_drafter_with_both_on_a_hybrid_target(tmp_path):
+    """A DFlash2 drafter (selector proposal: candidate ids and probabilities) with `both` on a hybrid target:
+    lossless at T=0, and at T>0 reproducible with the two-row walk taking the selector's proposal."""
+    from tiny import save_dflash2_drafter
+
+    d2 = load_drafter(save_dflash2_drafter(tmp_path / "d2", std=0.2)).model
+    target = load_target(save_hybrid_target(tmp_path / "t", "qwen3_5")).model
+    ids = _repeating_prompt(6)
+    ref = target_generate(target, ids, 24).tokens
+    spec = speculative_generate(d2, target, ids, 24, lookup=LookupSettings("both", 1, 3))
+    assert spec.tokens == ref and 2 in spec.verify_rows
+    sampled = [
+        speculative_generate(
+            d2, target, ids, 24, 0.8, generator=torch.Generator().manual_seed(7), lookup=LookupSettings("both", 1, 3)
+        )
+        for _ in range(2)
+    ]
+    assert sampled[0].tokens == sampled[1].tokens and len(sampled[0].tokens) == 24
+    assert 2 in sampled[0].verify_rows and sum(sampled[0].acceptance_lengths) == 23
