@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="builtin:calib")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument(
-        "--settings", default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14"
+        "--settings",
+        default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14,both:2-4,both:3-6",
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -42,7 +43,13 @@ def main() -> None:
     reference = baseline_runs(target.model, ids, base_settings)
     plain_runs = spec_runs(drafter.model, target.model, ids, base_settings)
     plain = summarize(args.pair, plain_runs, reference, base_settings, block)
-    rows = {"off": {"tau": plain["tau"], "lossless": plain["lossless"]}}
+    rows = {
+        "off": {
+            "tau": plain["tau"],
+            "lossless": plain["lossless"],
+            "verified_tokens": sum(r.verified_tokens for r in plain_runs),
+        }
+    }
     print(f"off: tau {plain['tau']}", flush=True)
     for spec in args.settings.split(","):
         mode, grams, *tokens = spec.split(":")  # mode:min-max[:max lookup tokens]
@@ -56,7 +63,8 @@ def main() -> None:
         by = " ".join(f"{c}:{v['tau_without']}->{v['tau']}" for c, v in (rec.get("by_category") or {}).items())
         print(
             f"{spec}: tau {rec['tau']} ratio {rec['tau_ratio']} lossless {rec['lossless']} "
-            f"lookup share {rec['lookup_step_share']} | {by}",
+            f"lookup share {rec['lookup_step_share']} verified tokens x"
+            f"{rec['verified_tokens'] / max(rec['verified_tokens_without'], 1):.3f} | {by}",
             flush=True,
         )
     if args.out:

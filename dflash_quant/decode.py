@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash_quant.lookup import Lookup, LookupSettings, join_proposals, point_mass
+from dflash_quant.lookup import Lookup, LookupSettings, join_proposals, point_mass, two_row_step
 from dflash_quant.model import DFlashDrafter, DraftCache
 from dflash_quant.target_cache import TargetCache, cache_kw, make_cache
 
@@ -36,6 +36,12 @@ class SpecResult:
     # rest, after them, from the lookup), and the time of the history searches (inside `seconds`).
     drafter_drafts: list[int] = field(default_factory=list)
     lookup_seconds: float = 0.0
+    # Target compute of the verify forwards: per step the candidate rows verified (lookup `both`: 2 on a
+    # lookup step, else 1) and, over the run, the tokens those forwards processed (rows x length).
+    verify_rows: list[int] = field(default_factory=list)
+    verified_tokens: int = 0
+    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps, else []
+    row_accepted: list[list[int]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -160,7 +166,7 @@ def speculative_generate(
         blk = ids[start : start + size].clone()
         draft_probs: Any = None  # full distribution (v1), (ids, probs) (DFlash2 / lookup), or None at T=0
         keep, ran_drafter = size - 1, False
-        look = ids[:0]
+        look, rows = ids[:0], None
         if looker is not None and size > 1 and not looker.runs_drafter_always:  # `prefer`: lookup first
             look = looker.search(ids[: start + 1], min(looker.count, max_len - start - 1))
         if look.shape[0]:
@@ -172,23 +178,42 @@ def speculative_generate(
             result.drafter_forwards += 1
             ran_drafter = True
             blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
-            if looker is not None:
+            if looker is not None and looker.second_row:  # `both`: the lookup as a second row, same length
+                look = looker.search(ids[: start + 1], size - 1)
+                if look.shape[0] and not torch.equal(look, blk[1:]):  # the same block needs no second row
+                    rows = torch.stack([blk, torch.cat([blk[:1], look])])
+                    if draft_probs is not None:
+                        draft_probs = join_proposals(draft_probs, size - 1, look[:0], head.weight.shape[0])
+            elif looker is not None:
                 look, keep = looker.combine(ids, start, blk[1:], max_len - start - 1)
                 if look.shape[0]:
                     draft_probs = join_proposals(draft_probs, keep, look, head.weight.shape[0])
                     blk = torch.cat([blk[: keep + 1], look])
         size = blk.shape[0]
         saved = t_state.save(start, size)
+        batch = blk[None] if rows is None else rows
+        if rows is not None:
+            t_state.fork(2)
         out = target(
-            blk[None].to(t_dev),
-            position_ids=torch.arange(start, start + size, device=t_dev)[None],
+            batch.to(t_dev),
+            position_ids=torch.arange(start, start + size, device=t_dev)[None].expand(batch.shape[0], -1),
             **{kw: t_cache},
             use_cache=True,
             output_hidden_states=size > 1,
         )
         result.target_forwards += 1
+        result.verified_tokens += batch.numel()
+        result.verify_rows.append(batch.shape[0])
+        if rows is None:
+            result.row_accepted.append([])
+        row = 0
         logits = out.logits[0]  # on the lm_head's device; only the picked tokens / probabilities move
-        if temperature > 0:
+        if rows is not None:
+            row, acc, bonus, both_acc = two_row_step(rows, out.logits.to(device), draft_probs, temperature, generator)
+            result.row_accepted.append(both_acc)
+            t_state.pick(row)
+            blk, keep = rows[row], (size - 1 if row == 0 else 0)
+        elif temperature > 0:
             t_probs = _probs(logits, temperature).to(device)
             if size > 1:
                 assert draft_probs is not None  # propose returns its proposal when temperature > 0
@@ -216,7 +241,7 @@ def speculative_generate(
         start += produced
         t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)
         if size > 1:  # the committed tokens' taps; a step without the drafter hands them on to the next one
-            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)[:, :produced]
+            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)[row : row + 1, :produced]
             ctx = new_ctx if ran_drafter else torch.cat([ctx, new_ctx], dim=1)
 
     end = min(start + 1, max_len)

@@ -13,13 +13,22 @@ Which proposal a step verifies (`mode`), decided before the verify forward:
   first token equals the drafter's first draft (the drafter vouches for the path the lookup continues).
 - `extend`: the drafter always runs and its whole block is verified, followed by the lookup continuation of
   (history + the drafted tokens): both proposals in one forward, one after the other.
+- `both` (default): the drafter always runs; on a match the target verifies the drafter's block and the lookup
+  continuation as two rows of one batched forward (same length, the block's) and the step commits the row
+  that got further. Per step it never commits fewer tokens than the drafter's block alone would, by design;
+  it costs a second row in the verify forward on lookup steps (`verified_tokens` counts it).
 
 Why this stays exact. At temperature 0 every mode verifies one token sequence and commits its longest prefix
 that equals the target's argmax, plus the target's token: the output is the target's greedy output whatever
 was proposed. At temperature > 0 a lookup token is a proposal with a point-mass distribution (q = 1 on it),
 so rejection sampling accepts it with probability p(token) and otherwise resamples from p with that token
 removed; the choice of proposal depends only on the history and the drafter's own sample, never on the
-target's randomness, so the output distribution is p's (tests/test_lookup.py's chi-square tests). The
+target's randomness, so the output distribution is p's (tests/test_lookup.py's chi-square tests). `both` at
+T=0 commits the longer accepted row, whose tokens are the target's greedy tokens either way; at T>0 it walks
+the two rows as a tree (`two_row_step`): where they offer different tokens, the drafter's is tried first
+(accepted with p/q), then the lookup's against the residual p' = norm(max(p - q, 0)) (accepted with p'(t)),
+then the bonus is drawn from what is left. That is multi-draft (recursive) rejection sampling, exact in
+distribution because neither proposal depends on the target's randomness. The
 drafter's context stays exact: the taps of the committed tokens come from the verify forward whichever
 proposal it verified, and a step where the drafter does not run hands them on to the next drafter forward.
 """
@@ -31,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("prefer", "agree", "extend")
-DEFAULT_MODE = "prefer"
+MODES = ("prefer", "agree", "extend", "both")
+DEFAULT_MODE = "both"
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ class LookupSettings:
             )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UsageError(f"lookup max tokens must be at least 1, got {self.max_tokens}")
+        if self.mode == "both" and self.max_tokens is not None:
+            raise UsageError(
+                "lookup mode `both` verifies the lookup as a second row as long as the drafter's block; "
+                "leave the lookup max tokens unset or use another mode"
+            )
 
     def label(self) -> str:
         return f"{self.mode}, n-gram {self.min_ngram}-{self.max_ngram}"
@@ -106,6 +120,10 @@ class Lookup:
     def runs_drafter_always(self) -> bool:
         return self.settings.mode != "prefer"
 
+    @property
+    def second_row(self) -> bool:
+        return self.settings.mode == "both"
+
     def search(self, history: torch.Tensor, count: int | None = None) -> torch.Tensor:
         t0 = time.perf_counter()  # the search ends in a host read (tolist), so this times the device work too
         out = continuation(history, self.settings, self.count if count is None else count)
@@ -142,3 +160,57 @@ def join_proposals(draft_probs, keep: int, look: torch.Tensor, vocab: int):
         rows[:keep] = draft_probs[:keep].float()
     rows[keep:].scatter_(1, look[:, None], 1.0)
     return rows
+
+
+def two_row_step(
+    rows: torch.Tensor,
+    logits: torch.Tensor,
+    draft_q: torch.Tensor | None,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int, int, list[int]]:
+    """`both`: (row to commit, accepted tokens of that row, next token, accepted tokens of each row) after one
+    batched verify; a row's own count is how far its tokens matched what the step accepted.
+
+    rows [2, S]: the anchor and the drafter's block (row 0), the anchor and the lookup continuation (row 1);
+    logits [2, S, V]; draft_q [S - 1, V]: the drafter's proposal (None at temperature 0).
+    """
+    g = rows.shape[1] - 1
+    if temperature == 0:
+        greedy = logits.argmax(-1)
+        acc = (rows[:, 1:] == greedy[:, :-1]).int().cumprod(1).sum(1).tolist()
+        row = 0 if acc[0] >= acc[1] else 1  # a tie keeps the drafter's row
+        return row, acc[row], int(greedy[row, acc[row]]), acc
+    assert draft_q is not None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    alive = [True, True]  # which rows still agree with the tokens accepted so far
+    reached = [0, 0]
+    i = 0
+    while i < g and any(alive):
+        row = 0 if alive[0] else 1
+        p = probs[row, i]
+        chosen = None
+        for r in (0, 1):
+            if not alive[r]:
+                continue
+            tok = int(rows[r, i + 1])
+            q = draft_q[i] if r == 0 else None
+            q_tok = float(q[tok]) if q is not None else 1.0
+            u = float(torch.rand(1, generator=generator, device=p.device))
+            if u * q_tok < float(p[tok]):
+                chosen = tok
+                break
+            if q is not None:
+                residual = (p - q).clamp_min(0)
+            else:  # a point mass: the residual is p without the token
+                residual = p.clone()
+                residual[tok] = 0
+            total = residual.sum()
+            p = residual / total if total > 0 else p
+        if chosen is None:
+            return row, i, int(torch.multinomial(p, 1, generator=generator)), reached
+        alive = [alive[r] and int(rows[r, i + 1]) == chosen for r in (0, 1)]
+        i += 1
+        reached = [i if alive[r] else reached[r] for r in (0, 1)]
+    row = 0 if alive[0] else 1
+    return row, i, int(torch.multinomial(probs[row, i], 1, generator=generator)), reached

@@ -180,6 +180,33 @@ class TargetCache:
                 for k in history:
                     history[k] = []
 
+    def _batch(self, op) -> None:
+        """Apply `op` to every batched tensor of the cache: attention K/V, conv and recurrent states."""
+        layer: Any
+        for layer in self.cache.layers:
+            if _DUMMY is not None and isinstance(layer, _DUMMY):
+                continue
+            if _has_attention(layer) and layer.is_initialized:
+                layer.keys, layer.values = op(layer.keys), op(layer.values)
+            if _is_linear(layer):
+                for states in (layer.conv_states, layer.recurrent_states):
+                    for k, v in states.items():
+                        if isinstance(v, torch.Tensor):
+                            states[k] = op(v)
+                        elif isinstance(v, list):
+                            states[k] = [op(x) for x in v]
+
+    def fork(self, rows: int) -> None:
+        """Copy the cache into `rows` batch rows, for a verify forward of several candidate continuations.
+
+        Call after `save` (which trims recorded pasts), before the batched forward; `pick` keeps one row."""
+        self._refresh()
+        self._batch(lambda t: t.repeat_interleave(rows, dim=0))
+
+    def pick(self, row: int) -> None:
+        """Keep batch row `row` (the candidate the step commits); `commit` then rolls it back as for one row."""
+        self._batch(lambda t: t[row : row + 1].clone())
+
     def commit(self, saved: Saved, ids: torch.Tensor, length: int, final: bool = False) -> None:
         """Bring the cache to exactly the first `length` tokens of `ids` after the verify forward of `saved`.
 

@@ -260,19 +260,30 @@ def by_category(runs: list[SpecResult], categories: Sequence[str | None]) -> dic
 
 def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[float | None], int]:
     """Per-position acceptance of the drafter's positions and of the lookup's (index j: the lookup's j+1-th
-    token, over the steps that proposed one), and the steps that verified any lookup token."""
+    token, over the steps that proposed one), and the steps that verified any lookup token. A `both` step with
+    two rows counts each row's own accepted tokens, whichever row was committed."""
     counts: dict[str, list[list[int]]] = {"drafter": [], "lookup": []}
     lookup_steps = 0
+
+    def add(source: str, j: int, ok: bool) -> None:
+        rows = counts[source]
+        while len(rows) <= j:
+            rows.append([0, 0])
+        rows[j][0] += 1
+        rows[j][1] += int(ok)
+
     for r in runs:
-        for acc, n_draft, d in zip(r.accepted, r.drafted, r.drafter_drafts, strict=False):
+        both = r.row_accepted or [[]] * len(r.accepted)
+        for acc, n_draft, d, two in zip(r.accepted, r.drafted, r.drafter_drafts, both, strict=False):
+            if two:  # `both`: the drafter's row and the lookup's, n_draft tokens each
+                lookup_steps += 1
+                for k in range(n_draft):
+                    add("drafter", k, two[0] > k)
+                    add("lookup", k, two[1] > k)
+                continue
             lookup_steps += n_draft > d
             for k in range(n_draft):
-                source, j = ("drafter", k) if k < d else ("lookup", k - d)
-                rows = counts[source]
-                while len(rows) <= j:
-                    rows.append([0, 0])
-                rows[j][0] += 1
-                rows[j][1] += int(acc > k)
+                add(*(("drafter", k) if k < d else ("lookup", k - d)), acc > k)
     drafter, lookup = ([round(a / n, 4) if n else None for n, a in counts[s]] for s in ("drafter", "lookup"))
     return drafter, lookup, lookup_steps
 
@@ -306,6 +317,15 @@ def lookup_summary(
         "per_position_acceptance_drafter": drafter_pos,
         "per_position_acceptance_lookup": lookup_pos,
         "target_forwards": full["target_forwards"],
+        "verified_tokens": sum(r.verified_tokens for r in runs),
+        "verified_tokens_without": sum(r.verified_tokens for r in plain_runs),
+        "verified_tokens_ratio": _ratio(
+            sum(r.verified_tokens for r in runs), sum(r.verified_tokens for r in plain_runs)
+        ),
+        "two_row_steps": sum(n > 1 for r in runs for n in r.verify_rows),
+        "lookup_row_steps": sum(
+            n > 1 and d == 0 for r in runs for n, d in zip(r.verify_rows, r.drafter_drafts, strict=False)
+        ),
         "drafter_forwards": full["drafter_forwards"],
         "target_replay_forwards": full["target_replay_forwards"],
         "spec_seconds": full["spec_seconds"],
@@ -328,6 +348,12 @@ def lookup_summary(
                 "tau_without": without[cat]["tau"],
                 "tau": row["tau"],
                 "tau_ratio": _ratio(row["tau"], without[cat]["tau"]),
+                "verified_tokens_ratio": _ratio(
+                    sum(r.verified_tokens for r in picked),
+                    sum(
+                        r.verified_tokens for r, c in zip(plain_runs, categories, strict=False) if (c or "other") == cat
+                    ),
+                ),
                 "lookup_step_share": round(steps / n_steps, 4) if n_steps else None,
             }
         out["by_category"] = cats

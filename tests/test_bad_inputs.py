@@ -441,6 +441,13 @@ ROWS = [
         2,
         r"--temperature must be a finite number >= 0 \(got nan\)",
     ),
+    R(
+        "lookup-both-with-max-tokens",
+        "arguments",
+        lambda c: c.verify("--lookup", "--lookup-tokens", "3"),
+        2,
+        r"lookup mode `both` verifies the lookup as a second row",
+    ),
     R("temperature-negative", "arguments", lambda c: c.verify("--temperature", "-1"), 2, r"--temperature .*got -1"),
     R(
         "max-new-tokens-0",

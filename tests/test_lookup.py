@@ -7,7 +7,16 @@ from tiny import save_hybrid_target
 from dflash_quant.decode import SpecResult, _taps, rejection_step, speculative_generate, target_generate
 from dflash_quant.errors import UsageError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.lookup import MODES, LookupSettings, continuation, join_proposals, match, point_mass
+from dflash_quant.lookup import (
+    MODES,
+    Lookup,
+    LookupSettings,
+    continuation,
+    join_proposals,
+    match,
+    point_mass,
+    two_row_step,
+)
 from dflash_quant.verify import CheckSettings, _split_acceptance, lookup_summary, summarize
 
 
@@ -183,6 +192,90 @@ def test_drafter_then_lookup_proposal_keeps_the_target_distribution():
     assert second.sum() > 300 and _chi2(second, p[1]) < 18.47
 
 
+def test_two_rows_at_t0_commit_the_row_that_got_further():
+    """`both` at temperature 0: each row's accepted prefix is where it first differs from the target's argmax;
+    the longer one is committed (the drafter's on a tie), with the target's token after it."""
+    vocab = 6
+    greedy = torch.tensor([[2, 3, 4, 5], [2, 1, 1, 0]])  # the target's argmax after each position, per row
+    logits = torch.nn.functional.one_hot(greedy, vocab).float()
+    rows = torch.tensor([[9, 2, 0, 0], [9, 2, 1, 1]])  # drafter: 1 accepted; lookup: all 3 accepted
+    assert two_row_step(rows, logits, None, 0.0, None) == (1, 3, 0, [1, 3])
+    rows = torch.tensor([[9, 2, 3, 4], [9, 2, 1, 1]])  # drafter: all 3, lookup: 3 too -> the drafter's row
+    assert two_row_step(rows, logits, None, 0.0, None) == (0, 3, 5, [3, 3])
+    rows = torch.tensor([[9, 0, 3, 4], [9, 1, 1, 1]])  # neither: the drafter's row and the target's token
+    assert two_row_step(rows, logits, None, 0.0, None) == (0, 0, 2, [0, 0])
+
+
+def test_two_rows_keep_the_target_distribution():
+    """`both` at T>0: the drafter's sampled token is tried first, then the lookup's against the residual
+    (multi-draft rejection); the first emitted token ~ p0 and the second, given the first, ~ that prefix's row
+    of the target (chi-square on a 5-token vocabulary, fixed seed). The lookup proposes 3 then 1; the drafter
+    often samples 3 too, so the rows share a prefix in some trials and branch in others."""
+    gen = torch.Generator().manual_seed(4)
+    p0 = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15])
+    after = torch.tensor(  # the target's distribution of the second token, given the first
+        [
+            [0.2] * 5,
+            [0.1, 0.1, 0.2, 0.3, 0.3],
+            [0.4, 0.3, 0.1, 0.1, 0.1],
+            [0.05, 0.45, 0.2, 0.2, 0.1],
+            [0.3] + [0.175] * 4,
+        ]
+    )
+    q = torch.tensor([[0.05, 0.1, 0.15, 0.4, 0.3], [0.3, 0.1, 0.2, 0.2, 0.2]])
+    look = torch.tensor([3, 1])
+    first, second = torch.zeros(5), {3: torch.zeros(5), 4: torch.zeros(5)}
+    for _ in range(8000):
+        d = torch.stack([torch.multinomial(q[i], 1, generator=gen)[0] for i in range(2)])
+        rows = torch.stack([torch.cat([torch.tensor([0]), d]), torch.cat([torch.tensor([0]), look])])
+        # per row: p0, then the row after its own first token, then uniform after two tokens
+        probs = torch.stack([torch.stack([p0, after[int(r[1])], torch.full((5,), 0.2)]) for r in rows])
+        row, acc, nxt, reached = two_row_step(rows, probs.log(), q, 1.0, gen)
+        assert reached[row] == acc and max(reached) == acc
+        tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
+        first[tokens[0]] += 1
+        if len(tokens) > 1 and tokens[0] in second:
+            second[tokens[0]][tokens[1]] += 1
+    assert _chi2(first, p0) < 18.47  # p = 0.001, 4 degrees of freedom
+    for tok, counts in second.items():
+        assert counts.sum() > 500 and _chi2(counts, after[tok]) < 18.47, tok
+    # not trivially passing: the lookup's first token is far more often proposed than p0 gives it
+    assert _chi2(torch.tensor([0.0, 0, 0, 8000, 0]) + 1e-9, p0) > 1000
+
+
+@pytest.mark.parametrize("family", [None, "qwen3_5", "qwen3_next"])
+def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, monkeypatch):
+    """`both` verifies two rows on lookup steps (the target's cache forked, one row kept, linear-attention
+    state included) and the output is still the target's greedy output. The random tiny targets do not copy,
+    so the lookup here is an oracle (the target's own continuation, its last token wrong every other step) that
+    makes the lookup row win, fully and partly, while the random drafter's row loses."""
+    drafter, target = pair
+    if family is not None:
+        target = load_target(save_hybrid_target(tmp_path / family, family)).model
+    ids = _repeating_prompt(5)
+    ref = target_generate(target, ids, 30).tokens
+    n = ids.shape[1]
+
+    def oracle(self, history, count=None):
+        k = history.shape[0] - n  # the anchor is ref[k - 1]; the tokens after it are ref[k:]
+        out = torch.tensor((ref + [0] * 64)[k : k + count])
+        if k % 2:
+            out[-1] = (out[-1] + 1) % 100
+        return out
+
+    monkeypatch.setattr(Lookup, "search", oracle)
+    spec = speculative_generate(drafter, target, ids, 30, lookup=LookupSettings("both", 1, 3))
+    assert spec.tokens == ref, family
+    assert len(spec.verify_rows) == len(spec.drafted) and set(spec.verify_rows) <= {1, 2}
+    assert spec.verified_tokens == sum(n * (d + 1) for n, d in zip(spec.verify_rows, spec.drafted, strict=True))
+    won = [a for r, k, a in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, strict=True) if r == 2 and k == 0]
+    assert len(won) >= 3 and max(won) == 3 and min(won) < 3  # the lookup row committed, whole and in part
+    for rows_, k, a, both in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, spec.row_accepted, strict=True):
+        assert (len(both) == 2) == (rows_ == 2) and (not both or both[int(k == 0)] == a >= both[int(k != 0)])
+    if family is not None:
+        assert spec.replay_forwards > 0
+
+
 def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
     drafter, target = pair
     ids = _repeating_prompt(2)
@@ -201,6 +294,22 @@ def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
         ]
         assert run[0].tokens == run[1].tokens and len(run[0].tokens) == 30
         assert sum(run[0].acceptance_lengths) == 29
+
+
+def test_split_acceptance_counts_each_row_of_a_two_row_step():
+    # step 1 (`both`): drafter row 1 accepted, lookup row 3 (committed); step 2: one row, 3 drafter drafts, 0
+    # accepted; step 3: the last token
+    r = SpecResult(
+        tokens=list(range(6)),
+        acceptance_lengths=[4, 1, 1],
+        accepted=[3, 0, 0],
+        drafted=[3, 3, 0],
+        drafter_drafts=[0, 3, 0],
+        verify_rows=[2, 1, 1],
+        row_accepted=[[1, 3], [], []],
+    )
+    drafter_pos, lookup_pos, steps = _split_acceptance([r])
+    assert drafter_pos == [0.5, 0.0, 0.0] and lookup_pos == [1.0, 1.0, 1.0] and steps == 1
 
 
 def test_split_acceptance_and_lookup_summary():
@@ -307,11 +416,32 @@ def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
         eval_max_new_tokens=24,
         device="cpu",
         write_card=False,
-        lookup=LookupSettings("prefer", 2, 4),
+        lookup=LookupSettings(),  # the default rule, `both`
     )
     result = run_gptq(job)
     par = Parity.read(out)
     for check in (par.baseline, par.quantized):
-        assert check.lookup is not None and check.lookup.lossless is True and check.lookup.mode == "prefer"
+        assert check.lookup is not None and check.lookup.lossless is True and check.lookup.mode == "both"
         assert check.lookup.tau_without == check.tau and check.by_category["code"].prompts == 2
     assert result.passed is True
+
+
+def test_dflash2_drafter_with_both_on_a_hybrid_target(tmp_path):
+    """A DFlash2 drafter (selector proposal: candidate ids and probabilities) with `both` on a hybrid target:
+    lossless at T=0, and at T>0 reproducible with the two-row walk taking the selector's proposal."""
+    from tiny import save_dflash2_drafter
+
+    d2 = load_drafter(save_dflash2_drafter(tmp_path / "d2", std=0.2)).model
+    target = load_target(save_hybrid_target(tmp_path / "t", "qwen3_5")).model
+    ids = _repeating_prompt(6)
+    ref = target_generate(target, ids, 24).tokens
+    spec = speculative_generate(d2, target, ids, 24, lookup=LookupSettings("both", 1, 3))
+    assert spec.tokens == ref and 2 in spec.verify_rows
+    sampled = [
+        speculative_generate(
+            d2, target, ids, 24, 0.8, generator=torch.Generator().manual_seed(7), lookup=LookupSettings("both", 1, 3)
+        )
+        for _ in range(2)
+    ]
+    assert sampled[0].tokens == sampled[1].tokens and len(sampled[0].tokens) == 24
+    assert 2 in sampled[0].verify_rows and sum(sampled[0].acceptance_lengths) == 23

@@ -190,6 +190,10 @@ class CategoryTau(Record):
     lookup_step_share: float | None = doc(
         "lookup record only: steps that verified a lookup token / steps", omit_none=True
     )
+    verified_tokens_ratio: float | None = doc(
+        "lookup record only: target tokens verified with lookup / without (compute of the verify forwards)",
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
 
@@ -197,7 +201,7 @@ class CategoryTau(Record):
 class LookupCheck(Record):
     """The same drafter with the lookup proposer (`--lookup`; the rule per step is in dflash_quant/lookup.py)."""
 
-    mode: str | None = doc("`prefer` | `agree` | `extend`: which proposal a step verifies")
+    mode: str | None = doc("`prefer` | `agree` | `extend` | `both`: which proposal a step verifies")
     min_ngram: int | None = doc("shortest suffix a match needs")
     max_ngram: int | None = doc("longest suffix searched")
     max_tokens: int | None = doc("lookup tokens proposed per step at most")
@@ -216,9 +220,15 @@ class LookupCheck(Record):
     )
     per_position_acceptance_lookup: list[float | None] | None = doc(
         "index j: fraction of the steps proposing a (j+1)-th lookup token that accepted it (in `extend` after "
-        "the drafter's block, so only reached when the whole block was accepted)"
+        "the drafter's block, so only reached when the whole block was accepted; in `both` each row counts its own "
+        "accepted tokens, whichever row the step committed)"
     )
     target_forwards: int | None = doc("target prefill and verify forward passes")
+    verified_tokens: int | None = doc("tokens the verify forwards processed (rows x length; `both` verifies 2 rows)")
+    verified_tokens_without: int | None = doc("the same without lookup")
+    verified_tokens_ratio: float | None = doc("verified_tokens / verified_tokens_without (verify compute)")
+    two_row_steps: int | None = doc("`both`: steps that verified the drafter's block and the lookup as 2 rows")
+    lookup_row_steps: int | None = doc("`both`: two-row steps that committed the lookup row")
     drafter_forwards: int | None = doc("drafter forward passes (`prefer` skips the drafter on lookup steps)")
     target_replay_forwards: int | None = doc("hybrid targets: replay forwards (Check.target_replay_forwards)")
     spec_seconds: float | None = doc("wall time of speculative decoding with lookup")

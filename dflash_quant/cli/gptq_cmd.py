@@ -163,7 +163,7 @@ def gptq(
         help="Parity check: also run both drafters with the lookup proposer and report tau with and without it.",
     ),
     lookup_mode: str = typer.Option(
-        "prefer", help="With --lookup: prefer | agree | extend (see dflash_quant/lookup.py)."
+        "both", help="With --lookup: both | prefer | agree | extend (see dflash_quant/lookup.py)."
     ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),

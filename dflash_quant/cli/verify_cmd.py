@@ -49,6 +49,7 @@ def _table(summaries: list[dict], par: dict | None) -> Table:
             ("lookup tau ratio", "tau_ratio"),
             ("lossless with lookup", "lossless"),
             ("steps using lookup", "lookup_step_share"),
+            ("target tokens verified vs without", "verified_tokens_ratio"),
             ("lookup search seconds", "lookup_seconds"),
             ("speedup with lookup", "speedup"),
         ):
@@ -130,11 +131,13 @@ def verify(
         help="Also run each drafter with the lookup proposer (history n-gram matches) and report both.",
     ),
     lookup_mode: str = typer.Option(
-        "prefer", help="Which proposal a step verifies: prefer | agree | extend (see dflash_quant/lookup.py)."
+        "both", help="Which proposal a step verifies: both | prefer | agree | extend (see dflash_quant/lookup.py)."
     ),
     lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
     lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
-    lookup_tokens: int | None = typer.Option(None, help="Lookup tokens per step at most (default: block size - 1)."),
+    lookup_tokens: int | None = typer.Option(
+        None, help="Lookup tokens per step at most (default: block size - 1; not with mode `both`)."
+    ),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
