@@ -118,3 +118,40 @@ def test_hybrid_target_reference_equals_decoding(tiny_pair, tmp_path, family):
     checked = reference_runs(target, prompts, _tokens(spec), settings, timed=0)
     assert _tokens(spec) == _tokens(decoded) == _tokens(checked)
     assert not any(r.timed for r in checked)
+
+
+def test_gptq_parity_report_equals_the_full_baseline_path(tmp_path):
+    """`gptq` with the one-forward reference writes the same parity verdict, tau, acceptance and codes as
+    `--full-baseline` (every prompt decoded target-only); only timings and the timed-prompt count differ."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dflash_quant.pipeline import GptqJob, run_gptq
+
+    reports = {}
+    for full in (True, False):
+        out = tmp_path / f"full-{full}"
+        job = GptqJob(
+            output=out,
+            calib_num_prompts=3,
+            calib_max_new_tokens=16,
+            eval_num_prompts=6,
+            eval_max_new_tokens=24,
+            device="cpu",
+            full_baseline=full,
+            check_cache=tmp_path / f"cache-{full}",
+            write_card=False,
+        )
+        run_gptq(job)
+        reports[full] = (json.loads((out / "parity.json").read_text()), load_file(out / "model.safetensors"))
+    (old, old_codes), (new, new_codes) = reports[True], reports[False]
+    assert old_codes.keys() == new_codes.keys()
+    assert all(torch.equal(old_codes[k], new_codes[k]) for k in old_codes)
+    for key in ("passed", "tau_ratio", "per_position_ratio", "lossless", "lossless_status", "reasons"):
+        assert old[key] == new[key], key
+    for side in ("baseline", "quantized"):
+        for key in ("tau", "per_position_acceptance", "acceptance_histogram", "lossless", "token_match_rate"):
+            assert old[side][key] == new[side][key], (side, key)
+        assert old[side]["per_prompt"] == new[side]["per_prompt"]
+        assert new[side]["baseline_timed_prompts"] == 4 and old[side]["baseline_timed_prompts"] == 6
