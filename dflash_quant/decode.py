@@ -57,6 +57,8 @@ class GreedyResult:
     top1_logits: list[float] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
     logits_dtype: str = "float32"
+    # False: the tokens come from target_check (one teacher-forced forward), so `seconds` is not a decode time
+    timed: bool = True
 
 
 def _sync(device: torch.device) -> float:
@@ -289,3 +291,44 @@ def target_generate(
         take(out.logits[0, -1])
     result.seconds, result.target_forwards = _sync(device) - t0, forwards
     return result
+
+
+@torch.inference_mode()
+def target_check(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    candidate: list[int],
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+) -> GreedyResult | None:
+    """The target's greedy output when `candidate` (a speculative run's tokens) is it, else None.
+
+    One forward over prompt + candidate gives the target's argmax after every prefix (teacher forcing): the
+    candidate is the greedy output iff each of its tokens is that argmax and it ends where greedy decoding
+    ends (its first stop token, or max_new_tokens). Costs one prefill instead of one forward per token; the
+    top-1 logits and margins come from this forward (a multi-token forward, so they may differ from
+    one-token decoding in the last bits). The result is untimed (`timed=False`).
+    """
+    stops = set(stop_token_ids or [])
+    length = len(candidate)
+    first_stop = next((i for i, t in enumerate(candidate) if t in stops), None)
+    ends_right = first_stop == length - 1 if first_stop is not None else length == max_new_tokens
+    if not length or length > max_new_tokens or not ends_right:
+        return None
+    device = input_ids.device
+    t0 = _sync(device)
+    seq = torch.cat([input_ids, torch.tensor([candidate[:-1]], dtype=input_ids.dtype, device=device)], dim=1)
+    out = target(seq, use_cache=False, logits_to_keep=length)
+    logits = out.logits[0]  # row k scores the token after prompt + candidate[:k]
+    if logits.argmax(-1).tolist() != candidate:  # argmax: the loop's tie rule
+        return None
+    top = logits.float().topk(min(2, logits.shape[-1]), dim=-1).values
+    return GreedyResult(
+        tokens=list(candidate),
+        seconds=_sync(device) - t0,
+        target_forwards=1,
+        top1_logits=top[:, 0].tolist(),
+        margins=(top[:, 0] - top[:, -1]).tolist(),
+        logits_dtype=str(out.logits.dtype).replace("torch.", ""),
+        timed=False,
+    )

@@ -39,8 +39,10 @@ from dflash_quant.verify import (
     CheckSettings,
     baseline_runs,
     by_category,
+    TIMED_PROMPTS,
     lookup_summary,
     parity,
+    reference_runs,
     spec_runs,
     summarize,
     warm_up,
@@ -70,6 +72,7 @@ class GptqJob:
     dtype: str = "auto"
     chat_template: bool = True
     seed: int = 0
+    full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     write_card: bool = True
     command: list[str] = field(default_factory=list)
@@ -404,15 +407,6 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
         dtype=dtype,
         drafter=weights_sha256(base.source.path),
     )
-    reference = cached_runs(
-        cache,
-        "baseline",
-        tkey,
-        GreedyResult,
-        lambda: baseline_runs(
-            target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))
-        ),
-    )
     base_runs = cached_runs(
         cache,
         "spec",
@@ -422,6 +416,21 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
             base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))
         ),
     )
+    if job.full_baseline:  # every prompt decoded target-only, one token per forward
+
+        def reference_of() -> list[GreedyResult]:
+            return baseline_runs(
+                target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))
+            )
+    else:  # the bf16 run's tokens checked in one target forward per prompt; a few prompts decoded for speed
+        tkey["reference"] = f"target_check+{TIMED_PROMPTS}"
+
+        def reference_of() -> list[GreedyResult]:
+            candidates = [r.tokens for r in base_runs]
+            adv = progress("parity: target's greedy output", len(eval_ids))
+            return reference_runs(target.model, eval_ids, candidates, settings, TIMED_PROMPTS, adv)
+
+    reference = cached_runs(cache, "baseline", tkey, GreedyResult, reference_of)
     categories = prompt_categories(spec, job.eval_num_prompts)
     checks = []
     drafters = ((source_id, "bf16", base.model, base_runs), (portable_path(job.output), "quantized", quant.model, None))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dflash_quant.decode import GreedyResult, SpecResult, speculative_generate, target_generate
+from dflash_quant.decode import GreedyResult, SpecResult, speculative_generate, target_check, target_generate
 from dflash_quant.lookup import LookupSettings
 from dflash_quant.model import DFlashDrafter
 
@@ -41,6 +41,39 @@ def baseline_runs(
                 target, torch.tensor([ids], device=device), settings.max_new_tokens, settings.stop_token_ids
             )
         )
+        if progress:
+            progress()
+    return runs
+
+
+# Prompts decoded target-only for the speed baseline when the reference comes from target_check.
+TIMED_PROMPTS = 4
+
+
+def reference_runs(
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    candidates: Sequence[list[int]],
+    settings: CheckSettings,
+    timed: int = TIMED_PROMPTS,
+    progress: Callable[[], None] | None = None,
+) -> list[GreedyResult]:
+    """The target's greedy output per prompt, as baseline_runs gives it, checked against candidate outputs
+    (a speculative run's tokens at T=0) in one forward each (target_check). A prompt whose candidate is not
+    the target's greedy output, and the first `timed` prompts (the speed baseline), are decoded target-only
+    one token per forward as in baseline_runs; if a decoded prompt disagrees with its check, every prompt is.
+    """
+    device = next(target.parameters()).device
+    runs: list[GreedyResult] = []
+    for i, (ids, cand) in enumerate(zip(prompts, candidates, strict=True)):
+        prompt = torch.tensor([ids], device=device)
+        checked = target_check(target, prompt, cand, settings.max_new_tokens, settings.stop_token_ids)
+        if checked is None or i < timed:
+            decoded = target_generate(target, prompt, settings.max_new_tokens, settings.stop_token_ids)
+            if checked is not None and decoded.tokens != checked.tokens:  # one-forward check unlike decoding
+                return baseline_runs(target, prompts, settings, progress)
+            checked = decoded
+        runs.append(checked)
         if progress:
             progress()
     return runs
@@ -182,8 +215,10 @@ def summarize(
             "exact" if not found else "near-ties" if all(d["near_tie"] for d in found) else "diverged"
         )
     if baseline is not None:
-        base_s = sum(b.seconds for b in baseline)
-        base_tokens = sum(len(b.tokens) for b in baseline)
+        timed = [b for b in baseline if b.timed]  # decoded target-only (reference_runs checks the rest)
+        base_s = sum(b.seconds for b in timed)
+        base_tokens = sum(len(b.tokens) for b in timed)
+        out["baseline_timed_prompts"] = len(timed)
         out["baseline_seconds"] = round(base_s, 4)
         out["baseline_tokens_per_s"] = round(base_tokens / base_s, 2) if base_s > 0 else None
         if out["spec_tokens_per_s"] and out["baseline_tokens_per_s"]:

@@ -271,8 +271,13 @@ class Check(Record):
     new_tokens: int | None = doc("tokens generated")
     spec_seconds: float | None = doc("wall time of speculative decoding")
     spec_tokens_per_s: float | None = doc("new_tokens / spec_seconds")
-    baseline_seconds: float | None = doc("wall time of target-only decoding")
-    baseline_tokens_per_s: float | None = doc("target-only tokens per second")
+    baseline_seconds: float | None = doc("wall time of target-only decoding (of the timed prompts)")
+    baseline_tokens_per_s: float | None = doc("target-only tokens per second (of the timed prompts)")
+    baseline_timed_prompts: int | None = doc(
+        "prompts decoded target-only one token per forward for that speed (`gptq` checks the others' greedy "
+        "tokens in one forward each; `--full-baseline` decodes every prompt)",
+        omit_none=True,
+    )
     speedup: float | None = doc("spec_tokens_per_s / baseline_tokens_per_s")
     per_prompt: list[dict[str, Any]] | None = doc("`{prompt_index, tau, steps, new_tokens, lossless}` per prompt")
     by_category: dict[str, CategoryTau] | None = doc("per prompt category (prompt sets that have them)", omit_none=True)

@@ -155,6 +155,12 @@ def gptq(
     no_check_cache: bool = typer.Option(
         False, "--no-check-cache", help="Neither read nor write that cache (every run recomputed)."
     ),
+    full_baseline: bool = typer.Option(
+        False,
+        "--full-baseline",
+        help="Decode every parity prompt target-only (default: check the bf16 run's tokens in one target "
+        "forward per prompt and decode the first 4 for the speed baseline).",
+    ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     lookup: bool = typer.Option(
@@ -237,6 +243,7 @@ def gptq(
                 write_card=card,
                 format=fmt,
                 check_cache=None if no_check_cache else (check_cache or default_dir()),
+                full_baseline=full_baseline,
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,

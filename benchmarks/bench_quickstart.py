@@ -1,0 +1,105 @@
+"""`make quickstart` (first run, empty check cache) and a second `gptq` with other settings (--bits 8, warm
+cache): an old commit against this tree, alternated in one run, wall time of the CLI subprocess.
+
+    nice -n 10 python benchmarks/bench_quickstart.py --old e5248dc --repeats 1 \
+        --out benchmarks/results/quickstart_speed.json
+
+The old commit is checked out with `git worktree add --detach` into a temp dir; both run with the same
+Python (this venv), each with its own code first on PYTHONPATH and its own empty cache directories.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(tree: Path, work: Path, label: str, args: list[str]) -> tuple[float, dict]:
+    out = work / f"out-{label}"
+    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(work / "xdg")}
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", *args, "--output", str(out), "--overwrite"]
+    t = time.perf_counter()
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - t
+    parity = json.loads((out / "parity.json").read_text())
+    return seconds, parity
+
+
+def summary(xs: list[float]) -> dict:
+    return {
+        "median_s": round(statistics.median(xs), 2),
+        "min_s": round(min(xs), 2),
+        "max_s": round(max(xs), 2),
+        "runs": [round(x, 2) for x in xs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", default="e5248dc", help="commit of the version to compare against")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/quickstart_speed.json")
+    a = ap.parse_args()
+    old_commit = subprocess.run(
+        ["git", "rev-parse", a.old], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    new_commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-quickstart-"))
+    old_tree = tmp / "old"
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(old_tree), old_commit], cwd=ROOT, check=True, capture_output=True
+    )
+    times: dict[str, list[float]] = {k: [] for k in ("old_first", "new_first", "old_second", "new_second")}
+    taus: dict[str, list] = {k: [] for k in times}
+    try:
+        for rep in range(a.repeats):
+            order = [("old", old_tree), ("new", ROOT)] if rep % 2 == 0 else [("new", ROOT), ("old", old_tree)]
+            works = {name: tmp / f"{name}-{rep}" for name, _ in order}
+            for stage, args in (("first", ["--bits", "4"]), ("second", ["--bits", "8"])):
+                for name, tree in order:
+                    s, parity = run_job(tree, works[name], f"{stage}", args)
+                    times[f"{name}_{stage}"].append(s)
+                    taus[f"{name}_{stage}"].append(
+                        [parity["baseline"]["tau"], parity["quantized"]["tau"], parity["lossless"], parity["passed"]]
+                    )
+                    print(f"rep {rep} {name} {stage}: {s:.1f} s", flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "command": "nice -n 10 python benchmarks/bench_quickstart.py " + " ".join(sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "old_commit": old_commit,
+        "new_commit": new_commit,
+        "jobs": {
+            "first": "gptq --bits 4 (make quickstart), empty check cache",
+            "second": "gptq --bits 8, cache of the first",
+        },
+        "times": {k: summary(v) for k, v in times.items()},
+        "tau_bf16_tau_quant_lossless_passed": taus,
+        "ratio_first_new_over_old": round(med["new_first"] / med["old_first"], 3),
+        "ratio_second_new_over_old_first": round(med["new_second"] / med["old_first"], 3),
+        "ratio_second_new_over_old_second": round(med["new_second"] / med["old_second"], 3),
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k.startswith("ratio")}))
+
+
+if __name__ == "__main__":
+    main()
