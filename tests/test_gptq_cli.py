@@ -250,9 +250,12 @@ def test_ctrl_c_leaves_no_output(setup):
         "64",
         "--group-size",
         "32",
-        # The suite shares one check cache: a hit would shrink the export window below the poll interval, and
-        # the signal would land after publication (CI saw a clean run then killed by SIGINT at exit).
+        # The signal must land while the artifact is staged. The suite shares one check cache, and a hit (or a
+        # busy machine delaying this poll) let CI's run publish first and die by SIGINT at exit: no cache, and a
+        # long parity check (random drafter: one target forward per token) keep the staging window seconds wide.
         "--no-check-cache",
+        "--eval-max-new-tokens",
+        "300",
         "--output",
         str(s["root"] / "interrupted"),
     ]

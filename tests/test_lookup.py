@@ -131,7 +131,7 @@ def test_drafter_context_stays_exact(pair, mode):
     rows = torch.cat([c for _, c in fed], dim=1)
     assert [p for p, _ in fed][0] == 0
     full = torch.cat([ids[0], torch.tensor(spec.tokens)])[None]
-    taps = _taps(target(full, output_hidden_states=True).hidden_states, drafter.target_layer_ids)
+    taps = _taps(target(full, output_hidden_states=True).hidden_states, drafter.target_layer_ids, "cpu")
     assert rows.shape[1] <= full.shape[1]
     torch.testing.assert_close(rows, taps[:, : rows.shape[1]], atol=1e-4, rtol=1e-4)
     starts = [p for p, _ in fed]
