@@ -16,6 +16,10 @@ import tiny  # noqa: E402
 # rightly leaves an ignored signal ignored, so the signal tests' runs would never stop. Give them the default.
 if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+# Likewise a suite started as a background job of a non-interactive shell ignores SIGINT, and its CLI runs would
+# ignore Ctrl-C: restore Python's own handler (children then start with the default disposition).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
