@@ -49,6 +49,7 @@ class LoadedTarget:
     model: torch.nn.Module
     tokenizer: Any | None
     source: Source
+    quantization: Any = None  # artifact.reports.TargetQuantization
 
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
@@ -349,19 +350,28 @@ def load_target(
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks
     check_target_config(source, raw)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise DFlashQuantError(
-            f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
-        ) from exc
+    from dflash_quant.target_quant import load_quantized_target
+
+    method = str((raw.get("quantization_config") or {}).get("quant_method") or "").lower()
+    if method:
+        model, quantization = load_quantized_target(source.path, raw, source.id, dtype, device)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise DFlashQuantError(
+                f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
+            ) from exc
+        quantization = None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, source=source)
+    from dflash_quant.target_quant import describe
+
+    return LoadedTarget(model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization))
 
 
 def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
