@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Drafter calibrated on the bf16 reference target vs on its int4 (compressed-tensors W4A16 g32 RTN) form,
+# both GPTQ 4-bit, both checked against the int4 target on the reference pair's held-out prompts.
+# Usage: nice -n 10 bash benchmarks/int4_target.sh [NUM_PROMPTS] [MAX_NEW_TOKENS]
+set -euo pipefail
+N=${1:-64}; T=${2:-64}
+W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+R=benchmarks/results
+DQ="python -m dflash_quant.cli.app"
+python scripts/make_int4_target.py reference:target "$W/target-w4g32" --group-size 32
+$DQ gptq reference -o "$W/q-bf16target" --no-verify --no-card --format gptq --json > "$R/int4_target_gptq_bf16target.json"
+$DQ gptq reference --target "$W/target-w4g32" -o "$W/q-int4target" --no-verify --no-card --format gptq --json \
+  > "$R/int4_target_gptq_int4target.json"
+for which in bf16target int4target; do
+  $DQ verify "$W/q-$which" --target "$W/target-w4g32" --compare reference --prompts reference:heldout \
+    --num-prompts "$N" --max-new-tokens "$T" --no-check-cache --json > "$R/int4_target_verify_$which.json" || true
+done
