@@ -365,7 +365,7 @@ def load_target(
                 f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
             ) from exc
         quantization = None
-    model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
+    model.to(device).eval()
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)

@@ -74,6 +74,11 @@ def scheme_of(qcfg: dict[str, Any], source_id: str) -> PackedScheme:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held as compressed-tensors pack-quantized codes (see the module docstring)."""
 
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero_point: torch.Tensor | None
+    weight_g_idx: torch.Tensor | None
+
     def __init__(
         self,
         weight_packed: torch.Tensor,
@@ -232,7 +237,9 @@ def load_packed_target(
         try:
             linear = model.get_submodule(name)
         except AttributeError as exc:
-            raise DFlashQuantError(f"{source_id}: packed tensor {name} has no Linear in the model; wrong config") from exc
+            raise DFlashQuantError(
+                f"{source_id}: packed tensor {name} has no Linear in the model; wrong config"
+            ) from exc
         if not isinstance(linear, nn.Linear):
             raise DFlashQuantError(f"{source_id}: {name} is a {type(linear).__name__}, not a Linear")
         shape = tensors.pop(f"{name}.weight_shape", None)
@@ -267,9 +274,7 @@ def _opt(t: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | N
     return t.to(device) if t is not None else None
 
 
-def _load_dense(
-    model: nn.Module, tensors: dict[str, torch.Tensor], source_id: str, dtype: torch.dtype, device
-) -> None:
+def _load_dense(model: nn.Module, tensors: dict[str, torch.Tensor], source_id: str, dtype: torch.dtype, device) -> None:
     """The checkpoint's dense tensors into the meta-built model; tied heads and non-persistent buffers rebuilt."""
     expected = {k for k, v in model.state_dict().items() if v.device.type == "meta"}
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
@@ -281,7 +286,7 @@ def _load_dense(
         )
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
+    model.tie_weights()  # type: ignore[operator]  # transformers method seen through nn.Module.__getattr__
     for name, module in list(model.named_modules()):
         if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":  # rotary: non-persistent buffers
             with torch.device(device):
@@ -298,7 +303,6 @@ def gptq_backend_problem(method: str) -> str | None:
     if importlib.util.find_spec("gptqmodel") is None:
         return f"the target is a {method.upper()} checkpoint and its backend (GPTQModel) is not installed; {GPTQ_EXTRA}"
     return None
-
 
 
 def load_quantized_target(

@@ -1,6 +1,6 @@
 """Write a compressed-tensors W4A16 (RTN) form of a dense target, e.g. the shipped reference target:
 
-    python scripts/make_int4_target.py reference:target /tmp/reference-target-w4g32 --group-size 32
+python scripts/make_int4_target.py reference:target /tmp/reference-target-w4g32 --group-size 32
 """
 
 from __future__ import annotations

@@ -140,5 +140,8 @@ def test_cli_verify_and_gptq_against_the_int4_target(int4_target, tmp_path):
     assert prov["target_quantization"]["bits"] == 4
     assert json.loads((out / "parity.json").read_text())["target_quantization"]["group_size"] == 32
     card = (out / "README.md").read_text()
-    assert "Target quantization (calibrated and checked against this form):** compressed-tensors pack-quantized W4 g32" in card
+    assert (
+        "Target quantization (calibrated and checked against this form):** compressed-tensors pack-quantized W4 g32"
+        in card
+    )
     assert read_safetensors(out)  # the artifact was written

@@ -10,8 +10,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
-from dflash_quant.target_quant import target_quant_label
 from dflash_quant.errors import UsageError
+from dflash_quant.target_quant import target_quant_label
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:

@@ -29,7 +29,9 @@ def _config(spec: QuantSpec) -> dict[str, Any]:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     args: dict[str, Any] = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym, "dynamic": False}
-    args.update({"strategy": "channel"} if spec.group_size == -1 else {"strategy": "group", "group_size": spec.group_size})
+    args.update(
+        {"strategy": "channel"} if spec.group_size == -1 else {"strategy": "group", "group_size": spec.group_size}
+    )
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
     cfg = QuantizationConfig(
         config_groups={"group_0": scheme}, format="pack-quantized", quantization_status="compressed", ignore=["lm_head"]
@@ -66,4 +68,7 @@ def write_int4_target(src: Path, dst: Path, spec: QuantSpec, overwrite: bool = F
         for name in COPIED:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
-    return {"quantized": n_q, "dense": sum(1 for k in out if not re.search(r"\.weight_(packed|scale|shape|zero_point)$", k))}
+    return {
+        "quantized": n_q,
+        "dense": sum(1 for k in out if not re.search(r"\.weight_(packed|scale|shape|zero_point)$", k)),
+    }
