@@ -18,12 +18,12 @@ done
 # context: the bf16 drafter against the dense target on the same prompts (what the int4 target itself costs)
 $DQ verify reference --target reference:target --prompts reference:heldout --num-prompts "$N" --max-new-tokens "$T" \
   --no-check-cache --json > "$R/int4_target_verify_dense_target.json"
-python - <<'PY' > "$R/int4_target_resident.json"
-import json, torch
+python - "$W/target-w4g32" <<'PY' > "$R/int4_target_resident.json"
+import json, sys, torch
 from dflash_quant.loading import load_target
-out = {}
-for name, src, dtype in [("int4_fp32", "$W/target-w4g32", torch.float32), ("dense_fp32", "reference:target", torch.float32),
-                         ("int4_bf16", "$W/target-w4g32", torch.bfloat16), ("dense_bf16", "reference:target", torch.bfloat16)]:
+out, w4 = {}, sys.argv[1]
+for name, src, dtype in [("int4_fp32", w4, torch.float32), ("dense_fp32", "reference:target", torch.float32),
+                         ("int4_bf16", w4, torch.bfloat16), ("dense_bf16", "reference:target", torch.bfloat16)]:
     out[name] = load_target(src, dtype=dtype).quantization.to_dict()
 print(json.dumps(out, indent=2))
 PY

@@ -111,6 +111,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(CLI + args, capture_output=True, text=True, timeout=900, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_cli_verify_and_gptq_against_the_int4_target(int4_target, tmp_path):
     res = _run(
         ["verify", "reference", "--target", str(int4_target), "--num-prompts", "4", "--max-new-tokens", "24",
