@@ -111,6 +111,23 @@ class PackedLinear(nn.Module):
     def _rows_per_chunk(self) -> int:
         return max(1, min(self.out_features, CHUNK_BYTES // (4 * self.in_features)))
 
+    def zero_points(self) -> torch.Tensor | None:
+        """Signed zero points [out, groups]: packed along rows in int32 (our export, llm-compressor's older
+        writers) or stored unpacked (the shape transformers 5.x allocates for them)."""
+        zp = self.weight_zero_point
+        if zp is None:
+            return None
+        if zp.dtype == torch.int32 and zp.shape[0] != self.out_features:
+            from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+            return unpack_from_int32(zp, self.scheme.bits, torch.Size(list(self.weight_scale.shape)), 0)
+        if tuple(zp.shape) != tuple(self.weight_scale.shape):
+            raise DFlashQuantError(
+                f"weight_zero_point shape {tuple(zp.shape)} fits neither packed nor [out, groups] "
+                f"{tuple(self.weight_scale.shape)}; damaged checkpoint"
+            )
+        return zp
+
     def dequantize(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
         """fp32 weight rows [r0, r1): (code - zero_point) * scale."""
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -119,11 +136,8 @@ class PackedLinear(nn.Module):
         bits, k = self.scheme.bits, self.in_features
         codes = unpack_from_int32(self.weight_packed[r0:r1], bits, torch.Size([r1 - r0, k])).float()
         scale = self.weight_scale[r0:r1].float()
-        zp = None
-        if self.weight_zero_point is not None:
-            n_groups = self.weight_scale.shape[1]
-            zp_all = unpack_from_int32(self.weight_zero_point, bits, torch.Size([self.out_features, n_groups]), 0)
-            zp = zp_all[r0:r1].float()
+        zp_all = self.zero_points()
+        zp = zp_all[r0:r1].float() if zp_all is not None else None
         if self.weight_g_idx is not None:
             g = self.weight_g_idx.long()
             scale = scale[:, g]
@@ -154,9 +168,9 @@ class PackedLinear(nn.Module):
         unsigned = codes.to(torch.int32) + 8
         scale = self.weight_scale.float()  # [out, groups]
         zero = torch.zeros_like(scale)
-        if self.weight_zero_point is not None:
-            zp = unpack_from_int32(self.weight_zero_point, 4, torch.Size(list(scale.shape)), 0).float()
-            zero = -zp * scale
+        zp = self.zero_points()
+        if zp is not None:
+            zero = -zp.float() * scale
         sz = torch.stack([scale.T, zero.T], dim=-1).contiguous().to(torch.bfloat16)
         return unsigned, sz
 

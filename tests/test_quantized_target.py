@@ -29,15 +29,18 @@ def int4_target(tmp_path_factory) -> Path:
     return dst
 
 
-def _packed_from(weight: torch.Tensor, spec: QuantSpec) -> tuple[PackedLinear, torch.Tensor]:
+def _packed_from(weight: torch.Tensor, spec: QuantSpec, unpacked_zp: bool = False) -> tuple[PackedLinear, torch.Tensor]:
     from dflash_quant.export.compressed_tensors import pack_weight
 
     qw = rtn_quantize(weight, spec)
     t = pack_weight(qw)
+    zp = t.get("weight_zero_point")
+    if unpacked_zp:  # signed [out, groups], the layout transformers 5.x allocates
+        zp = (qw.zeros.T.to(torch.int16) - (1 << (spec.bits - 1))).to(torch.int8).contiguous()
     module = PackedLinear(
         t["weight_packed"],
         t["weight_scale"],
-        t.get("weight_zero_point"),
+        zp,
         None,
         None,
         PackedScheme(spec.bits, spec.group_size, spec.sym),
@@ -47,11 +50,11 @@ def _packed_from(weight: torch.Tensor, spec: QuantSpec) -> tuple[PackedLinear, t
     return module, qw.dequantize()
 
 
-@pytest.mark.parametrize("sym", [True, False])
-def test_dequantize_chunks_equal_the_grid(monkeypatch, sym):
+@pytest.mark.parametrize(("sym", "unpacked_zp"), [(True, False), (False, False), (False, True)])
+def test_dequantize_chunks_equal_the_grid(monkeypatch, sym, unpacked_zp):
     monkeypatch.setattr(target_quant, "CHUNK_BYTES", 4 * 128 * 5)  # 5 rows per block: blocks cut unevenly
     w = torch.randn(24, 128, generator=torch.Generator().manual_seed(0))
-    module, dense = _packed_from(w, QuantSpec(bits=4, group_size=32, sym=sym))
+    module, dense = _packed_from(w, QuantSpec(bits=4, group_size=32, sym=sym), unpacked_zp)
     assert module._rows_per_chunk() == 5
     assert torch.equal(module.dequantize(), dense)
     x = torch.randn(3, 7, 128)
