@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
 from dflash_quant.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
-from dflash_quant.errors import DFlashQuantError
+from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.model import DFlashDrafter
 from dflash_quant.model2 import build_drafter
 
@@ -49,6 +49,7 @@ class LoadedTarget:
     model: torch.nn.Module
     tokenizer: Any | None
     source: Source
+    quantization: Any = None  # artifact.reports.TargetQuantization
 
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
@@ -354,27 +355,42 @@ def load_target(
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks
     check_target_config(source, raw)
-    place: dict[str, Any] = {}
-    if placement is not None:
-        from dflash_quant.devmap import check_placement, load_kwargs
+    from dflash_quant.target_quant import load_quantized_target
 
-        check_placement(source.path, placement, dtype, source.id)
-        place = load_kwargs(placement)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True, **place
+    method = str((raw.get("quantization_config") or {}).get("quant_method") or "").lower()
+    quantization = None
+    if method and placement is not None:
+        raise UsageError(
+            f"target {source.id} is quantized ({method}) and is loaded packed on one device; drop --device-map/--max-memory"
         )
-    except (OSError, ValueError, KeyError) as exc:
-        raise DFlashQuantError(
-            f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
-        ) from exc
-    if placement is None:
-        model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
-    model.eval()
+    if method:
+        model, quantization = load_quantized_target(source.path, raw, source.id, dtype, device)
+        model.to(device)
+        model.eval()
+    else:
+        place: dict[str, Any] = {}
+        if placement is not None:
+            from dflash_quant.devmap import check_placement, load_kwargs
+
+            check_placement(source.path, placement, dtype, source.id)
+            place = load_kwargs(placement)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True, **place
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise DFlashQuantError(
+                f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
+            ) from exc
+        if placement is None:
+            model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
+        model.eval()
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    return LoadedTarget(model=model, tokenizer=tokenizer, source=source)
+    from dflash_quant.target_quant import describe
+
+    return LoadedTarget(model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization))
 
 
 def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:

@@ -95,6 +95,7 @@ class GptqResult:
     timings: dict[str, float]
     reasons: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # provenance's Calibration record (memory, placement, resume)
+    target_quantization: dict[str, Any] | None = None  # artifact.reports.TargetQuantization of the target used
 
 
 def _noop_progress(label: str, total: int | None) -> Callable[[], None]:
@@ -331,6 +332,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         command=portable_command(job.command),
         source_drafter=source,
         target=target_ref,
+        target_quantization=target.quantization,
         calibration=Calibration.from_dict(
             {
                 **calib_info,
@@ -353,6 +355,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     result = GptqResult(output=job.output, passed=None, parity=None, quant_report={}, timings=timings)
     result.calibration = provenance.calibration.to_dict() if provenance.calibration is not None else None
+    result.target_quantization = target.quantization.to_dict() if target.quantization is not None else None
     with staging(final, job.overwrite) as tmp:
         if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
             from dflash_quant.quantize.kquant import write_kquant_gguf
@@ -478,6 +481,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
             "dtype": str(dtype).replace("torch.", ""),
             "baseline": s_base,
             "quantized": s_quant,
+            "target_quantization": target.quantization.to_dict() if target.quantization is not None else None,
             # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
             "cache": {
                 "target_only": cache.events.get("baseline", "off"),

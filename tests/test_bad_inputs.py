@@ -413,6 +413,29 @@ ROWS = [
     ),
     R("drafter-as-target", "models", lambda c: c.verify(target=c.d), 1, r"is a DFlash drafter, not a target"),
     R(
+        "target-gptq-no-backend",
+        "models",
+        lambda c: c.verify(target=c.target(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})),
+        2,
+        r"GPTQ checkpoint and its backend \(GPTQModel\) is not installed; pip install 'dflash-quant\[gptq-target\]'",
+    ),
+    R(
+        "target-ct-not-packed",
+        "models",
+        lambda c: c.verify(
+            target=c.target(quantization_config={"quant_method": "compressed-tensors", "format": "float-quantized"})
+        ),
+        2,
+        r"compressed-tensors format 'float-quantized' cannot be kept packed",
+    ),
+    R(
+        "target-quant-method-unknown",
+        "models",
+        lambda c: c.verify(target=c.target(quantization_config={"quant_method": "bitsandbytes"})),
+        2,
+        r"target quant_method 'bitsandbytes' is not supported",
+    ),
+    R(
         "hub-id-malformed",
         "models",
         lambda c: ["inspect", "not//a repo"],

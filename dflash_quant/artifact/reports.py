@@ -122,6 +122,21 @@ class Quantization(Record):
 
 
 @dataclass
+class TargetQuantization(Record):
+    format: str | None = doc("`pack-quantized` (compressed-tensors), `gptq` or `awq`; null for a dense target")
+    quant_method: str | None = doc("the checkpoint's quantization_config.quant_method")
+    bits: int | None = doc("weight bits")
+    group_size: int | None = doc("-1 (per channel) or the group size")
+    symmetric: bool | None = doc("symmetric grid")
+    packed_linears: int | None = doc("Linears held packed (dflash-quant PackedLinear or the backend's modules)")
+    kernel: str | None = doc(
+        "`dequant-chunked` (CPU: a block of rows dequantized per forward), `tinygemm-int4` (CUDA) or the backend's"
+    )
+    resident_bytes: int | None = doc("the target's weights as held in memory (parameters and buffers, tied once)")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class Provenance(ReportFile):
     FILE: ClassVar[str] = "provenance.json"
     WRITER: ClassVar[str] = "export"
@@ -133,6 +148,9 @@ class Provenance(ReportFile):
     command: list[str] | None = doc("argv, local paths in their portable form")
     source_drafter: SourceRef | None = doc("the bf16 drafter quantized")
     target: SourceRef | None = doc("the target it was calibrated and checked with")
+    target_quantization: TargetQuantization | None = doc(
+        "the target's quantization and resident bytes as loaded (dense targets: format null)", omit_none=True
+    )
     calibration: Calibration | None = doc("calibration data")
     quantization: Quantization | None = doc("recipe")
     device: str | None = doc("device of the run")
@@ -313,6 +331,9 @@ class Parity(ReportFile):
     dtype: str | None = doc("compute dtype")
     baseline: Check | None = doc("the bf16 drafter's run")
     quantized: Check | None = doc("the quantized drafter's run")
+    target_quantization: TargetQuantization | None = doc(
+        "the target checked against: its quantization and resident bytes", omit_none=True
+    )
     extra: E = doc("", factory=dict)
 
 

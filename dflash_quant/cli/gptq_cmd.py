@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_quant.cli.common import err_console, fail, handle_errors, out_console, print_json
+from dflash_quant.target_quant import target_quant_label
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -37,6 +38,10 @@ def _summary(result) -> Table:
         for part in ("conv", "selector_codebooks", "selector_projection"):
             if bf16_parts.get(part) and rep["by_part"].get("quantized"):
                 table.add_row(f"  of which {part.replace('_', ' ')}", _fmt_bytes(rep["by_part"]["quantized"][part]))
+    if tq := result.target_quantization:
+        table.add_row("target weights resident", _fmt_bytes(tq.get("resident_bytes")))
+        if tq.get("format"):
+            table.add_row("target quantization", target_quant_label(tq))
     if par:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
         table.add_row("tau quantized (T=0)", f"{par['quantized']['tau']:.3f}")
@@ -271,6 +276,7 @@ def gptq(
                 "quant_report": result.quant_report,
                 "timings": result.timings,
                 "calibration": result.calibration,
+                "target_quantization": result.target_quantization,
             }
         )
     else:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
 from dflash_quant.errors import UsageError
+from dflash_quant.target_quant import target_quant_label
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:
@@ -261,6 +262,7 @@ def verify(
         "device": str(dev),
         "dtype": str(dt).replace("torch.", ""),
         "summary": summaries[-1],
+        "target_quantization": tgt.quantization.to_dict() if tgt.quantization is not None else None,
         "cache": cached,  # "hit": that run and its timings come from an earlier run (ignore them for speed)
     }
     if placement is not None:
@@ -274,6 +276,8 @@ def verify(
         print_json(report)
     else:
         out_console.print(_table(summaries, par))
+        if tgt.quantization is not None:
+            out_console.print(f"target weights: {target_quant_label(tgt.quantization.to_dict())}")
         if (cat_table := _category_table(summaries)) is not None:
             out_console.print(cat_table)
     exact = dt == torch.float32

@@ -301,6 +301,11 @@ def _section_summary(ctx: dict) -> str:
         lines.append(
             "- **Target model:** not recorded in provenance.json; use the target the source drafter was trained for"
         )
+    tq = _get(prov, "target_quantization")
+    if isinstance(tq, dict) and tq.get("format"):
+        from dflash_quant.target_quant import target_quant_label
+
+        lines.append(f"- **Target quantization (calibrated and checked against this form):** {target_quant_label(tq)}")
     lines.append(
         f"- **Source drafter:** `{src['id'] or 'not recorded'}`"
         + (f" revision `{src['revision']}`" if src["revision"] else "")

@@ -1,0 +1,74 @@
+"""A compressed-tensors W4A16 (pack-quantized, RTN) form of a dense target, for tests and users without one.
+
+The decoder Linears are rounded to nearest on our GPTQ v1 grid and packed with the same codec as the drafter
+export (export.compressed_tensors.pack_weight); embeddings, norms and lm_head stay dense.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dflash_quant import __version__
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.atomic import atomic_dir
+from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.rtn import rtn_quantize
+
+LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _config(spec: QuantSpec) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    args: dict[str, Any] = {"num_bits": spec.bits, "type": "int", "symmetric": spec.sym, "dynamic": False}
+    args.update(
+        {"strategy": "channel"} if spec.group_size == -1 else {"strategy": "group", "group_size": spec.group_size}
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**args))
+    cfg = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="pack-quantized", quantization_status="compressed", ignore=["lm_head"]
+    ).model_dump()
+    cfg["quant_method"] = "compressed-tensors"
+    cfg["dflash_quant"] = {"from": "rtn", "quantizer": f"dflash-quant:{__version__}"}
+    return cfg
+
+
+def write_int4_target(src: Path, dst: Path, spec: QuantSpec, overwrite: bool = False) -> dict[str, int]:
+    """Write `dst` (config, packed safetensors, tokenizer); returns {quantized, dense} tensor counts."""
+    from dflash_quant.export.compressed_tensors import pack_weight
+    from dflash_quant.loading import read_config_json, read_safetensors
+
+    raw = read_config_json(src / "config.json")
+    if raw.get("quantization_config"):
+        raise DFlashQuantError(f"{src} is already quantized; pass the dense target")
+    tensors = read_safetensors(src)
+    out: dict[str, torch.Tensor] = {}
+    n_q = 0
+    for key, value in sorted(tensors.items()):
+        if LINEAR.match(key):
+            name = key[: -len(".weight")]
+            for part, t in pack_weight(rtn_quantize(value.float(), spec, name=name)).items():
+                out[f"{name}.{part}"] = t.contiguous()
+            n_q += 1
+        else:
+            out[key] = value.contiguous()
+    if n_q == 0:
+        raise DFlashQuantError(f"{src}: no decoder Linears (model.layers.N.*_proj.weight) to quantize")
+    with atomic_dir(dst, overwrite=overwrite, inputs=[src]) as tmp:
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps({**raw, "quantization_config": _config(spec)}, indent=2) + "\n")
+        for name in COPIED:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+    return {
+        "quantized": n_q,
+        "dense": sum(1 for k in out if not re.search(r"\.weight_(packed|scale|shape|zero_point)$", k)),
+    }
