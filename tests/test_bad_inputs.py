@@ -436,6 +436,15 @@ ROWS = [
         r"target quant_method 'bitsandbytes' is not supported",
     ),
     R(
+        "target-quantized-device-map",
+        "models",
+        lambda c: c.verify(
+            "--device-map", "auto", target=c.target(quantization_config={"quant_method": "compressed-tensors"})
+        ),
+        2,
+        r"is quantized \(compressed-tensors\) and is loaded packed on one device; drop --device-map",
+    ),
+    R(
         "hub-id-malformed",
         "models",
         lambda c: ["inspect", "not//a repo"],
