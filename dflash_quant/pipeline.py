@@ -35,10 +35,10 @@ from dflash_quant.runtime import (
     stop_tokens,
 )
 from dflash_quant.verify import (
+    TIMED_PROMPTS,
     CheckSettings,
     baseline_runs,
     by_category,
-    TIMED_PROMPTS,
     lookup_summary,
     parity,
     reference_runs,
