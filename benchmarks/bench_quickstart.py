@@ -49,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", default="e5248dc", help="commit of the version to compare against")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--new-first", action="store_true", help="start with the new tree (then alternate)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/quickstart_speed.json")
     a = ap.parse_args()
     old_commit = subprocess.run(
@@ -66,7 +67,11 @@ def main() -> None:
     taus: dict[str, list] = {k: [] for k in times}
     try:
         for rep in range(a.repeats):
-            order = [("old", old_tree), ("new", ROOT)] if rep % 2 == 0 else [("new", ROOT), ("old", old_tree)]
+            order = (
+                [("old", old_tree), ("new", ROOT)]
+                if (rep + a.new_first) % 2 == 0
+                else [("new", ROOT), ("old", old_tree)]
+            )
             works = {name: tmp / f"{name}-{rep}" for name, _ in order}
             for stage, args in (("first", ["--bits", "4"]), ("second", ["--bits", "8"])):
                 for name, tree in order:
@@ -84,6 +89,7 @@ def main() -> None:
         "command": "nice -n 10 python benchmarks/bench_quickstart.py " + " ".join(sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "order": "new first, then alternating" if a.new_first else "old first, then alternating",
         "old_commit": old_commit,
         "new_commit": new_commit,
         "jobs": {
