@@ -140,7 +140,7 @@ def test_gptq_parity_report_equals_the_full_baseline_path(tmp_path):
             eval_max_new_tokens=24,
             device="cpu",
             full_baseline=full,
-            check_cache=tmp_path / f"cache-{full}",
+            check_cache=tmp_path / "cache",  # shared: the full baseline's entry must not serve as the reference
             write_card=False,
         )
         run_gptq(job)
@@ -155,3 +155,5 @@ def test_gptq_parity_report_equals_the_full_baseline_path(tmp_path):
             assert old[side][key] == new[side][key], (side, key)
         assert old[side]["per_prompt"] == new[side]["per_prompt"]
         assert new[side]["baseline_timed_prompts"] == 4 and old[side]["baseline_timed_prompts"] == 6
+    assert old["cache"] == {"target_only": "miss", "bf16_drafter": "miss"}
+    assert new["cache"] == {"target_only": "miss", "bf16_drafter": "hit"}
