@@ -16,6 +16,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -1121,3 +1122,12 @@ def test_bad_input(row: Row, shared, tmp_path, monkeypatch):
     else:  # the subprocess rows create nothing themselves: the scratch folder must be as empty as it started
         assert not [n for n in after if n == "out" or n.startswith(".out.")], after
     assert tree(models) == models_before
+
+
+def test_cli_starts_without_torch():
+    """Refusals are instant because the CLI imports torch only once work starts; a top-level import in any
+    command module (one crept in with the quantized-target labels) would cost every refusal ~1.6 s."""
+    code = "import sys, dflash_quant.cli.app; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", f"imported at CLI start-up: {res.stdout.strip()}"

@@ -74,3 +74,22 @@ class OneLineErrors(TyperGroup):
             err_console.print("[bold red]error:[/] aborted", markup=True, highlight=False)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+# The target-placement options of every command that runs the target (gptq, verify, imatrix).
+def device_option() -> Any:
+    return typer.Option("auto", help="auto, cpu or cuda[:N] (the drafter's; also the target's without --device-map).")
+
+
+def device_map_option() -> Any:
+    return typer.Option(
+        None,
+        "--device-map",
+        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
+    )
+
+
+def max_memory_option() -> Any:
+    return typer.Option(
+        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
+    )

@@ -9,8 +9,16 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash_quant.cli.common import err_console, fail, handle_errors, out_console, print_json
-from dflash_quant.target_quant import target_quant_label
+from dflash_quant.cli.common import (
+    device_map_option,
+    device_option,
+    err_console,
+    fail,
+    handle_errors,
+    max_memory_option,
+    out_console,
+    print_json,
+)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -41,6 +49,8 @@ def _summary(result) -> Table:
     if tq := result.target_quantization:
         table.add_row("target weights resident", _fmt_bytes(tq.get("resident_bytes")))
         if tq.get("format"):
+            from dflash_quant.target_quant import target_quant_label  # torch: only once a table is printed
+
             table.add_row("target quantization", target_quant_label(tq))
     if par:
         table.add_row("tau bf16 (T=0)", f"{par['baseline']['tau']:.3f}")
@@ -131,17 +141,9 @@ def gptq(
     eval_num_prompts: int | None = typer.Option(None, help="Use only the first N parity prompts."),
     eval_max_new_tokens: int = typer.Option(128, min=1, help="Tokens generated per parity prompt."),
     tolerance: float = typer.Option(0.03, help="Fail when tau_q / tau_bf16 < 1 - tolerance; in [0, 1)."),
-    device: str = typer.Option(
-        "auto", help="auto, cpu or cuda[:N] (the drafter's device; also the target's without --device-map)."
-    ),
-    device_map: str | None = typer.Option(
-        None,
-        "--device-map",
-        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
-    ),
-    max_memory: str | None = typer.Option(
-        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
-    ),
+    device: str = device_option(),
+    device_map: str | None = device_map_option(),
+    max_memory: str | None = max_memory_option(),
     hessian_device: str | None = typer.Option(
         None, "--hessian-device", help="cpu | cuda[:N]: where the fp32 Hessians accumulate (default: --device)."
     ),

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import typer
 
-from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
+from dflash_quant.cli.common import (
+    device_map_option,
+    device_option,
+    err_console,
+    handle_errors,
+    max_memory_option,
+    out_console,
+    print_json,
+)
 
 
 def make_imatrix(
@@ -112,17 +120,9 @@ def imatrix(
     calib_cache: Path | None = typer.Option(
         None, help="Directory to save/reuse calibration statistics (shared with gptq)."
     ),
-    device: str = typer.Option(
-        "auto", help="auto, cpu or cuda[:N] (the drafter's; also the target's without --device-map)."
-    ),
-    device_map: str | None = typer.Option(
-        None,
-        "--device-map",
-        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
-    ),
-    max_memory: str | None = typer.Option(
-        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
-    ),
+    device: str = device_option(),
+    device_map: str | None = device_map_option(),
+    max_memory: str | None = max_memory_option(),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),

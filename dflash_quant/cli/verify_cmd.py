@@ -9,9 +9,16 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
+from dflash_quant.cli.common import (
+    device_map_option,
+    device_option,
+    err_console,
+    handle_errors,
+    max_memory_option,
+    out_console,
+    print_json,
+)
 from dflash_quant.errors import UsageError
-from dflash_quant.target_quant import target_quant_label
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:
@@ -102,17 +109,9 @@ def verify(
         None, help="Draft block size (default: the drafter's; only smaller is allowed)."
     ),
     seed: int = typer.Option(0, help="Sampling seed for temperature > 0."),
-    device: str = typer.Option(
-        "auto", help="auto, cpu or cuda[:N] (the drafter's; also the target's without --device-map)."
-    ),
-    device_map: str | None = typer.Option(
-        None,
-        "--device-map",
-        help="Split the target: auto | balanced | balanced_low_0 | sequential, or JSON {module: device} (inline or a file).",
-    ),
-    max_memory: str | None = typer.Option(
-        None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."
-    ),
+    device: str = device_option(),
+    device_map: str | None = device_map_option(),
+    max_memory: str | None = max_memory_option(),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
     chat_template: bool = typer.Option(
         True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
@@ -277,6 +276,8 @@ def verify(
     else:
         out_console.print(_table(summaries, par))
         if tgt.quantization is not None:
+            from dflash_quant.target_quant import target_quant_label
+
             out_console.print(f"target weights: {target_quant_label(tgt.quantization.to_dict())}")
         if (cat_table := _category_table(summaries)) is not None:
             out_console.print(cat_table)
