@@ -173,9 +173,12 @@ def test_killed_gptq_resumes_with_the_same_codes(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert ck.exists() and not out.exists()
+    mine = ck.parent / "notes.txt"  # the folder is ours by name only: a file someone put there must survive
+    mine.write_text("mine")
     subprocess.run(_gptq(out), env=env, cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    assert not ck.exists() and mine.read_text() == "mine"
     subprocess.run(
-        _gptq(tmp_path / "b", "--calib-checkpoint-every", "0"),
+        _gptq(tmp_path / "b"),  # never interrupted; it checkpoints too, so its folder must vanish at the end
         env=env,
         cwd=tmp_path,
         check=True,
@@ -192,7 +195,8 @@ def test_killed_gptq_resumes_with_the_same_codes(tmp_path):
     assert codes_a.keys() == codes_b.keys()
     for name, tensor in codes_a.items():  # qweight, qzeros, scales, g_idx and the kept tensors, exactly
         assert torch.equal(tensor, codes_b[name]), name
-    assert not ck.parent.exists()  # a finished run leaves no checkpoint behind
+    assert not (tmp_path / ".b.calib-checkpoint").exists()  # a finished run leaves no checkpoint behind
+    assert [f.name for f in ck.parent.iterdir()] == ["notes.txt"]  # nor removes what is not its own
 
 
 # ------------------------------------------------------------------------------------------ memory
