@@ -383,14 +383,20 @@ def _pack_bits(q: np.ndarray, bits: int, chunk: int) -> np.ndarray:
     return out.reshape(*q.shape[:-3], -1)
 
 
-def pack_q4_k(qw: KQuantWeight) -> np.ndarray:
-    rows, nb = _blocks(qw)
+def _pack_scale_min_k4(qw: KQuantWeight, rows: int, nb: int) -> np.ndarray:
+    """The 12 bytes of 6-bit sub-block scales and mins that Q4_K and Q5_K share (ggml's get_scale_min_k4 order)."""
     sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 8)
     m = qw.m.numpy().astype(np.uint8).reshape(rows, nb, 8)
     scales = np.zeros((rows, nb, 12), dtype=np.uint8)
     scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
     scales[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
     scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    return scales
+
+
+def pack_q4_k(qw: KQuantWeight) -> np.ndarray:
+    rows, nb = _blocks(qw)
+    scales = _pack_scale_min_k4(qw, rows, nb)
     qs = _pack_bits(qw.codes.numpy().reshape(rows, nb, 256), 4, 32).reshape(rows, nb, 128)
     blocks = np.concatenate([_f16(qw.d), _f16(qw.dmin), scales, qs], axis=2)
     return np.ascontiguousarray(blocks.reshape(rows, -1))
@@ -399,12 +405,7 @@ def pack_q4_k(qw: KQuantWeight) -> np.ndarray:
 def pack_q5_k(qw: KQuantWeight) -> np.ndarray:
     """Q4_K's scales and low nibbles, plus the fifth bit of value j*32 + l at bit j of qh byte l."""
     rows, nb = _blocks(qw)
-    sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 8)
-    m = qw.m.numpy().astype(np.uint8).reshape(rows, nb, 8)
-    scales = np.zeros((rows, nb, 12), dtype=np.uint8)
-    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
-    scales[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
-    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    scales = _pack_scale_min_k4(qw, rows, nb)
     u = qw.codes.numpy().reshape(rows, nb, 256)
     qh = _pack_bits((u >> 4) & 1, 1, 32).reshape(rows, nb, 32)
     qs = _pack_bits(u & 0xF, 4, 32).reshape(rows, nb, 128)
