@@ -176,8 +176,7 @@ class PackedLinear(nn.Module):
 
     def _prepare_tinygemm(self) -> None:
         unsigned, sz = self.tinygemm_operands()
-        u8 = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)  # [out, in/2], even column high
-        packed = torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8 if self.in_features % 1024 == 0 else 2)
+        packed = tinygemm_pack(unsigned)
         self._tinygemm = (packed, sz.to(packed.device))
         self.weight_packed = torch.empty(0, dtype=torch.int32, device=packed.device)  # the repacked copy replaces it
         self.kernel = "tinygemm-int4"
@@ -200,6 +199,12 @@ class PackedLinear(nn.Module):
             b = self.bias[r0:r1] if self.bias is not None else None
             out[..., r0:r1] = F.linear(x, w, b)
         return out
+
+
+def tinygemm_pack(unsigned: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes [out, in] (in % 128 == 0) in tinygemm's tiled layout (`_weight_int4pack_mm`)."""
+    u8 = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)  # [out, in/2], even column high
+    return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8 if unsigned.shape[1] % 1024 == 0 else 2)
 
 
 def resident_bytes(model: nn.Module) -> int:

@@ -91,6 +91,16 @@ def unpack_gptq_v1(tensors: dict[str, torch.Tensor], bits: int, group_size: int)
     Each zero field is read as (stored & mask) + 1, and w = scale[g] * (q - zero[g]) with g = g_idx[i].
     Readers compute this product in fp16; ours is the exact fp32 value (theirs equals ours rounded to fp16).
     """
+    codes, zeros, scales, g = decode_gptq_v1(tensors, bits, group_size)
+    scale = scales.to(dtype=torch.float32)[g].T
+    zero = zeros.to(dtype=torch.float32)[g].T
+    return scale * (codes.float() - zero)
+
+
+def decode_gptq_v1(
+    tensors: dict[str, torch.Tensor], bits: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [out, in], zeros [G, out], scales [G, out] as stored, g_idx [in] long) of one GPTQ v1 Linear."""
     if bits not in SUPPORTED_BITS:
         raise UsageError(f"bits={bits} is not supported; use one of {list(SUPPORTED_BITS)}")
     missing = [k for k in ("qweight", "qzeros", "scales") if k not in tensors]
@@ -112,9 +122,7 @@ def unpack_gptq_v1(tensors: dict[str, torch.Tensor], bits: int, group_size: int)
             f"g_idx (length {g.numel()}, max {int(g.max())}) does not fit qweight ({in_features} inputs) "
             f"and scales ({scales.shape[0]} groups)"
         )
-    scale = scales.to(device=device, dtype=torch.float32)[g].T
-    zero = zeros.to(device=device, dtype=torch.float32)[g].T
-    return scale * (codes.float() - zero)
+    return codes, zeros, scales.to(device), g
 
 
 def gptq_quantization_config(

@@ -1,0 +1,282 @@
+"""int4 drafter kernels on CUDA (issue #16 part 3): one drafter step's GEMMs, and speculative tokens/s.
+
+gemm: the 36 GEMMs of one Qwen3-8B-DFlash-b16 drafter step (fc 4096 x 5*4096; per layer q 4096x4096,
+  k/v 1024x4096, o 4096x4096, gate/up 12288x4096, down 4096x12288; 5 layers), distinct random weights per
+  layer, at 8 and 16 rows: bf16 (F.linear on the dequantized weights) against each int4 kernel. CUDA events
+  around the whole step, warm-up first (autotuning included), candidates in alternating order every repeat,
+  median and quartiles reported; once launched eagerly and once replayed from a CUDA graph (launch cost out).
+  Each kernel's error against the fp32 dequantized matmul is reported per shape.
+e2e: the reference pair's bf16 drafter against its GPTQ int4 artifact, dequantized and through each kernel,
+  on cuda/bf16: warm-up each, rounds in alternating order, tokens/s per round (median and spread), and
+  whether each kernel's greedy tokens equal the dequantized int4 drafter's.
+
+python benchmarks/gpu_int4.py gemm --out gemm.json; python benchmarks/gpu_int4.py e2e ARTIFACT --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_quant.int4_linear import Int4Codes, Int4Linear, int4_matmul_error, kernel_problem  # noqa: E402
+
+H, KV, INTER, CTX_LAYERS, LAYERS = 4096, 1024, 12288, 5, 5
+HBM_BYTES_PER_S = 4.8e12  # H200
+
+
+def step_shapes() -> list[tuple[str, int, int]]:
+    """(name, out, in) of one drafter step's Linears, in execution order."""
+    shapes = [("fc", H, CTX_LAYERS * H)]
+    for i in range(LAYERS):
+        shapes += [
+            (f"{i}.q", H, H),
+            (f"{i}.k", KV, H),
+            (f"{i}.v", KV, H),
+            (f"{i}.o", H, H),
+            (f"{i}.gate", INTER, H),
+            (f"{i}.up", INTER, H),
+            (f"{i}.down", H, INTER),
+        ]
+    return shapes
+
+
+def random_codes(out_f: int, in_f: int, group: int, sym: bool, gen: torch.Generator) -> Int4Codes:
+    g = in_f // group
+    codes = torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(g, out_f, generator=gen, device="cuda") * 0.02 + 0.001).to(torch.float16)
+    if sym:
+        zeros = torch.full((g, out_f), 8, dtype=torch.int64, device="cuda")
+    else:
+        zeros = torch.randint(1, 16, (g, out_f), generator=gen, device="cuda")
+    g_idx = torch.arange(in_f, device="cuda") // group
+    return Int4Codes(codes, zeros, scales, g_idx, group)
+
+
+def quartiles(xs: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(xs, n=4)
+    return {"median_ms": round(statistics.median(xs), 4), "q1_ms": round(q[0], 4), "q3_ms": round(q[2], 4)}
+
+
+def time_steps(steps: dict[str, object], repeats: int) -> dict[str, list[float]]:
+    """ms per call of each zero-argument callable, candidates alternating order every repeat."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for n in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            steps[n]()  # type: ignore[operator]
+            end.record()
+            end.synchronize()
+            times[n].append(start.elapsed_time(end))
+    return times
+
+
+def gemm(args) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = step_shapes()
+    kernels = [k for k in args.kernels.split(",") if k]
+    layers: dict[str, list[torch.nn.Module]] = {"bf16": []}
+    errors: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    int4_bytes = bf16_bytes = 0
+    for _name, out_f, in_f in shapes:
+        codes = random_codes(out_f, in_f, args.group_size, args.sym, gen)
+        lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(codes.dequantize().to(torch.bfloat16))
+        layers["bf16"].append(lin)
+        bf16_bytes += out_f * in_f * 2
+        int4_bytes += out_f * in_f // 2 + 2 * 2 * out_f * (in_f // args.group_size)  # codes + fp16 scales/zeros
+        shape_key = f"{out_f}x{in_f}"
+        if shape_key not in errors.setdefault("bf16", {}):
+            errors["bf16"][shape_key] = round(int4_matmul_error(lin, codes, 16), 6)
+        for kernel in kernels:
+            if kernel in skipped:
+                continue
+            base = kernel.split(":")[0]
+            problem = kernel_problem(base, codes, torch.device("cuda"))
+            if problem is None:
+                try:
+                    mod = Int4Linear(codes, None, base)
+                    if ":" in kernel:  # a forced gemlite matmul type
+                        mtype = kernel.split(":")[1]
+                        glm = mod._gemlite
+                        mod.forward = lambda x, glm=glm, mtype=mtype: glm.forward_manual(x.contiguous(), mtype)  # type: ignore[method-assign]
+                    errors.setdefault(kernel, {}).setdefault(shape_key, round(int4_matmul_error(mod, codes, 16), 6))
+                    layers.setdefault(kernel, []).append(mod)
+                except Exception as exc:  # noqa: BLE001  # a candidate that fails is reported, not fatal
+                    problem = f"{type(exc).__name__}: {exc}"[:300]
+            if problem is not None:
+                skipped[kernel] = problem
+                layers.pop(kernel, None)
+        del codes
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "group_size": args.group_size,
+        "sym": args.sym,
+        "gemms_per_step": len(shapes),
+        "weight_bytes": {"bf16": bf16_bytes, "int4": int4_bytes},
+        "memory_floor_ms": {
+            "bf16": round(bf16_bytes / HBM_BYTES_PER_S * 1e3, 4),
+            "int4": round(int4_bytes / HBM_BYTES_PER_S * 1e3, 4),
+        },
+        "max_rel_error_vs_fp32_dequant": errors,
+        "skipped": skipped,
+        "rows": {},
+    }
+    for rows in args.rows:
+        xs = {
+            w: torch.randn(rows, w, device="cuda", dtype=torch.bfloat16)
+            for w in sorted({in_f for _, _, in_f in shapes})
+        }
+        pairs = [(xs[in_f], i) for i, (_, _, in_f) in enumerate(shapes)]
+
+        def make(mods, pairs=pairs):
+            def step():
+                for x, i in pairs:
+                    mods[i](x)
+
+            return step
+
+        with torch.no_grad():
+            eager = {k: make(m) for k, m in layers.items() if len(m) == len(shapes)}
+            for s in eager.values():  # warm-up: autotuning, compilation, allocator
+                for _ in range(3):
+                    s()
+            torch.cuda.synchronize()
+            t_eager = time_steps(eager, args.repeats)
+            graphs, graph_fail = {}, {}
+            for k, s in eager.items():
+                try:
+                    g = torch.cuda.CUDAGraph()
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        s()
+                    torch.cuda.current_stream().wait_stream(stream)
+                    with torch.cuda.graph(g):
+                        s()
+                    graphs[k] = g.replay
+                except Exception as exc:  # noqa: BLE001
+                    graph_fail[k] = f"{type(exc).__name__}: {exc}"[:300]
+            for r in graphs.values():
+                r()
+            torch.cuda.synchronize()
+            t_graph = time_steps(graphs, args.repeats)
+        entry: dict = {"eager": {}, "cuda_graph": {}, "cuda_graph_failed": graph_fail}
+        for mode, times in (("eager", t_eager), ("cuda_graph", t_graph)):
+            base = statistics.median(times["bf16"]) if "bf16" in times else None
+            for k, ts in times.items():
+                entry[mode][k] = {**quartiles(ts), "vs_bf16": round(statistics.median(ts) / base, 3) if base else None}
+        result["rows"][str(rows)] = entry
+        print(f"rows {rows}: " + json.dumps(entry), flush=True)
+    try:
+        from dflash_quant.int4_triton import _w4a16_kernel
+
+        result["triton_configs"] = {str(k): str(v) for k, v in _w4a16_kernel.cache.items()}
+    except Exception as exc:  # noqa: BLE001
+        result["triton_configs"] = f"unavailable: {exc}"
+    return result
+
+
+def e2e(args) -> dict:
+    from dflash_quant.int4_linear import use_int4_kernel
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import encode_prompts, stop_tokens
+    from dflash_quant.verify import CheckSettings, spec_runs, warm_up
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    target = load_target("reference:target", device=device, dtype=dtype)
+    prompts = encode_prompts(target, "reference:heldout", args.num_prompts, False, args.max_new_tokens)
+    drafters: dict[str, torch.nn.Module] = {}
+    kernel_info: dict[str, dict] = {}
+    bf16 = load_drafter("reference", device=device, dtype=dtype)
+    drafters["bf16"] = bf16.model
+    block = bf16.config.block_size
+    for choice in ["dequant", *args.kernels.split(",")]:
+        loaded = load_drafter(args.artifact, device=device, dtype=dtype)
+        try:
+            info = use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, choice)
+        except Exception as exc:  # noqa: BLE001
+            kernel_info[choice] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        kernel_info[choice] = info
+        drafters[f"int4-{choice}"] = loaded.model
+    settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target))
+    with torch.no_grad():
+        for m in drafters.values():
+            warm_up(m, target.model, prompts[0], settings)
+        names = list(drafters)
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        tokens: dict[str, list[list[int]]] = {}
+        tau: dict[str, float] = {}
+        for r in range(args.rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runs = spec_runs(drafters[n], target.model, prompts, settings)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                rates[n].append(sum(len(x.tokens) for x in runs) / dt)
+                tokens[n] = [x.tokens for x in runs]
+                steps = sum(len(x.acceptance_lengths) for x in runs)
+                tau[n] = sum(sum(x.acceptance_lengths) for x in runs) / max(steps, 1)
+    base = statistics.median(rates["bf16"])
+    out = {
+        "pair": "reference",
+        "artifact": str(args.artifact),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "kernels": kernel_info,
+        "drafters": {},
+    }
+    for n in names:
+        out["drafters"][n] = {
+            "tokens_per_s_median": round(statistics.median(rates[n]), 2),
+            "tokens_per_s_min": round(min(rates[n]), 2),
+            "tokens_per_s_max": round(max(rates[n]), 2),
+            "vs_bf16": round(statistics.median(rates[n]) / base, 3),
+            "tau": round(tau[n], 4),
+            "tokens_equal_int4_dequant": tokens[n] == tokens.get("int4-dequant"),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gemm")
+    g.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16])
+    g.add_argument("--group-size", type=int, default=128)
+    g.add_argument("--asym", dest="sym", action="store_false")
+    g.add_argument("--kernels", default="triton,gemlite,gemlite:GEMV_REVSPLITK,gemlite:GEMV_SPLITK,tinygemm")
+    g.add_argument("--repeats", type=int, default=30)
+    g.add_argument("--out", type=Path, required=True)
+    e = sub.add_parser("e2e")
+    e.add_argument("artifact", type=Path)
+    e.add_argument("--kernels", default="triton,gemlite,tinygemm")
+    e.add_argument("--num-prompts", type=int, default=16)
+    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--rounds", type=int, default=3)
+    e.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    result = gemm(args) if args.cmd == "gemm" else e2e(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

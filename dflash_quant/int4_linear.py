@@ -1,0 +1,238 @@
+"""A quantized drafter kept in int4 on CUDA: its GPTQ Linears run through an int4 matmul kernel.
+
+Kernels (chosen by `--int4-kernel`, `auto` picks the first that runs here, in KERNEL_ORDER):
+- triton:   ours (dflash_quant/int4_triton.py), split-K on GPTQ v1's own qweight layout with fp16 scales as
+            stored; its dequantized tile equals the bf16 weight of the dequantized path bit for bit, so only
+            the summation order differs from it.
+- gemlite:  gemlite's A16Wn (Triton, group-wise scales and zeros); scales and zeros*scales held in bf16.
+- tinygemm: torch's `_weight_int4pack_mm`; scales and zeros held in bf16, inputs a multiple of 128 wide.
+`dequant` keeps today's path (weights dequantized to the model dtype). Act-order weights have their input
+columns permuted once at load so each group is contiguous; forward gathers the input columns to match.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_quant.errors import UsageError
+
+KERNEL_ORDER = ("triton", "gemlite", "tinygemm")
+CHOICES = ("auto", "dequant", *KERNEL_ORDER)
+MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows run in chunks of 64
+
+
+@dataclass
+class Int4Codes:
+    """One 4-bit Linear: codes [out, in] in 0..15, zeros/scales [groups, out], g_idx [in]."""
+
+    codes: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor  # as stored (fp16 for GPTQ v1)
+    g_idx: torch.Tensor
+    group_size: int  # inputs per group
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out, in], the value the dequantized path holds (before its cast to the model dtype)."""
+        g = self.g_idx.long()
+        return self.scales.float()[g].T * (self.codes.float() - self.zeros.float()[g].T)
+
+    def to(self, device: torch.device) -> Int4Codes:
+        return Int4Codes(
+            self.codes.to(device), self.zeros.to(device), self.scales.to(device), self.g_idx.to(device), self.group_size
+        )
+
+    def in_order(self) -> tuple[Int4Codes, torch.Tensor | None]:
+        """The same Linear with input columns sorted by group (and the permutation), or itself if already so.
+
+        Raises ValueError when the groups are not all `group_size` wide (then no permutation makes them tiles)."""
+        k = self.shape[1]
+        expected = torch.arange(k, device=self.g_idx.device) // self.group_size
+        g = self.g_idx.long()
+        if torch.equal(g, expected):
+            return self, None
+        perm = torch.argsort(g, stable=True)
+        if not torch.equal(g[perm], expected):
+            raise ValueError("groups of unequal width")
+        return Int4Codes(self.codes[:, perm], self.zeros, self.scales, expected, self.group_size), perm
+
+
+def kernel_problem(name: str, codes: Int4Codes, device: torch.device) -> str | None:
+    """Why `name` cannot run this Linear here (None: it can)."""
+    out_f, in_f = codes.shape
+    if device.type != "cuda":
+        return "int4 kernels need CUDA"
+    if name in ("triton", "gemlite") and importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if name == "gemlite" and importlib.util.find_spec("gemlite") is None:
+        return "gemlite is not installed (pip install gemlite)"
+    if name == "triton" and codes.group_size % 16:
+        return f"group size {codes.group_size} is not a multiple of 16"
+    if name == "tinygemm":
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+            return "this torch has no _weight_int4pack_mm"
+        if in_f % 128 or out_f % 8 or codes.group_size not in (32, 64, 128, 256):
+            return f"tinygemm needs in % 128 == 0, out % 8 == 0, group 32..256 (got {out_f}x{in_f} g{codes.group_size})"
+    if name == "gemlite" and (in_f % 32 or out_f % 32 or codes.group_size % 32):
+        return f"gemlite needs in, out and the group size multiples of 32 (got {out_f}x{in_f} g{codes.group_size})"
+    return None
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W held only as 4-bit codes in the layout of one kernel."""
+
+    perm: torch.Tensor | None
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    packed: torch.Tensor
+    sz: torch.Tensor
+
+    def __init__(self, codes: Int4Codes, bias: torch.Tensor | None, kernel: str):
+        super().__init__()
+        codes, perm = codes.in_order()
+        self.out_features, self.in_features = codes.shape
+        self.kernel, self.group_size = kernel, codes.group_size
+        self.register_buffer("perm", perm)
+        self.bias = nn.Parameter(bias.to(torch.bfloat16), requires_grad=False) if bias is not None else None
+        self._gemlite: Any = None
+        if kernel == "triton":
+            from dflash_quant.export.gptq_v1 import _pack_dim0
+
+            self.register_buffer("qweight", _pack_dim0(codes.codes.T, 4))  # [in/8, out]
+            self.register_buffer("scales", codes.scales.to(torch.float16).contiguous())
+            self.register_buffer("zeros", codes.zeros.to(torch.float16).contiguous())
+        elif kernel == "tinygemm":
+            from dflash_quant.target_quant import tinygemm_pack
+
+            scale = codes.scales.float()
+            zero = (8 - codes.zeros.float()) * scale  # tinygemm decodes (u - 8) * scale + zero
+            self.register_buffer("packed", tinygemm_pack(codes.codes.to(torch.int32)))
+            self.register_buffer("sz", torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous())
+        elif kernel == "gemlite":
+            from gemlite.helper import A16Wn
+
+            self._gemlite = A16Wn(device=codes.codes.device, dtype=torch.bfloat16).from_weights(
+                codes.codes.to(torch.uint8).contiguous(),
+                codes.scales.T.contiguous().to(torch.bfloat16),
+                codes.zeros.T.contiguous().to(torch.bfloat16),
+                4,
+                self.group_size,
+            )
+        else:
+            raise UsageError(f"unknown int4 kernel {kernel!r}; use one of {', '.join(KERNEL_ORDER)}")
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, kernel={self.kernel}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.perm is not None:
+            flat = flat[:, self.perm]
+        if self.kernel == "triton":
+            from dflash_quant.int4_triton import w4a16_matmul
+
+            parts = [
+                w4a16_matmul(flat[r : r + MAX_KERNEL_ROWS], self.qweight, self.scales, self.zeros, self.group_size)
+                for r in range(0, flat.shape[0], MAX_KERNEL_ROWS)
+            ]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        elif self.kernel == "tinygemm":
+            y = torch.ops.aten._weight_int4pack_mm(flat.contiguous(), self.packed, self.group_size, self.sz)
+        else:
+            y = self._gemlite(flat.contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def gptq_codes(path: Path, qcfg: dict[str, Any]) -> dict[str, tuple[Int4Codes, torch.Tensor | None]]:
+    """Every GPTQ v1 Linear of a drafter directory: name (without `model.`) -> (codes, bias)."""
+    from dflash_quant.export.gptq_v1 import decode_gptq_v1
+    from dflash_quant.loading import read_safetensors
+
+    tensors = read_safetensors(path)
+    bits, group = int(qcfg["bits"]), int(qcfg["group_size"])
+    out: dict[str, tuple[Int4Codes, torch.Tensor | None]] = {}
+    for key in sorted(k for k in tensors if k.endswith(".qweight")):
+        base = key[: -len(".qweight")]
+        parts = {
+            s: tensors[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{base}.{s}" in tensors
+        }
+        codes, zeros, scales, g_idx = decode_gptq_v1(parts, bits, group)
+        width = codes.shape[1] if group == -1 else group
+        name = base[len("model.") :] if base.startswith("model.") else base
+        out[name] = (Int4Codes(codes, zeros, scales, g_idx, width), tensors.get(f"{base}.bias"))
+    return out
+
+
+def plan(
+    choice: str, qcfg: dict[str, Any] | None, device: torch.device, dtype: torch.dtype
+) -> tuple[list[str], str | None]:
+    """Kernels to try for a drafter (in order), or none and why the dequantized path runs."""
+    if choice not in CHOICES:
+        raise UsageError(f"--int4-kernel must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "dequant":
+        return [], "--int4-kernel dequant"
+    if not qcfg:
+        return [], "the drafter is not quantized"
+    if qcfg.get("quant_method") != "gptq":
+        return [], f"int4 kernels read GPTQ v1 artifacts; this one is {qcfg.get('quant_method')!r}"
+    if int(qcfg.get("bits", 0)) != 4:
+        return [], f"int4 kernels need 4 bits; this artifact has {qcfg.get('bits')}"
+    if device.type != "cuda":
+        return [], "int4 kernels need CUDA"
+    if dtype != torch.bfloat16:
+        return [], f"int4 kernels take bf16 activations; this run is {str(dtype).replace('torch.', '')}"
+    return (list(KERNEL_ORDER) if choice == "auto" else [choice]), None
+
+
+def use_int4_kernel(model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str) -> dict[str, Any]:
+    """Replace the drafter's GPTQ Linears by Int4Linear; returns what ran (`kernel`, `linears`, `reason`).
+
+    A kernel that cannot run one of the Linears is passed over for the next; with none left the drafter
+    keeps its dequantized weights and `reason` says why. An explicit kernel that cannot run is an error."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    kernels, reason = plan(choice, qcfg, device, dtype)
+    if not kernels:
+        return {"kernel": "dequant", "linears": 0, "reason": reason}
+    assert qcfg is not None
+    layers = {n: (c.to(device), b) for n, (c, b) in gptq_codes(path, qcfg).items()}
+    problems: list[str] = []
+    for kernel in kernels:
+        found = next(((n, p) for n, (c, _) in layers.items() if (p := kernel_problem(kernel, c, device))), None)
+        if found is None:
+            break
+        problems.append(f"{kernel}: {found[0]}: {found[1]}")
+    else:
+        if choice != "auto":
+            raise UsageError(f"--int4-kernel {choice} cannot run this drafter ({problems[0]}); use auto or dequant")
+        return {"kernel": "dequant", "linears": 0, "reason": "; ".join(problems)}
+    for name, (codes, bias) in layers.items():
+        parent, _, child = name.rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        old = getattr(holder, child)
+        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != codes.shape:
+            raise UsageError(f"{path}: quantized {name} does not match the drafter's Linear; re-export the artifact")
+        setattr(holder, child, Int4Linear(codes, bias, kernel))
+    return {"kernel": kernel, "linears": len(layers), "reason": None}
+
+
+def int4_matmul_error(layer: nn.Module, codes: Int4Codes, rows: int = 16, seed: int = 0) -> float:
+    """max |kernel - fp32 dequant matmul| / max |fp32 dequant matmul| on random bf16 rows."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, codes.shape[1], generator=gen).to(device=codes.codes.device, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), codes.dequantize())
+    got = layer(x).float()
+    return float((got - ref).abs().max() / ref.abs().max())

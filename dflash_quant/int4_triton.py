@@ -1,0 +1,115 @@
+"""W4A16 split-K matmul in Triton for a few rows (the drafter's 8-16 token block), on GPTQ v1's own layout.
+
+Operands (no repacking of the codes):
+  qweight int32 [K/8, N]   code of input k of output n in bits 4*(k%8) of word [k//8, n] (GPTQ v1), unsigned;
+  scales  fp16  [G, N]     as stored in the checkpoint;
+  zeros   fp16  [G, N]     integer zero points (exact in fp16);
+  groups: input k belongs to group k // group_size (act-order weights are permuted to this order at load).
+
+Each program dequantizes a [BLOCK_K, BLOCK_N] tile as bf16((q - z) * s) computed in fp32, which is bit for bit
+the bf16 weight the dequantized path holds, multiplies it with the rows of x on the tensor cores (fp32
+accumulation) and adds its partial sum into an fp32 output with an atomic add (split-K: several programs
+share one output tile). So the result differs from the dequantized bf16 matmul only in summation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_N, SPLIT_K, num_warps, num_stages): split-K fills the GPU when N alone gives too few programs.
+_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=w, num_stages=s)
+    for bn in (32, 64, 128)
+    for sk in (1, 2, 4, 8, 16)
+    for w, s in ((4, 2), (4, 3), (2, 4))
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP"], reset_to_zero=["out_ptr"])
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    M_BUCKET: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_BUCKET)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    per_split = tl.cdiv(K, BLOCK_K * SPLIT_K)
+    shift = (tl.arange(0, BLOCK_K) % 8) * 4
+    acc = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
+    for i in range(0, per_split):
+        b = pid_k * per_split + i
+        live = b * BLOCK_K < K  # the last split may hold fewer blocks: its extra iterations load nothing
+        offs_k = b * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & live, other=0.0)
+        words = tl.load(q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
+        codes = ((words >> shift[:, None]) & 0xF).to(tl.float32)
+        g = (b * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: one group per tile
+        scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
+        w = ((codes - zero[None, :]) * scale[None, :]).to(tl.bfloat16)
+        if FP32_DOT:  # the interpreter's bf16 dot is wrong; bf16 products are exact in fp32, so same sums
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.atomic_add(out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+
+
+def block_k(group_size: int) -> int:
+    """The K tile: the largest of 128/64/32/16 that divides the group (one scale row per tile)."""
+    for bk in (128, 64, 32, 16):
+        if group_size % bk == 0:
+            return bk
+    raise ValueError(f"group size {group_size} is not a multiple of 16")
+
+
+def w4a16_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    bucket = max(16, triton.next_power_of_2(m))
+    out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    x = x.contiguous()
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        M_BUCKET=bucket,
+        GROUP=group_size,
+        BLOCK_K=block_k(group_size),
+        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1",
+    )
+    return out.to(torch.bfloat16)
