@@ -196,7 +196,7 @@ def e2e(args) -> dict:
     from dflash_quant.runtime import encode_prompts, stop_tokens
     from dflash_quant.verify import CheckSettings, spec_runs, warm_up
 
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = torch.device(args.device), torch.bfloat16
     target = load_target("reference:target", device=device, dtype=dtype)
     prompts = encode_prompts(target, "reference:heldout", args.num_prompts, False, args.max_new_tokens)
     drafters: dict[str, torch.nn.Module] = {}
@@ -214,6 +214,11 @@ def e2e(args) -> dict:
         kernel_info[choice] = info
         drafters[f"int4-{choice}"] = loaded.model
     settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     with torch.no_grad():
         for m in drafters.values():
             warm_up(m, target.model, prompts[0], settings)
@@ -223,10 +228,10 @@ def e2e(args) -> dict:
         tau: dict[str, float] = {}
         for r in range(args.rounds):
             for n in names if r % 2 == 0 else names[::-1]:
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 runs = spec_runs(drafters[n], target.model, prompts, settings)
-                torch.cuda.synchronize()
+                sync()
                 dt = time.perf_counter() - t0
                 rates[n].append(sum(len(x.tokens) for x in runs) / dt)
                 tokens[n] = [x.tokens for x in runs]
@@ -235,6 +240,7 @@ def e2e(args) -> dict:
     base = statistics.median(rates["bf16"])
     out = {
         "pair": "reference",
+        "device": str(device),
         "artifact": str(args.artifact),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
@@ -270,6 +276,7 @@ def main() -> None:
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--rounds", type=int, default=3)
+    e.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (kernels: dequant)")
     e.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     result = gemm(args) if args.cmd == "gemm" else e2e(args)

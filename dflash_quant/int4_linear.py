@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_quant.errors import UsageError
+from dflash_quant.int4_choice import KERNEL_ORDER, check_int4_kernel
 
-KERNEL_ORDER = ("triton", "gemlite", "tinygemm")
-CHOICES = ("auto", "dequant", *KERNEL_ORDER)
 MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows run in chunks of 64
 
 
@@ -180,8 +179,7 @@ def plan(
     choice: str, qcfg: dict[str, Any] | None, device: torch.device, dtype: torch.dtype
 ) -> tuple[list[str], str | None]:
     """Kernels to try for a drafter (in order), or none and why the dequantized path runs."""
-    if choice not in CHOICES:
-        raise UsageError(f"--int4-kernel must be one of {', '.join(CHOICES)}, got {choice!r}")
+    check_int4_kernel(choice)
     if choice == "dequant":
         return [], "--int4-kernel dequant"
     if not qcfg:

@@ -67,11 +67,11 @@ def _w4a16_kernel(
         g = (b * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: one group per tile
         scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
-        w = ((codes - zero[None, :]) * scale[None, :]).to(tl.bfloat16)
-        if FP32_DOT:  # the interpreter's bf16 dot is wrong; bf16 products are exact in fp32, so same sums
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        w = (codes - zero[None, :]) * scale[None, :]
+        if FP32_DOT:  # interpreter: its bf16 dot is wrong and its bf16 cast truncates, so the fp32 weight
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
-            acc += tl.dot(x, w)
+            acc += tl.dot(x, w.to(tl.bfloat16))
     out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
     tl.atomic_add(out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
 

@@ -78,6 +78,7 @@ class GptqJob:
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
     lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
+    int4_kernel: str = "auto"  # parity check: how a 4-bit drafter runs on CUDA (dflash_quant.int4_linear)
     gguf_type: str | None = (
         None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
     )
@@ -391,6 +392,9 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
     base = load_drafter(job.drafter, device=device, dtype=dtype)
     quant = load_drafter(artifact, device=device, dtype=dtype)
+    from dflash_quant.int4_linear import use_int4_kernel
+
+    kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
     settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
     warm_up(base.model, target.model, eval_ids[0], settings)
@@ -482,6 +486,12 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
             "baseline": s_base,
             "quantized": s_quant,
             "target_quantization": target.quantization.to_dict() if target.quantization is not None else None,
+            "drafter_kernel": kernel,
+            "spec_speed_ratio": (
+                round(s_quant["spec_tokens_per_s"] / s_base["spec_tokens_per_s"], 4)
+                if s_quant.get("spec_tokens_per_s") and s_base.get("spec_tokens_per_s")
+                else None
+            ),
             # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
             "cache": {
                 "target_only": cache.events.get("baseline", "off"),

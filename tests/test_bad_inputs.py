@@ -483,6 +483,20 @@ ROWS = [
     ),
     R("temperature-negative", "arguments", lambda c: c.verify("--temperature", "-1"), 2, r"--temperature .*got -1"),
     R(
+        "int4-kernel-unknown-verify",
+        "arguments",
+        lambda c: c.verify("--int4-kernel", "marlin"),
+        2,
+        r"--int4-kernel must be one of auto, dequant, triton, gemlite, tinygemm, got 'marlin'",
+    ),
+    R(
+        "int4-kernel-unknown-gptq",
+        "arguments",
+        lambda c: c.gptq("--int4-kernel", "marlin"),
+        2,
+        r"--int4-kernel must be one of auto, dequant, triton, gemlite, tinygemm, got 'marlin'",
+    ),
+    R(
         "max-new-tokens-0",
         "arguments",
         lambda c: c.verify("--max-new-tokens", "0"),

@@ -137,6 +137,17 @@ class TargetQuantization(Record):
 
 
 @dataclass
+class DrafterKernel(Record):
+    kernel: str | None = doc(
+        "how the quantized drafter's Linears ran: `triton`, `gemlite`, `tinygemm` (int4 kernels, CUDA) or `dequant` "
+        "(weights dequantized to the compute dtype)"
+    )
+    linears: int | None = doc("Linears run through the int4 kernel (0 for dequant)")
+    reason: str | None = doc("why the dequantized path ran (CPU, not 4 bits, not GPTQ, `--int4-kernel dequant`)")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class Provenance(ReportFile):
     FILE: ClassVar[str] = "provenance.json"
     WRITER: ClassVar[str] = "export"
@@ -333,6 +344,13 @@ class Parity(ReportFile):
     quantized: Check | None = doc("the quantized drafter's run")
     target_quantization: TargetQuantization | None = doc(
         "the target checked against: its quantization and resident bytes", omit_none=True
+    )
+    drafter_kernel: DrafterKernel | None = doc(
+        "how the quantized drafter ran (int4 kernel or dequantized)", omit_none=True
+    )
+    spec_speed_ratio: float | None = doc(
+        "quantized spec_tokens_per_s / bf16 spec_tokens_per_s, same run (bf16 from the cache if `cache` says hit)",
+        omit_none=True,
     )
     extra: E = doc("", factory=dict)
 

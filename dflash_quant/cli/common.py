@@ -89,6 +89,15 @@ def device_map_option() -> Any:
     )
 
 
+def int4_kernel_option() -> Any:
+    return typer.Option(
+        "auto",
+        "--int4-kernel",
+        help="How a 4-bit GPTQ drafter runs on CUDA (bf16): auto | triton | gemlite | tinygemm, or dequant "
+        "(weights dequantized to bf16, the path of CPU and other bit widths).",
+    )
+
+
 def max_memory_option() -> Any:
     return typer.Option(
         None, "--max-memory", help="With a --device-map strategy: per-device limits, e.g. 0=20GiB,cpu=64GiB."

@@ -15,10 +15,12 @@ from dflash_quant.cli.common import (
     err_console,
     fail,
     handle_errors,
+    int4_kernel_option,
     max_memory_option,
     out_console,
     print_json,
 )
+from dflash_quant.int4_choice import check_int4_kernel
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -154,6 +156,7 @@ def gptq(
         help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
     ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
+    int4_kernel: str = int4_kernel_option(),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
     check_cache: Path | None = typer.Option(
         None,
@@ -197,6 +200,7 @@ def gptq(
     from dflash_quant.preflight import check_gptq_args, guard_run
 
     check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
+    check_int4_kernel(int4_kernel)
     from dflash_quant.devmap import check_hessian_device, make_placement
 
     placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
@@ -257,6 +261,7 @@ def gptq(
                 placement=placement,
                 hessian_device=hessian_device,
                 calib_checkpoint_every=calib_checkpoint_every,
+                int4_kernel=int4_kernel,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

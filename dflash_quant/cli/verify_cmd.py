@@ -14,11 +14,13 @@ from dflash_quant.cli.common import (
     device_option,
     err_console,
     handle_errors,
+    int4_kernel_option,
     max_memory_option,
     out_console,
     print_json,
 )
 from dflash_quant.errors import UsageError
+from dflash_quant.int4_choice import check_int4_kernel
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:
@@ -113,6 +115,7 @@ def verify(
     device_map: str | None = device_map_option(),
     max_memory: str | None = max_memory_option(),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16), float32, bfloat16, float16."),
+    int4_kernel: str = int4_kernel_option(),
     chat_template: bool = typer.Option(
         True, "--chat-template/--no-chat-template", help="Apply the tokenizer's chat template."
     ),
@@ -172,6 +175,7 @@ def verify(
     check_temperature(temperature)
     check_tolerance(tolerance)
     check_count(num_prompts, "--num-prompts")
+    check_int4_kernel(int4_kernel)
     if block_size is not None and block_size < 2:
         raise UsageError(f"--block-size {block_size} is too small; a draft block needs at least 2 tokens")
     look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
@@ -188,6 +192,9 @@ def verify(
         other = load_drafter(compare, device=dev, dtype=dt)
         check_pair(other.config, tgt.model)
         drafters = [other, loaded]  # baseline first, like a recovery table
+    from dflash_quant.int4_linear import use_int4_kernel
+
+    kernels = {d.source.id: use_int4_kernel(d.model, d.source.path, d.quantization, int4_kernel) for d in drafters}
     block = block_size or min(d.config.block_size for d in drafters)
     for d in drafters:
         if not 2 <= block <= d.config.block_size:
@@ -230,6 +237,8 @@ def verify(
                 dtype=dt,
                 drafter=weights_sha256(d.source.path),
             )
+            if kernels[d.source.id]["kernel"] != "dequant":  # an int4 kernel sums in another order: its own runs
+                dkey["int4_kernel"] = kernels[d.source.id]["kernel"]
             runs = cached_runs(
                 cache,
                 "spec",
@@ -263,6 +272,7 @@ def verify(
         "summary": summaries[-1],
         "target_quantization": tgt.quantization.to_dict() if tgt.quantization is not None else None,
         "cache": cached,  # "hit": that run and its timings come from an earlier run (ignore them for speed)
+        "drafter_kernel": kernels[loaded.source.id],
     }
     if placement is not None:
         from dflash_quant.devmap import device_summary

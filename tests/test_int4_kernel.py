@@ -1,0 +1,196 @@
+"""int4 drafter kernels (dflash_quant/int4_linear.py, int4_triton.py).
+
+CPU: the GPTQ v1 codes as the kernels read them decode to our own dequantized weight; act-order columns
+permuted into tiles give the same product; the kernel choice falls back to dequant where none runs.
+Triton interpreter (local only: TRITON_INTERPRET=1 and triton importable, e.g. from a --target dir):
+our split-K kernel against the bf16 dequantized matmul. gpu: every kernel against the fp32 dequantized
+matmul, and the reference pair's tau with the int4 drafter through each kernel against the dequantized one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_quant.errors import UsageError
+from dflash_quant.export.gptq_v1 import decode_gptq_v1, pack_gptq_v1
+from dflash_quant.int4_linear import Int4Codes, Int4Linear, kernel_problem, plan, use_int4_kernel
+from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.rtn import rtn_quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quantized(out_f: int, in_f: int, group: int, sym: bool, act_order: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=gen)
+    qw = rtn_quantize(w, QuantSpec(bits=4, group_size=group, sym=sym))
+    if act_order:  # the layout act-order GPTQ leaves: each input column's group taken from a permutation
+        perm = torch.randperm(in_f, generator=gen)
+        qw.g_idx = (torch.argsort(perm) // group).to(torch.int32)
+    return qw
+
+
+def _codes(qw, group: int) -> Int4Codes:
+    codes, zeros, scales, g_idx = decode_gptq_v1(pack_gptq_v1(qw), 4, group)
+    return Int4Codes(codes, zeros, scales, g_idx, group)
+
+
+@pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, False), (64, False, True)])
+def test_gptq_codes_decode_to_our_dequantized_weight(group, sym, act_order):
+    qw = _quantized(64, 256, group, sym, act_order)
+    c = _codes(qw, group)
+    assert torch.equal(c.dequantize(), qw.dequantize())
+    ordered, perm = c.in_order()
+    assert (perm is None) == (not act_order)
+    x = torch.randn(3, 256, dtype=torch.float64)
+    xp = x if perm is None else x[:, perm]
+    assert torch.equal(ordered.g_idx, torch.arange(256) // group)  # every group one contiguous tile
+    torch.testing.assert_close(xp @ ordered.dequantize().double().T, x @ c.dequantize().double().T)
+
+
+def test_groups_of_unequal_width_cannot_be_tiled():
+    c = _codes(_quantized(32, 128, 32, True, False), 32)
+    c.g_idx = torch.cat([torch.zeros(40, dtype=torch.long), torch.arange(88) // 32 + 1]).clamp(max=3)
+    with pytest.raises(ValueError, match="unequal width"):
+        c.in_order()
+
+
+GPTQ4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+
+
+@pytest.mark.parametrize(
+    "choice,qcfg,device,dtype,reason",
+    [
+        ("dequant", GPTQ4, "cuda", torch.bfloat16, "--int4-kernel dequant"),
+        ("auto", None, "cuda", torch.bfloat16, "not quantized"),
+        ("auto", {**GPTQ4, "bits": 8}, "cuda", torch.bfloat16, "need 4 bits"),
+        ("auto", {"quant_method": "compressed-tensors"}, "cuda", torch.bfloat16, "read GPTQ v1"),
+        ("auto", GPTQ4, "cpu", torch.float32, "need CUDA"),
+        ("triton", GPTQ4, "cuda", torch.float32, "bf16 activations"),
+    ],
+)
+def test_plan_says_why_the_dequantized_path_runs(choice, qcfg, device, dtype, reason):
+    kernels, why = plan(choice, qcfg, torch.device(device), dtype)
+    assert kernels == [] and reason in why
+
+
+def test_plan_orders_kernels_and_refuses_unknown_names():
+    assert plan("auto", GPTQ4, torch.device("cuda"), torch.bfloat16) == (["triton", "gemlite", "tinygemm"], None)
+    assert plan("gemlite", GPTQ4, torch.device("cuda"), torch.bfloat16) == (["gemlite"], None)
+    with pytest.raises(UsageError, match="--int4-kernel must be one of"):
+        plan("marlin", GPTQ4, torch.device("cuda"), torch.bfloat16)
+
+
+def test_kernel_problems_name_the_shape():
+    c = _codes(_quantized(40, 96, 32, True, False), 32)
+    assert kernel_problem("triton", c, torch.device("cpu")) == "int4 kernels need CUDA"
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        assert "in % 128" in (kernel_problem("tinygemm", c, torch.device("cuda")) or "")
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(tmp_path_factory) -> Path:
+    """The reference drafter, RTN 4-bit g32 asym, exported as GPTQ v1 by the real CLI."""
+    out = tmp_path_factory.mktemp("int4") / "rtn"
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", "reference", "--method", "rtn", "--no-verify"]
+    cmd += ["--no-card", "--format", "gptq", "--device", "cpu", "--group-size", "32", "--asym", "-o", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True)
+    return out
+
+
+def test_cpu_drafter_keeps_the_dequantized_weights(rtn_artifact):
+    from dflash_quant.loading import load_drafter
+
+    loaded = load_drafter(rtn_artifact)
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    info = use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto")
+    assert info == {"kernel": "dequant", "linears": 0, "reason": "int4 kernels need CUDA"}
+    after = loaded.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
+@pytest.mark.parametrize(
+    "group,sym,act_order,rows", [(32, False, False, 5), (64, True, True, 16), (128, False, False, 70)]
+)
+def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows):
+    import triton
+
+    from dflash_quant.int4_triton import _w4a16_kernel
+
+    _w4a16_kernel.configs = [triton.Config({"BLOCK_N": 32, "SPLIT_K": 3}, num_warps=4, num_stages=2)]
+    qw = _quantized(96, 384, group, sym, act_order, seed=group)
+    c = _codes(qw, group)
+    layer = Int4Linear(c, None, "triton")
+    x = torch.randn(rows, 384).to(torch.bfloat16)
+    # the interpreter runs the kernel's FP32_DOT branch (fp32 weight tile, see int4_triton.py), so the
+    # reference is the fp32 dequantized matmul rounded once to bf16: at most half a bf16 ulp apart
+    ref = (x.double() @ c.dequantize().double().T).float()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    half_ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp(min=2**-30))) - 8)
+    assert bool(((got.float() - ref).abs() <= half_ulp * 1.01 + 1e-6).all())
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kernel", ["triton", "gemlite", "tinygemm"])
+@pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, False), (64, False, True)])
+@pytest.mark.parametrize("rows", [1, 8, 16, 100])
+def test_kernel_against_fp32_dequant_matmul(kernel, group, sym, act_order, rows):
+    c = _codes(_quantized(1024, 2048, group, sym, act_order, seed=group), group).to(torch.device("cuda"))
+    problem = kernel_problem(kernel, c, torch.device("cuda"))
+    if problem:
+        pytest.skip(problem)
+    layer = Int4Linear(c, None, kernel)
+    x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ c.dequantize().T
+    got = layer(x).float()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    # triton: the dequantized bf16 weight exactly, so only the bf16 weight and output roundings (2^-8 each);
+    # gemlite/tinygemm also round scales (and zeros * scales) to bf16.
+    assert rel < (8e-3 if kernel == "triton" else 2e-2), rel
+    if kernel == "triton":
+        bf16_ref = x.float() @ c.dequantize().to(torch.bfloat16).float().T
+        assert float((got - bf16_ref).abs().max() / bf16_ref.abs().max()) < 4e-3
+
+
+@pytest.mark.gpu
+@gpu
+def test_reference_pair_tau_through_each_kernel(rtn_artifact):
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import encode_prompts, stop_tokens
+    from dflash_quant.verify import CheckSettings, spec_runs
+
+    dev = torch.device("cuda")
+    target = load_target("reference:target", device=dev, dtype=torch.bfloat16)
+    prompts = encode_prompts(target, "reference:heldout", 8, False, 48)
+    taus = {}
+    for choice in ("dequant", "triton", "gemlite", "tinygemm"):
+        loaded = load_drafter(rtn_artifact, device=dev, dtype=torch.bfloat16)
+        try:
+            info = use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, choice)
+        except UsageError as exc:  # a kernel this machine cannot run (e.g. gemlite not installed)
+            assert choice != "triton", exc
+            continue
+        assert info["kernel"] == choice and (choice == "dequant") == (info["linears"] == 0)
+        settings = CheckSettings(48, 0.0, loaded.config.block_size, 0, stop_tokens(target))
+        runs = spec_runs(loaded.model, target.model, prompts, settings)
+        taus[choice] = sum(sum(r.acceptance_lengths) for r in runs) / sum(len(r.acceptance_lengths) for r in runs)
+    assert "triton" in taus
+    for choice, tau in taus.items():
+        assert abs(tau / taus["dequant"] - 1) <= 0.03, (choice, taus)  # the parity gate's default tolerance
