@@ -141,11 +141,17 @@ class Int4Linear(nn.Module):
         if self.kernel == "triton":
             from dflash_quant.int4_triton import w4a16_matmul
 
-            parts = [
-                w4a16_matmul(flat[r : r + MAX_KERNEL_ROWS], self.qweight, self.scales, self.zeros, self.group_size)
-                for r in range(0, flat.shape[0], MAX_KERNEL_ROWS)
-            ]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if flat.shape[0] <= MAX_KERNEL_ROWS:
+                y = w4a16_matmul(flat, self.qweight, self.scales, self.zeros, self.group_size)
+            else:
+                y = torch.cat(
+                    [
+                        w4a16_matmul(
+                            flat[r : r + MAX_KERNEL_ROWS], self.qweight, self.scales, self.zeros, self.group_size
+                        )
+                        for r in range(0, flat.shape[0], MAX_KERNEL_ROWS)
+                    ]
+                )
         elif self.kernel == "tinygemm":
             y = torch.ops.aten._weight_int4pack_mm(flat.contiguous(), self.packed, self.group_size, self.sz)
         else:

@@ -6,10 +6,11 @@ Operands (no repacking of the codes):
   zeros   fp16  [G, N]     integer zero points (exact in fp16);
   groups: input k belongs to group k // group_size (act-order weights are permuted to this order at load).
 
-Each program dequantizes a [BLOCK_K, BLOCK_N] tile as bf16((q - z) * s) computed in fp32, which is bit for bit
-the bf16 weight the dequantized path holds, multiplies it with the rows of x on the tensor cores (fp32
-accumulation) and adds its partial sum into an fp32 output with an atomic add (split-K: several programs
-share one output tile). So the result differs from the dequantized bf16 matmul only in summation order.
+Each program dequantizes [BLOCK_K, BLOCK_N] tiles as bf16((q - z) * s) computed in fp32, which is bit for bit
+the bf16 weight the dequantized path holds, and multiplies them with the rows of x on the tensor cores (fp32
+accumulation). With SPLIT_K > 1 several programs share one output tile: each stores its fp32 partial sum in a
+workspace and counts itself in on the tile's counter; the last to arrive adds the partials in split order
+and writes bf16 (one launch, no atomics on data, the same bits every run), then resets the counter.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_N, SPLIT_K, num_warps, num_stages): split-K fills the GPU when N alone gives too few programs.
+# Autotuned per (rows bucket, N, K, group): split-K fills the GPU when N alone gives too few programs.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=w, num_stages=s)
+    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=4, num_stages=3)
     for bn in (32, 64, 128)
     for sk in (1, 2, 4, 8, 16)
-    for w, s in ((4, 2), (4, 3), (2, 4))
 ]
+MAX_SPLIT_K = 16
+MIN_BLOCK_N = 32
 
 
-@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP"], reset_to_zero=["out_ptr"])
+@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP"])
 @triton.jit
 def _w4a16_kernel(
     x_ptr,
@@ -37,6 +39,8 @@ def _w4a16_kernel(
     s_ptr,
     z_ptr,
     out_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -72,8 +76,21 @@ def _w4a16_kernel(
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(tl.bfloat16))
-    out = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-    tl.atomic_add(out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + tile, acc.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * M_BUCKET * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count below publishes it
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M_BUCKET * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(tl.bfloat16), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
 
 
 def block_k(group_size: int) -> int:
@@ -84,6 +101,23 @@ def block_k(group_size: int) -> int:
     raise ValueError(f"group size {group_size} is not a multiple of 16")
 
 
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K workspace and tile counters, shared by every layer on a device: kernels on one stream
+    run one after another, and each leaves its counters at zero."""
+    need = MAX_SPLIT_K * bucket * n
+    ws, count = _SCRATCH.get(device, (None, None))
+    if ws is None or count is None or ws.numel() < need or count.numel() < triton.cdiv(n, MIN_BLOCK_N):
+        size = max(need, ws.numel() if ws is not None else 0)
+        tiles = max(triton.cdiv(n, MIN_BLOCK_N), count.numel() if count is not None else 0)
+        ws = torch.empty(size, device=device, dtype=torch.float32)
+        count = torch.zeros(tiles, device=device, dtype=torch.int32)
+        _SCRATCH[device] = (ws, count)
+    return ws, count
+
+
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
@@ -91,7 +125,8 @@ def w4a16_matmul(
     m, k = x.shape
     n = qweight.shape[1]
     bucket = max(16, triton.next_power_of_2(m))
-    out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    ws, count = _scratch(x.device, bucket, n)
     x = x.contiguous()
 
     def grid(meta):
@@ -103,6 +138,8 @@ def w4a16_matmul(
         scales,
         zeros,
         out,
+        ws,
+        count,
         m,
         n,
         k,
@@ -112,4 +149,4 @@ def w4a16_matmul(
         BLOCK_K=block_k(group_size),
         FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1",
     )
-    return out.to(torch.bfloat16)
+    return out
