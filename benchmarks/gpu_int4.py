@@ -188,9 +188,9 @@ def gemm(args) -> dict:
         result["rows"][str(rows)] = entry
         print(f"rows {rows}: " + json.dumps(entry), flush=True)
     try:
-        from dflash_quant.int4_triton import _w4a16_kernel
+        from dflash_quant.int4_triton import tuned_configs
 
-        result["triton_configs"] = {str(k): str(v) for k, v in _w4a16_kernel.cache.items()}
+        result["triton_configs"] = tuned_configs()
     except Exception as exc:  # noqa: BLE001
         result["triton_configs"] = f"unavailable: {exc}"
     return result

@@ -118,35 +118,44 @@ def _scratch(device: torch.device, bucket: int, n: int) -> tuple[torch.Tensor, t
     return ws, count
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Tuned config per (rows bucket, N, K, group, device): after its first call a shape launches the JIT kernel
+# directly, without the autotuner's per-call key building (host time is most of a 16-row GEMM's cost).
+_TUNED: dict[tuple[int, int, int, int, torch.device], dict] = {}
+
+
+def reset_tuning() -> None:
+    """Forget tuned configs (tests that pin `_w4a16_kernel.configs`)."""
+    _TUNED.clear()
+    _w4a16_kernel.cache.clear()
+
+
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16."""
     m, k = x.shape
     n = qweight.shape[1]
-    bucket = max(16, triton.next_power_of_2(m))
+    bucket = 16 if m <= 16 else triton.next_power_of_2(m)
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     ws, count = _scratch(x.device, bucket, n)
     x = x.contiguous()
+    args = (x, qweight, scales, zeros, out, ws, count, m, n, k, x.stride(0))
+    consts = {"M_BUCKET": bucket, "GROUP": group_size, "BLOCK_K": block_k(group_size), "FP32_DOT": _INTERPRET}
+    key = (bucket, n, k, group_size, x.device)
+    tuned = _TUNED.get(key)
+    if tuned is None:
 
-    def grid(meta):
-        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
-    _w4a16_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        out,
-        ws,
-        count,
-        m,
-        n,
-        k,
-        x.stride(0),
-        M_BUCKET=bucket,
-        GROUP=group_size,
-        BLOCK_K=block_k(group_size),
-        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1",
-    )
+        _w4a16_kernel[grid](*args, **consts)
+        _TUNED[key] = _w4a16_kernel.best_config.all_kwargs()
+    else:
+        _w4a16_kernel.fn[(triton.cdiv(n, tuned["BLOCK_N"]), tuned["SPLIT_K"])](*args, **consts, **tuned)
     return out
+
+
+def tuned_configs() -> dict[str, dict]:
+    """The config each shape runs with (reported by benchmarks/gpu_int4.py)."""
+    return {f"rows<={b} N={n} K={k} g{g}": cfg for (b, n, k, g, _), cfg in _TUNED.items()}

@@ -128,10 +128,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_sp
 def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, split_k):
     import triton
 
-    from dflash_quant.int4_triton import _w4a16_kernel
+    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
     _w4a16_kernel.configs = [triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k}, num_warps=4, num_stages=2)]
-    _w4a16_kernel.cache.clear()
+    reset_tuning()
     qw = _quantized(96, 384, group, sym, act_order, seed=group)
     c = _codes(qw, group)
     layer = Int4Linear(c, None, "triton")
@@ -154,14 +154,14 @@ def triton_split(request):
     """Our kernel pinned to one config, without and with split-K (both code paths, few compilations)."""
     import triton
 
-    from dflash_quant.int4_triton import _w4a16_kernel
+    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
     _w4a16_kernel.configs = [triton.Config({"BLOCK_N": 64, "SPLIT_K": request.param}, num_warps=4, num_stages=3)]
-    _w4a16_kernel.cache.clear()
+    reset_tuning()
     yield request.param
     _w4a16_kernel.configs = saved
-    _w4a16_kernel.cache.clear()
+    reset_tuning()
 
 
 @pytest.mark.gpu
