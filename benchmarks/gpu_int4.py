@@ -278,7 +278,7 @@ def main() -> None:
     g.add_argument("--out", type=Path, required=True)
     e = sub.add_parser("e2e")
     e.add_argument("artifact", type=Path)
-    e.add_argument("--kernels", default="triton,gemlite,tinygemm")
+    e.add_argument("--kernels", default="triton,tinygemm")
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--rounds", type=int, default=3)

@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
 # Issue #16 part 3 on the lent H200 in one call (< 8 min; JSON under $OUT): int4 drafter kernels.
-#   gpu tests of the int4 kernels; one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs
-#   each int4 kernel (eager and CUDA graph); the reference pair's speculative tokens/s, bf16 vs GPTQ int4.
+#   one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs each int4 kernel (eager and CUDA
+#   graph); gpu tests of the kernels; the reference pair's speculative tokens/s, bf16 vs its GPTQ int4 drafter.
 # Needs the carried wheels in .wheels/ (gemlite); without them gemlite is reported as not installed.
+# Steps run in order of importance; one that would start after BUDGET seconds is skipped (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
+BUDGET=${BUDGET:-420}
+step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout unless the budget is spent
+  local name=$1 limit=$2; shift 2
+  if (( SECONDS + 20 > BUDGET )); then echo "skipped $name (budget: ${SECONDS}s of ${BUDGET}s used)" | tee -a "$OUT/steps.log"; return; fi
+  local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.log"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -d .wheels ]; then
   $PY -m pip install -q --no-index --find-links .wheels gemlite > "$OUT/pip.log" 2>&1 \
     || $PY -m pip install -q --no-index --no-deps --find-links .wheels gemlite >> "$OUT/pip.log" 2>&1
 fi
-$PY -c "import torch, triton; import importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, 'gemlite', bool(u.find_spec('gemlite')))" | tee "$OUT/versions.txt"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_int4_kernel.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-timeout 170 $PY benchmarks/gpu_int4.py gemm --group-size 128 --out "$OUT/int4_gemm_g128_sym.json" 2>&1 | grep -v '^ ' | tail -4
-timeout 80 $PY benchmarks/gpu_int4.py gemm --group-size 32 --asym --rows 16 --kernels triton,gemlite,tinygemm \
-  --repeats 20 --out "$OUT/int4_gemm_g32_asym.json" 2>&1 | grep -v '^ ' | tail -3
+$PY -c "import torch, triton, importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, 'gemlite', bool(u.find_spec('gemlite')))" | tee "$OUT/versions.txt"
+step gemm_g128_sym 200 $PY benchmarks/gpu_int4.py gemm --group-size 128 --out "$OUT/int4_gemm_g128_sym.json" > "$OUT/gemm_g128.log" 2>&1
+tail -c 3000 "$OUT/gemm_g128.log" | grep -v '^ ' | tail -5
+step gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_int4_kernel.py > "$OUT/gpu_tests.log" 2>&1
+tail -15 "$OUT/gpu_tests.log"
 # the reference pair's GPTQ int4 drafter (calibrated on the CPU: the artifact does not depend on the device)
-timeout 90 $PY -m dflash_quant.cli.app gptq reference --device cpu --output /tmp/ref-int4 --overwrite --no-verify \
+step ref_gptq 90 $PY -m dflash_quant.cli.app gptq reference --device cpu --output /tmp/ref-int4 --overwrite --no-verify \
   --no-card --format gptq --json > "$OUT/ref_gptq.json" 2> "$OUT/ref_gptq.log"
-timeout 100 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --out "$OUT/int4_e2e_reference.json" 2>&1 | tail -30
-timeout 80 $PY -m dflash_quant.cli.app verify /tmp/ref-int4 --compare reference --device cuda --num-prompts 16 \
+step e2e 120 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --out "$OUT/int4_e2e_reference.json" > "$OUT/e2e.log" 2>&1
+tail -c 2500 "$OUT/e2e.log"
+step e2e_gemlite 90 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --kernels gemlite --out "$OUT/int4_e2e_reference_gemlite.json" \
+  > "$OUT/e2e_gemlite.log" 2>&1
+step gemm_g32_asym 90 $PY benchmarks/gpu_int4.py gemm --group-size 32 --asym --rows 16 --kernels triton,gemlite,tinygemm \
+  --repeats 20 --out "$OUT/int4_gemm_g32_asym.json" > "$OUT/gemm_g32.log" 2>&1
+step verify 80 $PY -m dflash_quant.cli.app verify /tmp/ref-int4 --compare reference --device cuda --num-prompts 16 \
   --no-check-cache --json > "$OUT/verify_int4_auto.json" 2> "$OUT/verify.log"
-$PY -c "import json; r=json.load(open('$OUT/verify_int4_auto.json')); print({k: r.get(k) for k in ('int4_kernel', 'parity')})" 2>&1 | tail -3
+$PY -c "import json; r=json.load(open('$OUT/verify_int4_auto.json')); print({k: r.get(k) for k in ('drafter_kernel', 'parity')})" 2>&1 | tail -3
+cat "$OUT/steps.log"

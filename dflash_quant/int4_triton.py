@@ -22,10 +22,13 @@ import triton
 import triton.language as tl
 
 # Autotuned per (rows bucket, N, K, group): split-K fills the GPU when N alone gives too few programs.
+# WIDE_LOAD: read each packed word once ([BLOCK_K/8, BLOCK_N]) and spread its 8 codes with a reshape, instead
+# of one (cached) load per code; which is faster depends on the shape, so both are tuned.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk}, num_warps=4, num_stages=3)
+    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide}, num_warps=4, num_stages=3)
     for bn in (32, 64, 128)
     for sk in (1, 2, 4, 8, 16)
+    for wide in (False, True)
 ]
 MAX_SPLIT_K = 16
 MIN_BLOCK_N = 32
@@ -50,6 +53,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    WIDE_LOAD: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -66,8 +70,14 @@ def _w4a16_kernel(
         live = b * BLOCK_K < K  # the last split may hold fewer blocks: its extra iterations load nothing
         offs_k = b * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & live, other=0.0)
-        words = tl.load(q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
-        codes = ((words >> shift[:, None]) & 0xF).to(tl.float32)
+        if WIDE_LOAD:
+            offs_w = b * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(q_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
+            nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
+            codes = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row 8*r + i: code i of word r
+        else:
+            words = tl.load(q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
+            codes = ((words >> shift[:, None]) & 0xF).to(tl.float32)
         g = (b * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: one group per tile
         scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
@@ -122,6 +132,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tuned config per (rows bucket, N, K, group, device): after its first call a shape launches the JIT kernel
 # directly, without the autotuner's per-call key building (host time is most of a 16-row GEMM's cost).
 _TUNED: dict[tuple[int, int, int, int, torch.device], dict] = {}
+# More than 16 rows (the drafter's context over a prompt, once per request) run untuned: one compilation.
+PREFILL_CONFIG = {"BLOCK_N": 64, "SPLIT_K": 1, "WIDE_LOAD": False, "num_warps": 4, "num_stages": 3}
 
 
 def reset_tuning() -> None:
@@ -133,7 +145,7 @@ def reset_tuning() -> None:
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16."""
+    """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16 (autotuned for M <= 16)."""
     m, k = x.shape
     n = qweight.shape[1]
     bucket = 16 if m <= 16 else triton.next_power_of_2(m)
@@ -143,7 +155,7 @@ def w4a16_matmul(
     args = (x, qweight, scales, zeros, out, ws, count, m, n, k, x.stride(0))
     consts = {"M_BUCKET": bucket, "GROUP": group_size, "BLOCK_K": block_k(group_size), "FP32_DOT": _INTERPRET}
     key = (bucket, n, k, group_size, x.device)
-    tuned = _TUNED.get(key)
+    tuned = _TUNED.get(key, PREFILL_CONFIG if bucket > 16 else None)
     if tuned is None:
 
         def grid(meta):

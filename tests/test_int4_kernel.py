@@ -122,15 +122,22 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_sp
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
 @pytest.mark.parametrize(
-    "group,sym,act_order,rows,block_n,split_k",
-    [(32, False, False, 5, 32, 3), (64, True, True, 16, 64, 1), (128, False, False, 70, 32, 2)],
+    "group,sym,act_order,rows,block_n,split_k,wide",
+    [
+        (32, False, False, 5, 32, 3, False),
+        (32, False, False, 5, 32, 3, True),
+        (64, True, True, 16, 64, 1, True),
+        (128, False, False, 70, 32, 2, False),
+        (128, True, False, 9, 64, 2, True),
+    ],
 )
-def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, split_k):
+def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, split_k, wide):
     import triton
 
     from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
-    _w4a16_kernel.configs = [triton.Config({"BLOCK_N": block_n, "SPLIT_K": split_k}, num_warps=4, num_stages=2)]
+    config = {"BLOCK_N": block_n, "SPLIT_K": split_k, "WIDE_LOAD": wide}
+    _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=2)]
     reset_tuning()
     qw = _quantized(96, 384, group, sym, act_order, seed=group)
     c = _codes(qw, group)
@@ -149,7 +156,7 @@ def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(params=[1, 4], ids=["splitk1", "splitk4"])
+@pytest.fixture(params=[(1, False), (4, False), (4, True)], ids=["splitk1", "splitk4", "splitk4-wide"])
 def triton_split(request):
     """Our kernel pinned to one config, without and with split-K (both code paths, few compilations)."""
     import triton
@@ -157,7 +164,9 @@ def triton_split(request):
     from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
-    _w4a16_kernel.configs = [triton.Config({"BLOCK_N": 64, "SPLIT_K": request.param}, num_warps=4, num_stages=3)]
+    split_k, wide = request.param
+    config = {"BLOCK_N": 64, "SPLIT_K": split_k, "WIDE_LOAD": wide}
+    _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=3)]
     reset_tuning()
     yield request.param
     _w4a16_kernel.configs = saved
@@ -170,7 +179,7 @@ def triton_split(request):
 @pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, False), (64, False, True)])
 @pytest.mark.parametrize("rows", [1, 8, 16, 100])
 def test_kernel_against_fp32_dequant_matmul(kernel, group, sym, act_order, rows, triton_split):
-    if kernel != "triton" and triton_split != 1:
+    if kernel != "triton" and triton_split != (1, False):
         pytest.skip("split-K is our kernel's parameter")
     c = _codes(_quantized(1024, 2048, group, sym, act_order, seed=group), group).to(torch.device("cuda"))
     problem = kernel_problem(kernel, c, torch.device("cuda"))
@@ -190,9 +199,24 @@ def test_kernel_against_fp32_dequant_matmul(kernel, group, sym, act_order, rows,
         assert float((got - bf16_ref).abs().max() / bf16_ref.abs().max()) < 4e-3
 
 
+@pytest.fixture
+def triton_one_config():
+    import triton
+
+    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+
+    saved = _w4a16_kernel.configs
+    config = {"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True}
+    _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=3)]
+    reset_tuning()
+    yield
+    _w4a16_kernel.configs = saved
+    reset_tuning()
+
+
 @pytest.mark.gpu
 @gpu
-def test_reference_pair_tau_through_each_kernel(rtn_artifact):
+def test_reference_pair_tau_through_each_kernel(rtn_artifact, triton_one_config):
     from dflash_quant.loading import load_drafter, load_target
     from dflash_quant.runtime import encode_prompts, stop_tokens
     from dflash_quant.verify import CheckSettings, spec_runs
