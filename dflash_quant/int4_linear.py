@@ -103,7 +103,9 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.kernel, self.group_size = kernel, codes.group_size
         self.register_buffer("perm", perm)
-        self.bias = nn.Parameter(bias.to(torch.bfloat16), requires_grad=False) if bias is not None else None
+        if bias is not None:
+            bias = bias.to(device=codes.codes.device, dtype=torch.bfloat16)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._gemlite: Any = None
         if kernel == "triton":
             from dflash_quant.export.gptq_v1 import _pack_dim0

@@ -239,3 +239,34 @@ def test_reference_pair_tau_through_each_kernel(rtn_artifact, triton_one_config)
     assert "triton" in taus
     for choice, tau in taus.items():
         assert abs(tau / taus["dequant"] - 1) <= 0.03, (choice, taus)  # the parity gate's default tolerance
+
+
+def test_parity_and_card_record_how_the_quantized_drafter_ran(reference_artifact):
+    """The real pipeline run (CPU): parity.json says the dequantized path ran and why; the card says so."""
+    from dflash_quant.artifact.reports import Parity
+
+    parity = Parity.read(reference_artifact)
+    assert parity.drafter_kernel is not None
+    assert (parity.drafter_kernel.kernel, parity.drafter_kernel.reason) == ("dequant", "int4 kernels need CUDA")
+    base, quant = parity.baseline.spec_tokens_per_s, parity.quantized.spec_tokens_per_s
+    assert parity.spec_speed_ratio == round(quant / base, 4)
+    text = (reference_artifact / "README.md").read_text()
+    assert "The quantized drafter ran with its weights dequantized to float32 (int4 kernels need CUDA)." in text
+    assert f"Its spec tok/s is {parity.spec_speed_ratio:.2f}x the bf16 drafter's in the same check" in text
+
+
+def test_card_line_for_an_int4_kernel_run():
+    from dflash_quant.model_cards.card import _drafter_kernel_line
+
+    line = _drafter_kernel_line(
+        {
+            "drafter_kernel": {"kernel": "triton", "linears": 36, "reason": None},
+            "spec_speed_ratio": 1.234,
+            "cache": {"bf16_drafter": "hit"},
+        }
+    )
+    assert line == (
+        "The quantized drafter ran in int4: 36 Linears through the `triton` kernel. Its spec tok/s is 1.23x the "
+        "bf16 drafter's in the same check (the bf16 run's time comes from an earlier run's cache)."
+    )
+    assert "not recorded" in _drafter_kernel_line({})

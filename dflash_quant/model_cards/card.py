@@ -535,7 +535,31 @@ def _section_parity(ctx: dict) -> str:
         out.append(
             _table(["drafter", "spec tok/s", "target-only tok/s", "speed-up", "steps", "new tokens"], speed_rows)
         )
+        out += ["", _drafter_kernel_line(parity)]
     return "\n".join(out)
+
+
+def _drafter_kernel_line(parity: dict) -> str:
+    """How the quantized drafter ran in the check (int4 kernel or dequantized) and its speed against bf16."""
+    recorded = parity.get("drafter_kernel")
+    kernel: dict = recorded if isinstance(recorded, dict) else {}
+    name = kernel.get("kernel")
+    if name is None:
+        how = "The quantized drafter's kernel was not recorded (a check from an older version)."
+    elif name == "dequant":
+        how = f"The quantized drafter ran with its weights dequantized to {parity.get('dtype') or 'the compute dtype'}"
+        how += f" ({kernel['reason']})." if kernel.get("reason") else "."
+    else:
+        how = f"The quantized drafter ran in int4: {kernel.get('linears')} Linears through the `{name}` kernel."
+    ratio = parity.get("spec_speed_ratio")
+    if isinstance(ratio, (int, float)):
+        how += f" Its spec tok/s is {ratio:.2f}x the bf16 drafter's in the same check"
+        cached = parity.get("cache")
+        cache: dict = cached if isinstance(cached, dict) else {}
+        how += (
+            " (the bf16 run's time comes from an earlier run's cache)." if cache.get("bf16_drafter") == "hit" else "."
+        )
+    return how
 
 
 def _section_memory(ctx: dict) -> str:
