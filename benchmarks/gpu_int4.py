@@ -81,6 +81,20 @@ def time_steps(steps: dict[str, object], repeats: int) -> dict[str, list[float]]
     return times
 
 
+def captured(fn):
+    """fn recorded in a CUDA graph (after one run on a side stream); returns the graph's replay."""
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    return g.replay
+
+
 def gemm(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = step_shapes()
@@ -165,22 +179,24 @@ def gemm(args) -> dict:
             graphs, graph_fail = {}, {}
             for k, s in eager.items():
                 try:
-                    g = torch.cuda.CUDAGraph()
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        s()
-                    torch.cuda.current_stream().wait_stream(stream)
-                    with torch.cuda.graph(g):
-                        s()
-                    graphs[k] = g.replay
+                    graphs[k] = captured(s)
                 except Exception as exc:  # noqa: BLE001
                     graph_fail[k] = f"{type(exc).__name__}: {exc}"[:300]
-            for r in graphs.values():
-                r()
             torch.cuda.synchronize()
             t_graph = time_steps(graphs, args.repeats)
-        entry: dict = {"eager": {}, "cuda_graph": {}, "cuda_graph_failed": graph_fail}
+            # per kind of Linear (the 5 layers' distinct matrices, so no weight is re-read from L2): graph time
+            per_kind: dict[str, dict[str, float]] = {}
+            for kind in dict.fromkeys(name.split(".")[-1] for name, _, _ in shapes):
+                idx = [i for i, (name, _, _) in enumerate(shapes) if name.split(".")[-1] == kind]
+                sub = {}
+                for k in graphs:
+                    try:
+                        sub[k] = captured(make(layers[k], [p for p in pairs if p[1] in idx]))
+                    except Exception:  # noqa: BLE001, S112  # reported in cuda_graph_failed already
+                        continue
+                ts = time_steps(sub, max(5, args.repeats // 3))
+                per_kind[kind] = {k: round(statistics.median(v) / len(idx), 4) for k, v in ts.items()}
+        entry: dict = {"eager": {}, "cuda_graph": {}, "cuda_graph_failed": graph_fail, "graph_ms_per_gemm": per_kind}
         for mode, times in (("eager", t_eager), ("cuda_graph", t_graph)):
             base = statistics.median(times["bf16"]) if "bf16" in times else None
             for k, ts in times.items():
