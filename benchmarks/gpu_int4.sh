@@ -21,7 +21,7 @@ if [ -d .wheels ]; then
   $PY -m pip install -q --no-index --find-links .wheels gemlite compressed_tensors > "$OUT/pip.log" 2>&1 \
     || $PY -m pip install -q --no-index --no-deps --find-links .wheels gemlite compressed_tensors >> "$OUT/pip.log" 2>&1
 fi
-$PY -c "import torch, triton, importlib.util as u; print("torch", torch.__version__, "triton", triton.__version__, "gemlite", bool(u.find_spec("gemlite")), "compressed_tensors", bool(u.find_spec("compressed_tensors")))" | tee "$OUT/versions.txt"
+$PY -c "import torch, triton, importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, *(f'{m} {bool(u.find_spec(m))}' for m in ('gemlite', 'compressed_tensors')))" | tee "$OUT/versions.txt"
 step gemm_g128_sym 200 $PY benchmarks/gpu_int4.py gemm --group-size 128 --out "$OUT/int4_gemm_g128_sym.json" > "$OUT/gemm_g128.log" 2>&1
 tail -c 3000 "$OUT/gemm_g128.log" | grep -v '^ ' | tail -5
 step gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_int4_kernel.py > "$OUT/gpu_tests.log" 2>&1
