@@ -81,6 +81,11 @@ def time_steps(steps: dict[str, object], repeats: int) -> dict[str, list[float]]
     return times
 
 
+def save(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def captured(fn):
     """fn recorded in a CUDA graph (after one run on a side stream); returns the graph's replay."""
     g = torch.cuda.CUDAGraph()
@@ -103,6 +108,7 @@ def gemm(args) -> dict:
     errors: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
     int4_bytes = bf16_bytes = 0
+    t0 = time.perf_counter()
     for _name, out_f, in_f in shapes:
         codes = random_codes(out_f, in_f, args.group_size, args.sym, gen)
         lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -134,6 +140,7 @@ def gemm(args) -> dict:
                 skipped[kernel] = problem
                 layers.pop(kernel, None)
         del codes
+        print(f"{time.perf_counter() - t0:.1f}s built {_name} {out_f}x{in_f}", flush=True)
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -203,6 +210,7 @@ def gemm(args) -> dict:
                 entry[mode][k] = {**quartiles(ts), "vs_bf16": round(statistics.median(ts) / base, 3) if base else None}
         result["rows"][str(rows)] = entry
         print(f"rows {rows}: " + json.dumps(entry), flush=True)
+        save(args.out, result)  # a step cut short by its time limit keeps what it measured
     try:
         from dflash_quant.int4_triton import tuned_configs
 
@@ -302,8 +310,7 @@ def main() -> None:
     e.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     result = gemm(args) if args.cmd == "gemm" else e2e(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    save(args.out, result)
     print(json.dumps(result, indent=2))
 
 
