@@ -270,3 +270,22 @@ def test_card_line_for_an_int4_kernel_run():
         "bf16 drafter's in the same check (the bf16 run's time comes from an earlier run's cache)."
     )
     assert "not recorded" in _drafter_kernel_line({})
+
+
+def test_verify_cli_reports_the_drafter_kernel(rtn_artifact):
+    """Real CLI on CPU: the JSON names what ran and why; the table's footer says it in words."""
+    import json
+
+    base = [sys.executable, "-m", "dflash_quant.cli.app", "verify", str(rtn_artifact), "--compare", "reference"]
+    base += ["--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "8", "--no-check-cache"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "500"}  # rich wraps nothing at this width
+    out = subprocess.run([*base, "--json"], check=True, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert json.loads(out.stdout)["drafter_kernel"] == {
+        "kernel": "dequant",
+        "linears": 0,
+        "reason": "int4 kernels need CUDA",
+    }
+    out = subprocess.run(
+        [*base, "--int4-kernel", "dequant"], check=True, cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert f"drafter {rtn_artifact}: dequantized (--int4-kernel dequant)" in out.stdout

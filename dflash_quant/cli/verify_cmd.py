@@ -289,6 +289,15 @@ def verify(
             from dflash_quant.target_quant import target_quant_label
 
             out_console.print(f"target weights: {target_quant_label(tgt.quantization.to_dict())}")
+        for d in drafters:
+            if d.quantization:  # how a quantized drafter ran: an int4 kernel, or dequantized and why
+                k = kernels[d.source.id]
+                how = (
+                    f"{k['kernel']} int4 kernel ({k['linears']} Linears)"
+                    if k["linears"]
+                    else f"dequantized ({k['reason']})"
+                )
+                out_console.print(f"drafter {d.source.id}: {how}")
         if (cat_table := _category_table(summaries)) is not None:
             out_console.print(cat_table)
     exact = dt == torch.float32
