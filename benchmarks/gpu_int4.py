@@ -297,7 +297,9 @@ def main() -> None:
     g.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16])
     g.add_argument("--group-size", type=int, default=128)
     g.add_argument("--asym", dest="sym", action="store_false")
-    g.add_argument("--kernels", default="triton,gemlite,gemlite:GEMV_REVSPLITK,gemlite:GEMV_SPLITK,tinygemm")
+    g.add_argument(
+        "--kernels", default="triton,gemlite,tinygemm", help="also gemlite:GEMV_REVSPLITK etc. (a forced matmul type)"
+    )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)
     e = sub.add_parser("e2e")

@@ -31,6 +31,8 @@ step ref_gptq 90 $PY -m dflash_quant.cli.app gptq reference --device cpu --outpu
   --no-card --format gptq --json > "$OUT/ref_gptq.json" 2> "$OUT/ref_gptq.log"
 step e2e 120 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --out "$OUT/int4_e2e_reference.json" > "$OUT/e2e.log" 2>&1
 tail -c 2500 "$OUT/e2e.log"
+step gemm_g128_extended 120 env DFLASH_INT4_TUNE=extended $PY benchmarks/gpu_int4.py gemm --group-size 128 --rows 16 \
+  --kernels triton --repeats 20 --out "$OUT/int4_gemm_g128_sym_extended.json" > "$OUT/gemm_g128_extended.log" 2>&1
 step e2e_gemlite 90 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --kernels gemlite --out "$OUT/int4_e2e_reference_gemlite.json" \
   > "$OUT/e2e_gemlite.log" 2>&1
 step gemm_g32_asym 90 $PY benchmarks/gpu_int4.py gemm --group-size 32 --asym --rows 16 --kernels triton,gemlite,tinygemm \

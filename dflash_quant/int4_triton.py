@@ -30,6 +30,14 @@ _CONFIGS = [
     for sk in (1, 2, 4, 8, 16)
     for wide in (False, True)
 ]
+if os.environ.get("DFLASH_INT4_TUNE") == "extended":  # benchmarks only: other warps and pipeline depths
+    _CONFIGS = [
+        triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide}, num_warps=w, num_stages=st)
+        for bn in (32, 64, 128)
+        for sk in (4, 8, 16)
+        for wide in (False, True)
+        for w, st in ((2, 3), (4, 4), (8, 3))
+    ]
 MAX_SPLIT_K = 16
 MIN_BLOCK_N = 32
 
