@@ -100,53 +100,81 @@ def captured(fn):
     return g.replay
 
 
+def fused(codes: list[Int4Codes]) -> Int4Codes:
+    """Linears that share an input (q/k/v, gate/up) as one: their outputs side by side."""
+    return Int4Codes(
+        torch.cat([c.codes for c in codes]),
+        torch.cat([c.zeros for c in codes], dim=1),
+        torch.cat([c.scales for c in codes], dim=1),
+        codes[0].g_idx,
+        codes[0].group_size,
+    )
+
+
 def gemm(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = step_shapes()
     kernels = [k for k in args.kernels.split(",") if k]
-    layers: dict[str, list[torch.nn.Module]] = {"bf16": []}
+    # candidate -> its step: (input width, module, kind of Linear) in execution order
+    plans: dict[str, list[tuple[int, torch.nn.Module, str]]] = {"bf16": []}
     errors: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
     int4_bytes = bf16_bytes = 0
     t0 = time.perf_counter()
-    for _name, out_f, in_f in shapes:
+    kept: dict[str, Int4Codes] = {}
+
+    def add(kernel: str, codes: Int4Codes, kind: str) -> None:
+        if kernel in skipped:
+            return
+        base = kernel.split(":")[0].removesuffix("+fused")
+        problem = kernel_problem(base, codes, torch.device("cuda"))
+        if problem is None:
+            try:
+                mod = Int4Linear(codes, None, base)
+                if ":" in kernel:  # a forced gemlite matmul type
+                    mtype = kernel.split(":")[1]
+                    glm = mod._gemlite
+                    mod.forward = lambda x, glm=glm, mtype=mtype: glm.forward_manual(x.contiguous(), mtype)  # type: ignore[method-assign]
+                shape_key = "x".join(str(v) for v in codes.shape)
+                errors.setdefault(kernel, {}).setdefault(shape_key, round(int4_matmul_error(mod, codes, 16), 6))
+                plans.setdefault(kernel, []).append((codes.shape[1], mod, kind))
+            except Exception as exc:  # noqa: BLE001  # a candidate that fails is reported, not fatal
+                problem = f"{type(exc).__name__}: {exc}"[:300]
+        if problem is not None:
+            skipped[kernel] = problem
+            plans.pop(kernel, None)
+
+    for name, out_f, in_f in shapes:
+        kind = name.split(".")[-1]
         codes = random_codes(out_f, in_f, args.group_size, args.sym, gen)
         lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.copy_(codes.dequantize().to(torch.bfloat16))
-        layers["bf16"].append(lin)
+        plans["bf16"].append((in_f, lin, kind))
         bf16_bytes += out_f * in_f * 2
         int4_bytes += out_f * in_f // 2 + 2 * 2 * out_f * (in_f // args.group_size)  # codes + fp16 scales/zeros
         shape_key = f"{out_f}x{in_f}"
         if shape_key not in errors.setdefault("bf16", {}):
             errors["bf16"][shape_key] = round(int4_matmul_error(lin, codes, 16), 6)
         for kernel in kernels:
-            if kernel in skipped:
-                continue
-            base = kernel.split(":")[0]
-            problem = kernel_problem(base, codes, torch.device("cuda"))
-            if problem is None:
-                try:
-                    mod = Int4Linear(codes, None, base)
-                    if ":" in kernel:  # a forced gemlite matmul type
-                        mtype = kernel.split(":")[1]
-                        glm = mod._gemlite
-                        mod.forward = lambda x, glm=glm, mtype=mtype: glm.forward_manual(x.contiguous(), mtype)  # type: ignore[method-assign]
-                    errors.setdefault(kernel, {}).setdefault(shape_key, round(int4_matmul_error(mod, codes, 16), 6))
-                    layers.setdefault(kernel, []).append(mod)
-                except Exception as exc:  # noqa: BLE001  # a candidate that fails is reported, not fatal
-                    problem = f"{type(exc).__name__}: {exc}"[:300]
-            if problem is not None:
-                skipped[kernel] = problem
-                layers.pop(kernel, None)
+            if not kernel.endswith("+fused"):
+                add(kernel, codes, kind)
+            elif kind in ("fc", "o", "down"):
+                add(kernel, codes, kind)
+            elif kind in ("q", "k", "gate"):
+                kept[kind] = codes
+            elif kind == "v":
+                add(kernel, fused([kept.pop("q"), kept.pop("k"), codes]), "qkv")
+            elif kind == "up":
+                add(kernel, fused([kept.pop("gate"), codes]), "gateup")
         del codes
-        print(f"{time.perf_counter() - t0:.1f}s built {_name} {out_f}x{in_f}", flush=True)
+        print(f"{time.perf_counter() - t0:.1f}s built {name} {out_f}x{in_f}", flush=True)
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "group_size": args.group_size,
         "sym": args.sym,
-        "gemms_per_step": len(shapes),
+        "gemms_per_step": {k: len(p) for k, p in plans.items()},
         "weight_bytes": {"bf16": bf16_bytes, "int4": int4_bytes},
         "memory_floor_ms": {
             "bf16": round(bf16_bytes / HBM_BYTES_PER_S * 1e3, 4),
@@ -157,52 +185,46 @@ def gemm(args) -> dict:
         "rows": {},
     }
     for rows in args.rows:
-        xs = {
-            w: torch.randn(rows, w, device="cuda", dtype=torch.bfloat16)
-            for w in sorted({in_f for _, _, in_f in shapes})
-        }
-        pairs = [(xs[in_f], i) for i, (_, _, in_f) in enumerate(shapes)]
+        xs = {w: torch.randn(rows, w, device="cuda", dtype=torch.bfloat16) for w in sorted({s[2] for s in shapes})}
 
-        def make(mods, pairs=pairs):
+        def make(plan, kinds=None, xs=xs):
+            calls = [(xs[w], mod) for w, mod, kind in plan if kinds is None or kind in kinds]
+
             def step():
-                for x, i in pairs:
-                    mods[i](x)
+                for x, mod in calls:
+                    mod(x)
 
             return step
 
         with torch.no_grad():
             eager = {}
-            for k, m in layers.items():
-                if len(m) != len(shapes):
-                    continue
+            for k, plan in plans.items():
                 try:  # warm-up: autotuning, compilation, allocator
                     for _ in range(3):
-                        make(m)()
+                        make(plan)()
                     torch.cuda.synchronize()
-                    eager[k] = make(m)
+                    eager[k] = make(plan)
                 except Exception as exc:  # noqa: BLE001  # a candidate that fails is reported, not fatal
                     skipped[f"{k}@{rows}"] = f"{type(exc).__name__}: {exc}"[:300]
             t_eager = time_steps(eager, args.repeats)
             graphs, graph_fail = {}, {}
-            for k, s in eager.items():
+            for k, run_step in eager.items():
                 try:
-                    graphs[k] = captured(s)
+                    graphs[k] = captured(run_step)
                 except Exception as exc:  # noqa: BLE001
                     graph_fail[k] = f"{type(exc).__name__}: {exc}"[:300]
             torch.cuda.synchronize()
             t_graph = time_steps(graphs, args.repeats)
             # per kind of Linear (the 5 layers' distinct matrices, so no weight is re-read from L2): graph time
             per_kind: dict[str, dict[str, float]] = {}
-            for kind in dict.fromkeys(name.split(".")[-1] for name, _, _ in shapes):
-                idx = [i for i, (name, _, _) in enumerate(shapes) if name.split(".")[-1] == kind]
-                sub = {}
-                for k in graphs:
+            for k in graphs:
+                for kind in dict.fromkeys(kd for _, _, kd in plans[k]):
+                    n = sum(1 for _, _, kd in plans[k] if kd == kind)
                     try:
-                        sub[k] = captured(make(layers[k], [p for p in pairs if p[1] in idx]))
+                        ts = time_steps({k: captured(make(plans[k], {kind}))}, max(5, args.repeats // 3))
                     except Exception:  # noqa: BLE001, S112  # reported in cuda_graph_failed already
                         continue
-                ts = time_steps(sub, max(5, args.repeats // 3))
-                per_kind[kind] = {k: round(statistics.median(v) / len(idx), 4) for k, v in ts.items()}
+                    per_kind.setdefault(kind, {})[k] = round(statistics.median(ts[k]) / n, 4)
         entry: dict = {"eager": {}, "cuda_graph": {}, "cuda_graph_failed": graph_fail, "graph_ms_per_gemm": per_kind}
         for mode, times in (("eager", t_eager), ("cuda_graph", t_graph)):
             base = statistics.median(times["bf16"]) if "bf16" in times else None
@@ -298,7 +320,10 @@ def main() -> None:
     g.add_argument("--group-size", type=int, default=128)
     g.add_argument("--asym", dest="sym", action="store_false")
     g.add_argument(
-        "--kernels", default="triton,gemlite,tinygemm", help="also gemlite:GEMV_REVSPLITK etc. (a forced matmul type)"
+        "--kernels",
+        default="triton,triton+fused,gemlite,tinygemm",
+        help="KERNEL (triton | gemlite | tinygemm), KERNEL+fused (q/k/v and gate/up as one GEMM each), or "
+        "gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK)",
     )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)
