@@ -140,7 +140,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tuned config per (rows bucket, N, K, group, device): after its first call a shape launches the JIT kernel
 # directly, without the autotuner's per-call key building (host time is most of a 16-row GEMM's cost).
 _TUNED: dict[tuple[int, int, int, int, torch.device], dict] = {}
-# More than 16 rows (the drafter's context over a prompt, once per request) run untuned: one compilation.
+# Up to 32 rows are tuned: a step's k/v see the block and the newly committed context (17..32 rows). More
+# rows (the drafter's context over a prompt, once per request) run untuned: one compilation.
+TUNED_ROWS = 32
 PREFILL_CONFIG = {"BLOCK_N": 64, "SPLIT_K": 1, "WIDE_LOAD": False, "num_warps": 4, "num_stages": 3}
 
 
@@ -153,7 +155,7 @@ def reset_tuning() -> None:
 def w4a16_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16 (autotuned for M <= 16)."""
+    """x [M, K] bf16 (M <= 64) times the int4 weight [N, K] transposed -> [M, N] bf16 (tuned for M <= 32)."""
     m, k = x.shape
     n = qweight.shape[1]
     bucket = 16 if m <= 16 else triton.next_power_of_2(m)
@@ -163,7 +165,7 @@ def w4a16_matmul(
     args = (x, qweight, scales, zeros, out, ws, count, m, n, k, x.stride(0))
     consts = {"M_BUCKET": bucket, "GROUP": group_size, "BLOCK_K": block_k(group_size), "FP32_DOT": _INTERPRET}
     key = (bucket, n, k, group_size, x.device)
-    tuned = _TUNED.get(key, PREFILL_CONFIG if bucket > 16 else None)
+    tuned = _TUNED.get(key, PREFILL_CONFIG if bucket > TUNED_ROWS else None)
     if tuned is None:
 
         def grid(meta):
