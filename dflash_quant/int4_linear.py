@@ -203,8 +203,11 @@ def plan(
     return (list(KERNEL_ORDER) if choice == "auto" else [choice]), None
 
 
-def use_int4_kernel(model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str) -> dict[str, Any]:
-    """Replace the drafter's GPTQ Linears by Int4Linear; returns what ran (`kernel`, `linears`, `reason`).
+def use_int4_kernel(
+    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True
+) -> dict[str, Any]:
+    """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`); returns what ran
+    (`kernel`, `linears`, `fused_groups`, `reason`).
 
     A kernel that cannot run one of the Linears is passed over for the next; with none left the drafter
     keeps its dequantized weights and `reason` says why. An explicit kernel that cannot run is an error."""
@@ -225,14 +228,102 @@ def use_int4_kernel(model: nn.Module, path: Path, qcfg: dict[str, Any] | None, c
         if choice != "auto":
             raise UsageError(f"--int4-kernel {choice} cannot run this drafter ({problems[0]}); use auto or dequant")
         return {"kernel": "dequant", "linears": 0, "reason": "; ".join(problems)}
-    for name, (codes, bias) in layers.items():
-        parent, _, child = name.rpartition(".")
-        holder = model.get_submodule(parent) if parent else model
-        old = getattr(holder, child)
+    for name, (codes, _) in layers.items():
+        old = model.get_submodule(name)
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != codes.shape:
             raise UsageError(f"{path}: quantized {name} does not match the drafter's Linear; re-export the artifact")
-        setattr(holder, child, Int4Linear(codes, bias, kernel))
-    return {"kernel": kernel, "linears": len(layers), "reason": None}
+    groups = shared_input_groups(layers) if fuse else []
+    for members in groups:
+        parts = [layers.pop(n) for n in members]
+        bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])  # type: ignore[misc]
+        fused = Int4Linear(concat_outputs([c for c, _ in parts]), bias, kernel)
+        state = _SharedInput(len(members))
+        start = 0
+        for name, (codes, _) in zip(members, parts, strict=True):
+            _replace(model, name, Int4Member(fused, start, start + codes.shape[0], state))
+            start += codes.shape[0]
+    for name, (codes, bias) in layers.items():
+        _replace(model, name, Int4Linear(codes, bias, kernel))
+    linears = len(layers) + sum(len(m) for m in groups)
+    return {"kernel": kernel, "linears": linears, "fused_groups": len(groups), "reason": None}
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+# Linears a drafter layer calls one after another on one tensor: each group runs as one GEMM (fewer launches).
+SHARED_INPUTS = (("self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def shared_input_groups(layers: dict[str, tuple[Int4Codes, torch.Tensor | None]]) -> list[list[str]]:
+    """Member names of each fusable group: all quantized, same width and grid layout, in-order groups, and all
+    with or all without bias."""
+    groups = []
+    for name in layers:
+        for suffixes in SHARED_INPUTS:
+            if not name.endswith("." + suffixes[0]):
+                continue
+            prefix = name[: -len(suffixes[0])]
+            members = [prefix + s for s in suffixes]
+            if not all(m in layers for m in members):
+                continue
+            codes = [layers[m][0] for m in members]
+            same = {(c.shape[1], c.group_size, c.scales.dtype) for c in codes}
+            biased = {layers[m][1] is None for m in members}
+            if len(same) == 1 and len(biased) == 1 and all(c.in_order()[1] is None for c in codes):
+                groups.append(members)
+    return groups
+
+
+def concat_outputs(codes: list[Int4Codes]) -> Int4Codes:
+    """Linears on one input as one Linear: their outputs side by side (same input width and groups)."""
+    return Int4Codes(
+        torch.cat([c.codes for c in codes]),
+        torch.cat([c.zeros for c in codes], dim=1),
+        torch.cat([c.scales for c in codes], dim=1),
+        codes[0].g_idx,
+        codes[0].group_size,
+    )
+
+
+class _SharedInput:
+    """The input a fused group's first member saw (held, so its memory cannot pass to another tensor) and the
+    output, until every member has taken its columns. Members must be called on the same tensor without an
+    in-place change in between where it is an inference tensor (no version counter): DFlash's attention (k, v)
+    and MLP (gate, up) call them back to back."""
+
+    def __init__(self, members: int) -> None:
+        self.members, self.left = members, 0
+        self.x: torch.Tensor | None = None
+        self.version = -1
+        self.y: torch.Tensor | None = None
+
+
+class Int4Member(nn.Module):
+    """One Linear of a fused group: the first member called on a tensor runs the group's GEMM, the others
+    called on the same unchanged tensor take their columns of it; any other input runs the GEMM again."""
+
+    def __init__(self, fused: Int4Linear, start: int, end: int, state: _SharedInput):
+        super().__init__()
+        self.fused, self.start, self.end, self.state = fused, start, end, state
+        self.in_features, self.out_features = fused.in_features, end - start
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.end} of a fused {self.fused.kernel} GEMM"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if st.x is not x or st.version != version or st.y is None:
+            st.y, st.x, st.version, st.left = self.fused(x), x, version, st.members - 1
+        else:
+            st.left -= 1
+        y = st.y
+        if st.left == 0:  # every member has its columns: let go of the input and output
+            st.x = st.y = None
+        return y[..., self.start : self.end]
 
 
 def int4_matmul_error(layer: nn.Module, codes: Int4Codes, rows: int = 16, seed: int = 0) -> float:

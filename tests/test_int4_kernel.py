@@ -289,3 +289,95 @@ def test_verify_cli_reports_the_drafter_kernel(rtn_artifact):
         [*base, "--int4-kernel", "dequant"], check=True, cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert f"drafter {rtn_artifact}: dequantized (--int4-kernel dequant)" in out.stdout
+
+
+class _Counting(torch.nn.Module):
+    """A stand-in for a fused Int4Linear that counts its GEMMs."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight, self.calls, self.kernel = weight, 0, "counting"
+        self.in_features = weight.shape[1]
+
+    def forward(self, x):
+        self.calls += 1
+        return x @ self.weight.T
+
+
+def test_fused_members_share_one_gemm_per_input():
+    from dflash_quant.int4_linear import Int4Member, _SharedInput
+
+    w = torch.randn(24, 8)
+    fused, state = _Counting(w), _SharedInput(2)
+    k, v = Int4Member(fused, 0, 16, state), Int4Member(fused, 16, 24, state)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(k(x), x @ w[:16].T)
+    torch.testing.assert_close(v(x), x @ w[16:].T)
+    assert fused.calls == 1 and state.x is None and state.y is None  # both served: nothing held
+    torch.testing.assert_close(k(x), x @ w[:16].T)
+    x.mul_(2)  # changed in place: not the input the cached output came from
+    torch.testing.assert_close(v(x), x @ w[16:].T)
+    assert fused.calls == 3
+    y = x.clone()  # equal values, another tensor: computed again (identity, not values, decides)
+    torch.testing.assert_close(k(y), y @ w[:16].T)
+    torch.testing.assert_close(v(x), x @ w[16:].T)
+    assert fused.calls == 5
+    with torch.inference_mode():  # inference tensors: identity alone
+        z = torch.randn(3, 8)
+        torch.testing.assert_close(k(z), z @ w[:16].T)
+        torch.testing.assert_close(v(z), z @ w[16:].T)
+    assert fused.calls == 6
+
+
+def test_shared_input_groups_need_equal_layouts():
+    from dflash_quant.int4_linear import shared_input_groups
+
+    def codes(out_f, group=32, act_order=False):
+        return _codes(_quantized(out_f, 128, group, True, act_order), group)
+
+    layers = {
+        "layers.0.self_attn.k_proj": (codes(32), None),
+        "layers.0.self_attn.v_proj": (codes(32), None),
+        "layers.0.mlp.gate_proj": (codes(64), None),
+        "layers.0.mlp.up_proj": (codes(64, group=64), None),  # other groups: not fused
+        "layers.1.self_attn.k_proj": (codes(32), None),
+        "layers.1.self_attn.v_proj": (codes(32, act_order=True), None),  # permuted inputs: not fused
+        "layers.1.mlp.gate_proj": (codes(64), None),
+        "layers.1.mlp.up_proj": (codes(64), torch.zeros(64)),  # one with bias: not fused
+        "layers.2.mlp.gate_proj": (codes(64), None),  # up_proj kept bf16: not fused
+    }
+    assert shared_input_groups(layers) == [["layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj"]]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
+@pytest.mark.parametrize("fuse", [False, True])
+def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, monkeypatch, fuse):
+    """The whole int4 drafter (GPTQ v1 artifact -> Int4Linear/Int4Member) on CPU in bf16 against the dequantized
+    bf16 drafter: the same speculative tokens and tau on the reference pair."""
+    import triton
+
+    import dflash_quant.int4_linear as il
+    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import encode_prompts, stop_tokens
+    from dflash_quant.verify import CheckSettings, spec_runs
+
+    _w4a16_kernel.configs = [triton.Config({"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True}, num_warps=4)]
+    reset_tuning()
+    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["triton"], None))  # CPU allowed here
+    monkeypatch.setattr(il, "kernel_problem", lambda name, codes, device: None)
+    target = load_target("reference:target", dtype=torch.bfloat16)
+    prompts = encode_prompts(target, "reference:heldout", 1, False, 8)
+    runs = {}
+    for name in ("dequant", "triton"):
+        loaded = load_drafter(rtn_artifact, dtype=torch.bfloat16)
+        if name == "triton":
+            info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "triton", fuse=fuse)
+            assert info["kernel"] == "triton" and info["fused_groups"] == (
+                2 * loaded.config.num_hidden_layers if fuse else 0
+            )
+        settings = CheckSettings(8, 0.0, loaded.config.block_size, 0, stop_tokens(target))
+        with torch.no_grad():
+            runs[name] = spec_runs(loaded.model, target.model, prompts, settings)
+    assert [r.tokens for r in runs["triton"]] == [r.tokens for r in runs["dequant"]]
+    assert [r.acceptance_lengths for r in runs["triton"]] == [r.acceptance_lengths for r in runs["dequant"]]
