@@ -256,15 +256,18 @@ def e2e(args) -> dict:
     bf16 = load_drafter("reference", device=device, dtype=dtype)
     drafters["bf16"] = bf16.model
     block = bf16.config.block_size
-    for choice in ["dequant", *args.kernels.split(",")]:
+    for label in ["dequant", *args.kernels.split(",")]:
+        choice, _, option = label.partition(":")  # KERNEL:nofuse keeps k/v and gate/up as separate GEMMs
         loaded = load_drafter(args.artifact, device=device, dtype=dtype)
         try:
-            info = use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, choice)
+            info = use_int4_kernel(
+                loaded.model, loaded.source.path, loaded.quantization, choice, fuse=option != "nofuse"
+            )
         except Exception as exc:  # noqa: BLE001
-            kernel_info[choice] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
-        kernel_info[choice] = info
-        drafters[f"int4-{choice}"] = loaded.model
+        kernel_info[label] = info
+        drafters[f"int4-{label}"] = loaded.model
     settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target))
 
     def sync() -> None:
@@ -329,7 +332,9 @@ def main() -> None:
     g.add_argument("--out", type=Path, required=True)
     e = sub.add_parser("e2e")
     e.add_argument("artifact", type=Path)
-    e.add_argument("--kernels", default="triton,tinygemm")
+    e.add_argument(
+        "--kernels", default="triton,triton:nofuse,tinygemm", help="KERNEL or KERNEL:nofuse, comma-separated"
+    )
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--rounds", type=int, default=3)
