@@ -26,7 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_quant.int4_linear import Int4Codes, Int4Linear, int4_matmul_error, kernel_problem  # noqa: E402
+from dflash_quant.int4_linear import (  # noqa: E402
+    Int4Codes,
+    Int4Linear,
+    concat_outputs,
+    int4_matmul_error,
+    kernel_problem,
+)
 
 H, KV, INTER, CTX_LAYERS, LAYERS = 4096, 1024, 12288, 5, 5
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -100,17 +106,6 @@ def captured(fn):
     return g.replay
 
 
-def fused(codes: list[Int4Codes]) -> Int4Codes:
-    """Linears that share an input (q/k/v, gate/up) as one: their outputs side by side."""
-    return Int4Codes(
-        torch.cat([c.codes for c in codes]),
-        torch.cat([c.zeros for c in codes], dim=1),
-        torch.cat([c.scales for c in codes], dim=1),
-        codes[0].g_idx,
-        codes[0].group_size,
-    )
-
-
 def gemm(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = step_shapes()
@@ -159,14 +154,14 @@ def gemm(args) -> dict:
         for kernel in kernels:
             if not kernel.endswith("+fused"):
                 add(kernel, codes, kind)
-            elif kind in ("fc", "o", "down"):
+            elif kind in ("fc", "q", "o", "down"):
                 add(kernel, codes, kind)
-            elif kind in ("q", "k", "gate"):
+            elif kind in ("k", "gate"):
                 kept[kind] = codes
             elif kind == "v":
-                add(kernel, fused([kept.pop("q"), kept.pop("k"), codes]), "qkv")
+                add(kernel, concat_outputs([kept.pop("k"), codes]), "kv")
             elif kind == "up":
-                add(kernel, fused([kept.pop("gate"), codes]), "gateup")
+                add(kernel, concat_outputs([kept.pop("gate"), codes]), "gateup")
         del codes
         print(f"{time.perf_counter() - t0:.1f}s built {name} {out_f}x{in_f}", flush=True)
     result: dict = {
@@ -325,7 +320,7 @@ def main() -> None:
     g.add_argument(
         "--kernels",
         default="triton,triton+fused,gemlite,tinygemm",
-        help="KERNEL (triton | gemlite | tinygemm), KERNEL+fused (q/k/v and gate/up as one GEMM each), or "
+        help="KERNEL (triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter runs them), or "
         "gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK)",
     )
     g.add_argument("--repeats", type=int, default=30)
