@@ -237,11 +237,51 @@ def gemm(args) -> dict:
     return result
 
 
+def race(drafters: dict, target, prompts, settings, rounds: int, device: torch.device) -> dict[str, dict]:
+    """Speculative tokens/s of each drafter on the same prompts: warm-up each, rounds in alternating order."""
+    from dflash_quant.verify import spec_runs, warm_up
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    names = list(drafters)
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[list[int]]] = {}
+    tau: dict[str, float] = {}
+    with torch.no_grad():
+        for m in drafters.values():
+            warm_up(m, target, prompts[0], settings)
+        for r in range(rounds):
+            for n in names if r % 2 == 0 else names[::-1]:
+                sync()
+                t0 = time.perf_counter()
+                runs = spec_runs(drafters[n], target, prompts, settings)
+                sync()
+                dt = time.perf_counter() - t0
+                rates[n].append(sum(len(x.tokens) for x in runs) / dt)
+                tokens[n] = [x.tokens for x in runs]
+                steps = sum(len(x.acceptance_lengths) for x in runs)
+                tau[n] = sum(sum(x.acceptance_lengths) for x in runs) / max(steps, 1)
+    base = statistics.median(rates["bf16"])
+    return {
+        n: {
+            "tokens_per_s_median": round(statistics.median(rates[n]), 2),
+            "tokens_per_s_min": round(min(rates[n]), 2),
+            "tokens_per_s_max": round(max(rates[n]), 2),
+            "vs_bf16": round(statistics.median(rates[n]) / base, 3),
+            "tau": round(tau[n], 4),
+            "tokens_equal_int4_dequant": tokens[n] == tokens.get("int4-dequant"),
+        }
+        for n in names
+    }
+
+
 def e2e(args) -> dict:
     from dflash_quant.int4_linear import use_int4_kernel
     from dflash_quant.loading import load_drafter, load_target
     from dflash_quant.runtime import encode_prompts, stop_tokens
-    from dflash_quant.verify import CheckSettings, spec_runs, warm_up
+    from dflash_quant.verify import CheckSettings
 
     device, dtype = torch.device(args.device), torch.bfloat16
     target = load_target("reference:target", device=device, dtype=dtype)
@@ -264,31 +304,7 @@ def e2e(args) -> dict:
         kernel_info[label] = info
         drafters[f"int4-{label}"] = loaded.model
     settings = CheckSettings(args.max_new_tokens, 0.0, block, 0, stop_tokens(target))
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    with torch.no_grad():
-        for m in drafters.values():
-            warm_up(m, target.model, prompts[0], settings)
-        names = list(drafters)
-        rates: dict[str, list[float]] = {n: [] for n in names}
-        tokens: dict[str, list[list[int]]] = {}
-        tau: dict[str, float] = {}
-        for r in range(args.rounds):
-            for n in names if r % 2 == 0 else names[::-1]:
-                sync()
-                t0 = time.perf_counter()
-                runs = spec_runs(drafters[n], target.model, prompts, settings)
-                sync()
-                dt = time.perf_counter() - t0
-                rates[n].append(sum(len(x.tokens) for x in runs) / dt)
-                tokens[n] = [x.tokens for x in runs]
-                steps = sum(len(x.acceptance_lengths) for x in runs)
-                tau[n] = sum(sum(x.acceptance_lengths) for x in runs) / max(steps, 1)
-    base = statistics.median(rates["bf16"])
-    out = {
+    return {
         "pair": "reference",
         "device": str(device),
         "artifact": str(args.artifact),
@@ -296,18 +312,64 @@ def e2e(args) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "rounds": args.rounds,
         "kernels": kernel_info,
-        "drafters": {},
+        "drafters": race(drafters, target.model, prompts, settings, args.rounds, device),
     }
-    for n in names:
-        out["drafters"][n] = {
-            "tokens_per_s_median": round(statistics.median(rates[n]), 2),
-            "tokens_per_s_min": round(min(rates[n]), 2),
-            "tokens_per_s_max": round(max(rates[n]), 2),
-            "vs_bf16": round(statistics.median(rates[n]) / base, 3),
-            "tau": round(tau[n], 4),
-            "tokens_equal_int4_dequant": tokens[n] == tokens.get("int4-dequant"),
-        }
-    return out
+
+
+def e2e_full(args) -> dict:
+    """The same race at full size: a random Qwen3-8B target and a Qwen3-8B-DFlash-b16-shaped drafter (the
+    pair of bench_prefill.py), its int4 form RTN 4-bit g128 sym (GPTQ's grid; speed does not depend on
+    how the codes were chosen). Random weights accept almost nothing (tau ~1), so every step runs the
+    drafter on a full block and commits about one token: the drafter's share of a step is what differs."""
+    import importlib.util
+
+    from dflash_quant.int4_linear import use_int4_codes
+    from dflash_quant.model import DFlashDrafter
+    from dflash_quant.quantize import QuantSpec, rtn_quantize
+    from dflash_quant.verify import CheckSettings
+
+    spec = importlib.util.spec_from_file_location("bench_prefill", Path(__file__).with_name("bench_prefill.py"))
+    assert spec is not None and spec.loader is not None
+    bench_prefill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_prefill)
+    device, dtype = torch.device(args.device), torch.bfloat16
+    target, drafter = bench_prefill.build(device, dtype, args.small)
+    group = 128 if not args.small else 32
+    deq = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
+    deq.load_state_dict(drafter.state_dict())
+    codes = {}
+    with torch.no_grad():
+        for name in deq.linear_names():
+            mod = deq.get_submodule(name)
+            qw = rtn_quantize(mod.weight.float(), QuantSpec(4, group, True), name=name)
+            mod.weight.copy_(qw.dequantize().to(dtype))
+            codes[name] = (Int4Codes(qw.codes, qw.zeros, qw.scales, qw.g_idx.long(), group), None)
+    drafters: dict[str, torch.nn.Module] = {"bf16": drafter, "int4-dequant": deq}
+    kernel_info: dict[str, dict] = {}
+    for label in args.kernels.split(","):
+        kernel, _, option = label.partition(":")
+        model = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
+        model.load_state_dict(deq.state_dict())
+        try:
+            kernel_info[label] = use_int4_codes(model, codes, [kernel], fuse=option != "nofuse")
+        except Exception as exc:  # noqa: BLE001
+            kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        drafters[f"int4-{label}"] = model
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.num_prompts)]
+    settings = CheckSettings(args.max_new_tokens, 0.0, drafter.block_size, 0, [])
+    return {
+        "pair": "random Qwen3-8B target + Qwen3-8B-DFlash-b16-shaped drafter" if not args.small else "small",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "num_prompts": args.num_prompts,
+        "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "kernels": kernel_info,
+        "drafters": race(drafters, target, prompts, settings, args.rounds, device),
+    }
 
 
 def main() -> None:
@@ -335,8 +397,17 @@ def main() -> None:
     e.add_argument("--rounds", type=int, default=3)
     e.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (kernels: dequant)")
     e.add_argument("--out", type=Path, required=True)
+    f = sub.add_parser("e2e-full")
+    f.add_argument("--kernels", default="triton,triton:nofuse", help="KERNEL or KERNEL:nofuse, comma-separated")
+    f.add_argument("--num-prompts", type=int, default=4)
+    f.add_argument("--prompt-tokens", type=int, default=256)
+    f.add_argument("--max-new-tokens", type=int, default=32)
+    f.add_argument("--rounds", type=int, default=3)
+    f.add_argument("--device", default="cuda")
+    f.add_argument("--small", action="store_true", help="tiny shapes (smoke test on CPU)")
+    f.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    result = gemm(args) if args.cmd == "gemm" else e2e(args)
+    result = {"gemm": gemm, "e2e": e2e, "e2e-full": e2e_full}[args.cmd](args)
     save(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #16 part 3 on the lent H200 in one call (< 8 min; JSON under $OUT): int4 drafter kernels.
 #   one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs each int4 kernel (eager and CUDA
-#   graph); gpu tests of the kernels; the reference pair's speculative tokens/s, bf16 vs its GPTQ int4 drafter.
+#   graph); gpu tests of the kernels; speculative tokens/s, bf16 vs int4 drafter, on the reference pair (its GPTQ
+#   artifact) and on a random Qwen3-8B pair of full size.
 # Needs the carried wheels in .wheels/ (gemlite); without them gemlite is reported as not installed.
 # Steps run in order of importance; one that would start after BUDGET seconds is skipped (and says so).
 set -uo pipefail
@@ -31,6 +32,8 @@ step ref_gptq 90 $PY -m dflash_quant.cli.app gptq reference --device cpu --outpu
   --no-card --format gptq --json > "$OUT/ref_gptq.json" 2> "$OUT/ref_gptq.log"
 step e2e 120 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --out "$OUT/int4_e2e_reference.json" > "$OUT/e2e.log" 2>&1
 tail -c 2500 "$OUT/e2e.log"
+step e2e_full 150 $PY benchmarks/gpu_int4.py e2e-full --out "$OUT/int4_e2e_qwen3_8b_shapes.json" > "$OUT/e2e_full.log" 2>&1
+tail -c 2000 "$OUT/e2e_full.log"
 step gemm_g128_extended 120 env DFLASH_INT4_TUNE=extended $PY benchmarks/gpu_int4.py gemm --group-size 128 --rows 16 \
   --kernels triton --repeats 20 --out "$OUT/int4_gemm_g128_sym_extended.json" > "$OUT/gemm_g128_extended.log" 2>&1
 step e2e_gemlite 90 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4 --kernels gemlite --out "$OUT/int4_e2e_reference_gemlite.json" \

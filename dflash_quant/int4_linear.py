@@ -218,6 +218,24 @@ def use_int4_kernel(
         return {"kernel": "dequant", "linears": 0, "reason": reason}
     assert qcfg is not None
     layers = {n: (c.to(device), b) for n, (c, b) in gptq_codes(path, qcfg).items()}
+    try:
+        return use_int4_codes(model, layers, kernels, fuse)
+    except KernelUnavailable as exc:
+        if choice != "auto":
+            raise UsageError(f"--int4-kernel {choice} cannot run this drafter ({exc}); use auto or dequant") from exc
+        return {"kernel": "dequant", "linears": 0, "reason": str(exc)}
+
+
+class KernelUnavailable(Exception):
+    """None of the kernels tried can run every Linear here (the message says why for each)."""
+
+
+def use_int4_codes(
+    model: nn.Module, layers: dict[str, tuple[Int4Codes, torch.Tensor | None]], kernels: list[str], fuse: bool = True
+) -> dict[str, Any]:
+    """Replace the Linears named in `layers` (codes on the model's device) with the first kernel of `kernels`
+    that runs them all; raises KernelUnavailable when none does (the weights are then left as they were)."""
+    device = next(model.parameters()).device
     problems: list[str] = []
     for kernel in kernels:
         found = next(((n, p) for n, (c, _) in layers.items() if (p := kernel_problem(kernel, c, device))), None)
@@ -225,13 +243,12 @@ def use_int4_kernel(
             break
         problems.append(f"{kernel}: {found[0]}: {found[1]}")
     else:
-        if choice != "auto":
-            raise UsageError(f"--int4-kernel {choice} cannot run this drafter ({problems[0]}); use auto or dequant")
-        return {"kernel": "dequant", "linears": 0, "reason": "; ".join(problems)}
+        raise KernelUnavailable("; ".join(problems))
     for name, (codes, _) in layers.items():
         old = model.get_submodule(name)
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != codes.shape:
-            raise UsageError(f"{path}: quantized {name} does not match the drafter's Linear; re-export the artifact")
+            raise UsageError(f"quantized {name} does not match the drafter's Linear; re-export the artifact")
+    layers = dict(layers)
     groups = shared_input_groups(layers) if fuse else []
     for members in groups:
         parts = [layers.pop(n) for n in members]
