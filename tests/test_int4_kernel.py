@@ -82,7 +82,7 @@ def test_plan_says_why_the_dequantized_path_runs(choice, qcfg, device, dtype, re
 
 
 def test_plan_orders_kernels_and_refuses_unknown_names():
-    assert plan("auto", GPTQ4, torch.device("cuda"), torch.bfloat16) == (["triton", "gemlite", "tinygemm"], None)
+    assert plan("auto", GPTQ4, torch.device("cuda"), torch.bfloat16) == (["triton", "tinygemm", "gemlite"], None)
     assert plan("gemlite", GPTQ4, torch.device("cuda"), torch.bfloat16) == (["gemlite"], None)
     with pytest.raises(UsageError, match="--int4-kernel must be one of"):
         plan("marlin", GPTQ4, torch.device("cuda"), torch.bfloat16)

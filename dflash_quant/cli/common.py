@@ -93,7 +93,7 @@ def int4_kernel_option() -> Any:
     return typer.Option(
         "auto",
         "--int4-kernel",
-        help="How a 4-bit GPTQ drafter runs on CUDA (bf16): auto | triton | gemlite | tinygemm, or dequant "
+        help="How a 4-bit GPTQ drafter runs on CUDA (bf16): auto | triton | tinygemm | gemlite, or dequant "
         "(weights dequantized to bf16, the path of CPU and other bit widths).",
     )
 
