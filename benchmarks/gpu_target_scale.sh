@@ -2,14 +2,16 @@
 # Issue #14 on the lent H200 in one call (results under $OUT): the target split between cuda:0 and CPU offload vs
 # whole on cuda:0 (tau, tokens, Hessians, calibration peak vs prediction), and a compressed-tensors int4 target
 # kept packed on CUDA (torch's tinygemm kernel) against the same target dequantized on CPU.
-#   run: bash benchmarks/gpu_target_scale.sh      (needs $OUT; uses the image's python3)
+#   run: bash benchmarks/gpu_target_scale.sh [devmap] [int4]   (default both; needs $OUT; the image's python3)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 DQ="python3 -m dflash_quant.cli.app"
+PARTS=" ${*:-devmap int4} "
+W=$(mktemp -d)
+if [[ $PARTS == *" devmap "* ]]; then
 timeout 100 python3 benchmarks/gpu_devmap.py --pair reference --dtype float32 --out "$OUT/devmap_reference" 2>&1 | tail -2
 timeout 240 python3 benchmarks/gpu_devmap.py --pair random --hidden 2048 --layers 16 --prompts 4 --new-tokens 32 --out "$OUT/devmap_random" > "$OUT/devmap_random.log" 2>&1; echo "random exit $?"; tail -4 "$OUT/devmap_random.log"
-W=$(mktemp -d)
 # The CLI end to end: gptq on one GPU vs the target's layers 3-5 offloaded to CPU (same packed tensors? same tau?)
 SPLIT='{"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0, "model.layers.0": 0, "model.layers.1": 0, "model.layers.2": 0, "model.layers.3": "cpu", "model.layers.4": "cpu", "model.layers.5": "cpu"}'
 for how in one split; do
@@ -33,7 +35,10 @@ for h, r in (("one", ra), ("split", rb)):
 json.dump(res, open(f"{out}/gptq_devmap_compare.json", "w"), indent=1)
 print(json.dumps(res)[:1500])
 PY
-pip install -q --no-index --find-links .wheels compressed-tensors 2>&1 | tail -2
+fi
+if [[ $PARTS == *" int4 "* ]]; then
+source benchmarks/gpu_wheels.sh compressed-tensors
+timeout 120 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_quantized_target.py 2>&1 | grep -E "tinygemm vs|passed|failed|Error" | tail -5
 python3 scripts/make_int4_target.py reference:target "$W/t4" --group-size 32 | tail -1
 for dev in cuda cpu; do
   dt=bfloat16; [ $dev = cpu ] && dt=float32
@@ -41,3 +46,4 @@ for dev in cuda cpu; do
     --device $dev --dtype $dt --no-check-cache --json > "$OUT/int4_target_verify_$dev.json" 2> "$OUT/int4_target_verify_$dev.log"
   python3 -c "import json; r=json.load(open('$OUT/int4_target_verify_$dev.json')); s=r['summary']; print('$dev', 'tau', s['tau'], 'acc', s['per_position_acceptance'], 'lossless', s['lossless'], r['target_quantization'])"
 done
+fi
