@@ -183,10 +183,17 @@ def free_port() -> int:
 
 
 def serve_and_measure(
-    target: Path, drafter: Path | None, ids: list[list[int]], max_new: int, log: Path, draft_max: int = 3
+    target: Path,
+    drafter: Path | None,
+    ids: list[list[int]],
+    max_new: int,
+    log: Path,
+    draft_max: int = 3,
+    threads: int = 2,
 ) -> dict:
     port = free_port()
-    cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", "2", "--temp", "0"]
+    cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", str(threads)]
+    cmd += ["--temp", "0"]
     if drafter is not None:
         cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max)]
     with open(log, "w") as fh:
@@ -265,6 +272,7 @@ def main() -> None:
         "run it; llama-server's own default is 3)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t (1 on a shared machine)")
     ap.add_argument(
         "--kquant",
         action="store_true",
@@ -318,11 +326,15 @@ def main() -> None:
         rows = {k: v for k, v in rows.items() if k in args.only or k.startswith("f32")}
     ids = prompts(args.num_prompts, args.prompts)
     draft_max = args.draft_max if args.draft_max is not None else block_size() - 1
-    baseline = serve_and_measure(target, None, ids, args.max_new_tokens, w / "server-target-only.log")
+    baseline = serve_and_measure(
+        target, None, ids, args.max_new_tokens, w / "server-target-only.log", threads=args.threads
+    )
     results: dict[str, dict] = {}
     meta = {"prompts": f"{args.prompts} first {len(ids)}", "spec_draft_n_max": draft_max, "argv": sys.argv[1:]}
     for label, path in rows.items():
-        m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log", draft_max)
+        m = serve_and_measure(
+            target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log", draft_max, args.threads
+        )
         m["same_output_as_target_only"] = sum(
             a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
         )
