@@ -4,8 +4,15 @@ calibration Hessians (the development split: the pair's calibration prompts), pe
 llama.cpp's per-tensor mixes. In-sample for GPTQ, which minimizes exactly this, unless --eval-calib names the
 Hessians of other calibration prompts (quantize on one half, measure on the other); tau is measured separately.
 
-    python benchmarks/kquant_scale_search.py --calib /tmp/llama_cpp_check/calib \
-        --out benchmarks/results/kquant_scale_search.json
+    python benchmarks/kquant_scale_search.py --calib /tmp/llama_cpp_check/calib --radii 0 1 2 3 5 \
+        --out benchmarks/results/kquant_scale_search_insample.json
+    # fit on one half of the calibration prompts, error measured on the other (the development split):
+    head -64 dflash_quant/reference/pair/calibration_prompts.jsonl > calA.jsonl   # tail -n +65 > calB.jsonl
+    dflash-quant gptq --format gguf --gguf-type Q3_K_S --no-verify --no-card --calib-prompts calA.jsonl \
+        --calib-cache calibA -o outA                                                # likewise B
+    python benchmarks/kquant_scale_search.py --calib calibA --eval-calib calibB --radii 0 1 2 3 5 \
+        --out benchmarks/results/kquant_scale_search_cv_AB.json                     # and B -> A
+    python benchmarks/kquant_scale_search.py --cost 1024 2048 --radii 0 2 --out ...cost.json   # solver time
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ PAIR = Path(__file__).resolve().parents[1] / "dflash_quant" / "reference" / "pai
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calib", type=Path, required=True, help="a gptq --calib-cache folder of the reference pair")
+    ap.add_argument("--calib", type=Path, help="a gptq --calib-cache folder of the reference pair (required)")
     ap.add_argument(
         "--eval-calib",
         type=Path,
@@ -36,9 +43,15 @@ def main() -> None:
     )
     ap.add_argument("--mixes", nargs="*", default=["Q3_K_M", "Q3_K_S", "Q4_K_M", "Q2_K_MIX"])
     ap.add_argument("--radii", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--cost", type=int, nargs=2, metavar=("ROWS", "COLS"), help="only time a random [ROWS, COLS]")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.cost:
+        cost(args.cost[0], args.cost[1], args.radii, args.out)
+        return
+    if args.calib is None:
+        ap.error("--calib is required (unless --cost)")
     cfg = json.loads((PAIR / "drafter" / "config.json").read_text())
     weights = {
         k[: -len(".weight")]: v.float()
@@ -86,6 +99,29 @@ def main() -> None:
         doc["mixes"][mix] = per
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def cost(rows: int, cols: int, radii: list[int], out: Path) -> None:
+    """Seconds of gptq_kquant per grid and radius on one random weight and Hessian (one thread), as ratios to
+    radius 0 measured in the same run."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(rows, cols, generator=g) * 0.02
+    X = torch.randn(4 * cols, cols, generator=g)
+    H = X.T @ X
+    doc: dict = {"what": cost.__doc__, "shape": [rows, cols], "threads": 1, "grids": {}}
+    for kind in ("Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K"):
+        secs = {}
+        for radius in radii:
+            t0 = time.perf_counter()
+            gptq_kquant(W, H, GRIDS[kind], scale_search=radius)
+            secs[radius] = round(time.perf_counter() - t0, 2)
+        doc["grids"][kind] = {
+            "seconds": {f"radius_{r}": v for r, v in secs.items()},
+            "ratio_to_radius_0": {f"radius_{r}": round(v / secs[radii[0]], 2) for r, v in secs.items()},
+        }
+        print(kind, doc["grids"][kind], flush=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
