@@ -499,6 +499,7 @@ def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
         "llama-quantize": ("o", lambda k: k.endswith("(llama-quantize)"), (-6, -10)),
         "llama-quantize + dflash-quant imatrix": ("s", lambda k: "imatrix" in k, None),
         "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: k.endswith("GPTQ on grid"), (5, 3)),
+        "the same, --gguf-scale-search 0": ("v", lambda k: k.endswith(SS0), None),
         "dflash-quant GPTQ v1 (Q4_0 g32 exact; others dequantized)": (
             "D",
             lambda k: "GPTQ g32" in k or "GPTQ v1" in k,
