@@ -50,6 +50,7 @@ BIN = Path("/work/llama-build/bin")
 PAIRS = {"Q4_K_M": "Q4_K_M", "Q3_K_M": "Q3_K_M", "Q3_K_S": "Q3_K_S", "Q2_K": "Q2_K_MIX", "IQ4_NL": "IQ4_NL"}
 OURS_PURE = ("Q4_K", "Q2_K")  # more points on the bits axis (our pure Q3_K = Q3_K_S on this drafter)
 IMATRIX_ONLY = ("IQ3_XXS", "IQ2_XS")  # llama-quantize refuses these without an imatrix
+SS0 = "dflash-quant GPTQ on grid, --gguf-scale-search 0"  # the solver before the in-loop scale search
 
 
 def run(cmd, **kw):
@@ -183,10 +184,17 @@ def free_port() -> int:
 
 
 def serve_and_measure(
-    target: Path, drafter: Path | None, ids: list[list[int]], max_new: int, log: Path, draft_max: int = 3
+    target: Path,
+    drafter: Path | None,
+    ids: list[list[int]],
+    max_new: int,
+    log: Path,
+    draft_max: int = 3,
+    threads: int = 2,
 ) -> dict:
     port = free_port()
-    cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", "2", "--temp", "0"]
+    cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", str(threads)]
+    cmd += ["--temp", "0"]
     if drafter is not None:
         cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max)]
     with open(log, "w") as fh:
@@ -265,12 +273,18 @@ def main() -> None:
         "run it; llama-server's own default is 3)",
     )
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t (1 on a shared machine)")
     ap.add_argument(
         "--kquant",
         action="store_true",
         help="issue #18: k-quant types three ways (llama-quantize, +imatrix, GPTQ on grid)",
     )
     ap.add_argument("--only", nargs="*", help="run only these row labels")
+    ap.add_argument(
+        "--scale-search-0",
+        action="store_true",
+        help="with --kquant: also our GPTQ with --gguf-scale-search 0 (no in-loop sub-block scale search)",
+    )
     ap.add_argument("--gptq-v1", action="store_true", help="with --kquant: add GPTQ v1 points (f32 GGUF)")
     ap.add_argument("--plot-with", type=Path, nargs="*", default=[], help="more result JSONs to draw (same prompts)")
     ap.add_argument("--out", type=Path, required=True)
@@ -305,6 +319,9 @@ def main() -> None:
                 f32, w / f"lqi-{kind}.gguf", kind, imatrix, pure=False
             )
             rows[f"{mine} dflash-quant GPTQ on grid"] = ours(w / f"ours-{mine}", "--gguf-type", mine)
+        if args.scale_search_0:
+            for mine in PAIRS.values():
+                rows[f"{mine} {SS0}"] = ours(w / f"ours-{mine}-ss0", "--gguf-type", mine, "--gguf-scale-search", "0")
         for kind in OURS_PURE:
             rows[f"{kind} dflash-quant GPTQ on grid"] = ours(w / f"ours-{kind}", "--gguf-type", kind)
         if args.gptq_v1:
@@ -318,11 +335,15 @@ def main() -> None:
         rows = {k: v for k, v in rows.items() if k in args.only or k.startswith("f32")}
     ids = prompts(args.num_prompts, args.prompts)
     draft_max = args.draft_max if args.draft_max is not None else block_size() - 1
-    baseline = serve_and_measure(target, None, ids, args.max_new_tokens, w / "server-target-only.log")
+    baseline = serve_and_measure(
+        target, None, ids, args.max_new_tokens, w / "server-target-only.log", threads=args.threads
+    )
     results: dict[str, dict] = {}
     meta = {"prompts": f"{args.prompts} first {len(ids)}", "spec_draft_n_max": draft_max, "argv": sys.argv[1:]}
     for label, path in rows.items():
-        m = serve_and_measure(target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log", draft_max)
+        m = serve_and_measure(
+            target, path, ids, args.max_new_tokens, w / f"server-{path.stem}.log", draft_max, args.threads
+        )
         m["same_output_as_target_only"] = sum(
             a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=False)
         )
@@ -363,17 +384,26 @@ def write(out: Path, results: dict, meta: dict, max_new: int, pairs: dict | None
 
 
 def paired(results: dict, draws: int = 4000) -> dict:
-    """Our GPTQ vs llama-quantize (without / with our imatrix) of the same per-tensor types: the tau-ratio
-    difference and its 95 % paired bootstrap interval over prompts (each draw resamples prompts once for all
-    three drafters and the f32 reference)."""
+    """Our GPTQ vs llama-quantize (without / with our imatrix) of the same per-tensor types, and vs our GPTQ
+    without the in-loop scale search: the tau-ratio difference and its 95 % paired bootstrap interval over
+    prompts (each draw resamples prompts once for both drafters and the f32 reference)."""
     import random
 
     f32 = results[next(iter(results))]["tau_per_request"]
     out = {}
     for kind, mine in PAIRS.items():
-        a = results.get(f"{mine} dflash-quant GPTQ on grid")
-        for suffix, key in (("", "vs_llama_quantize"), (" + dflash-quant imatrix", "vs_llama_quantize_imatrix")):
-            b = results.get(f"{kind} (llama-quantize{suffix})")
+        comparisons = (  # (ours, theirs, key)
+            (f"{mine} dflash-quant GPTQ on grid", f"{kind} (llama-quantize)", "vs_llama_quantize"),
+            (
+                f"{mine} dflash-quant GPTQ on grid",
+                f"{kind} (llama-quantize + dflash-quant imatrix)",
+                "vs_llama_quantize_imatrix",
+            ),
+            (f"{mine} dflash-quant GPTQ on grid", f"{mine} {SS0}", "vs_scale_search_0"),
+            (f"{mine} {SS0}", f"{kind} (llama-quantize)", "scale_search_0_vs_llama_quantize"),
+        )
+        for la, lb, key in comparisons:
+            a, b = results.get(la), results.get(lb)
             if a is None or b is None:
                 continue
             ta, tb = a["tau_per_request"], b["tau_per_request"]
@@ -468,7 +498,8 @@ def plot(result_json: Path, png: Path, more: list[Path] | tuple = ()) -> None:
     groups = {  # marker, row filter, label offset (the imatrix rows share llama-quantize's labels)
         "llama-quantize": ("o", lambda k: k.endswith("(llama-quantize)"), (-6, -10)),
         "llama-quantize + dflash-quant imatrix": ("s", lambda k: "imatrix" in k, None),
-        "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: "GPTQ on grid" in k, (5, 3)),
+        "dflash-quant GPTQ on llama.cpp grid": ("^", lambda k: k.endswith("GPTQ on grid"), (5, 3)),
+        "the same, --gguf-scale-search 0": ("v", lambda k: k.endswith(SS0), None),
         "dflash-quant GPTQ v1 (Q4_0 g32 exact; others dequantized)": (
             "D",
             lambda k: "GPTQ g32" in k or "GPTQ v1" in k,

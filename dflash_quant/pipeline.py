@@ -82,6 +82,7 @@ class GptqJob:
     gguf_type: str | None = (
         None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
     )
+    gguf_scale_search: int = 2  # with gguf_type: +- radius of the in-loop sub-block scale/min search (0: off)
     placement: Any = None  # devmap.Placement: the target split by --device-map / --max-memory
     hessian_device: str | None = None  # where the fp32 Hessians accumulate (default: the drafter's device)
     calib_checkpoint_every: int = 16  # prompts between calibration checkpoints (0: none)
@@ -242,6 +243,8 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
         from dflash_quant.quantize.kquant import grid_for
 
         grid_for(job.gguf_type)
+        if not 0 <= job.gguf_scale_search <= 8:
+            raise UsageError(f"--gguf-scale-search must be 0..8 (0: off), got {job.gguf_scale_search}")
         if job.format != "gguf":
             raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
     elif job.format != "gptq":
@@ -300,7 +303,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         from dflash_quant.quantize.kquant import quantize_drafter_kquant
 
         outcome = quantize_drafter_kquant(
-            drafter.model, stats, job.quant, job.gguf_type, progress=lambda name: advance()
+            drafter.model,
+            stats,
+            job.quant,
+            job.gguf_type,
+            progress=lambda name: advance(),
+            scale_search=job.gguf_scale_search,
         )
     else:
         outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
@@ -347,7 +355,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
                 **asdict(job.quant),
                 "skip": list(job.quant.skip),
                 "skipped": outcome.kept,
-                **_grid_fields(job.gguf_type, outcome.layers),
+                **_grid_fields(job.gguf_type, outcome.layers, job.gguf_scale_search),
             }
         ),
         device=str(device),
@@ -501,7 +509,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     )
 
 
-def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]]) -> dict[str, Any]:
+def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]], scale_search: int = 0) -> dict[str, Any]:
     """A run on a llama.cpp grid records that grid (a mix: its default grid, and bits/weight over all its
     tensors), not the GPTQ v1 defaults it did not use."""
     if gguf_type is None:
@@ -518,6 +526,7 @@ def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]]) -> dict[st
         "desc_act": False,
         "static_groups": False,
         "gguf_type": gguf_type,
+        "gguf_scale_search": scale_search,
         "bits_per_weight": round(sum(n * b for n, b in sizes) / total, 4) if total else grid.bits_per_weight,
     }
 

@@ -563,6 +563,13 @@ ROWS = [
         r"--gguf-type 'Q7_K' is not supported; use a pure type .* or a llama.cpp mix \(Q2_K_MIX",
     ),
     R(
+        "gptq-gguf-scale-search-range",
+        "arguments",
+        lambda c: c.gptq("--format", "gguf", "--gguf-type", "Q3_K_S", "--gguf-scale-search", "9"),
+        2,
+        r"--gguf-scale-search must be 0\.\.8 \(0: off\), got 9",
+    ),
+    R(
         "gptq-gguf-taps-last-layer",
         "models",
         lambda c: c.gptq(

@@ -149,3 +149,21 @@ def test_cli_verify_and_gptq_against_the_int4_target(int4_target, tmp_path):
         in card
     )
     assert read_safetensors(out)  # the artifact was written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tinygemm_target_on_cuda_matches_the_dequantized_path(int4_target, monkeypatch):
+    """On CUDA in bf16 the packed Linears run torch's int4 kernel; its logits match the same codes dequantized."""
+    ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0)).cuda()
+    kernel = load_target(int4_target, device="cuda", dtype=torch.bfloat16)
+    kinds = {m.kernel for m in kernel.model.modules() if isinstance(m, PackedLinear)}
+    assert kinds == {"tinygemm-int4"}, kinds
+    monkeypatch.setattr(PackedLinear, "tinygemm_ok", lambda self: False)
+    dequant = load_target(int4_target, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        a, b = kernel.model(ids).logits.float(), dequant.model(ids).logits.float()
+    rel = ((a - b).norm() / b.norm()).item()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"tinygemm vs dequant: relative logits difference {rel:.2e}, argmax agreement {agree:.4f}")
+    assert rel < 2e-2 and agree > 0.97

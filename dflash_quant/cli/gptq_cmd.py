@@ -194,6 +194,11 @@ def gptq(
         "= llama-quantize --pure) or llama-quantize's per-tensor mix (Q4_K_M | Q4_K_S | Q3_K_M | Q3_K_S | Q3_K_L | "
         "Q2_K_S | Q2_K_MIX = its Q2_K | Q5_K_M | Q5_K_S); ignores --bits/--group-size/--sym.",
     ),
+    gguf_scale_search: int = typer.Option(
+        2,
+        help="With --gguf-type: each sub-block's integer scale/min is re-chosen within +-N of the weighted fit by "
+        "the GPTQ loss when GPTQ reaches it (Hessian in the loop); 0 = the weighted fit alone.",
+    ),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -258,6 +263,7 @@ def gptq(
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,
+                gguf_scale_search=gguf_scale_search,
                 placement=placement,
                 hessian_device=hessian_device,
                 calib_checkpoint_every=calib_checkpoint_every,

@@ -75,12 +75,14 @@ def predict_calibration(
     kv_hessian: str = "block+context",
     attention_scores: bool = False,
     offloaded_weight_bytes: int = 0,
+    cublas_workspace_bytes: int = 0,
 ) -> CalibrationPrediction:
     """Peak calibration memory for the longest prompt (prompt_tokens) generating max_new_tokens.
 
     dtype: the run's compute dtype (activations and KV); weights are given in bytes as they are resident.
     attention_scores: count SDPA's [heads, P, P] scores (CPU math path; CUDA's fused kernels keep none).
     offloaded_weight_bytes: the largest module streamed in from cpu/disk offload (it is resident while it runs).
+    cublas_workspace_bytes: on CUDA, the cuBLAS workspace torch takes from its caching allocator (0 on CPU).
     """
     a = dtype_bytes(dtype)
     p, n = prompt_tokens, max_new_tokens
@@ -105,6 +107,8 @@ def predict_calibration(
         "hessians": sum(w * w * FP32 for w in hessian_widths(drafter, kv_hessian).values()),
         **acts,
     }
+    if cublas_workspace_bytes:
+        terms["cublas_workspace"] = cublas_workspace_bytes
     dkv = 2 * drafter.num_kv_heads * drafter.head_dim * a * drafter.num_layers * (p + n)
     transient = {
         "drafter_kv": dkv,
@@ -153,7 +157,7 @@ def calibration_budget(
     the activations and one streamed layer."""
     from dflash_quant.artifact.reports import CalibrationBudget, CalibrationFix, GpuRef
     from dflash_quant.errors import UsageError
-    from dflash_quant.memory.budget import resolve_drafter, resolve_target
+    from dflash_quant.memory.budget import DEFAULT_CUBLAS_WORKSPACE, resolve_drafter, resolve_target
     from dflash_quant.memory.gpus import resolve_gpu
 
     if prompt_tokens < 1 or max_new_tokens < 1:
@@ -162,7 +166,14 @@ def calibration_budget(
     d = resolve_drafter(drafter)
     card = resolve_gpu(gpu)
     pred = predict_calibration(
-        t.shape, t.weight_bytes, d.shape, d.bf16_bytes, prompt_tokens, max_new_tokens, kv_hessian=kv_hessian
+        t.shape,
+        t.weight_bytes,
+        d.shape,
+        d.bf16_bytes,
+        prompt_tokens,
+        max_new_tokens,
+        kv_hessian=kv_hessian,
+        cublas_workspace_bytes=DEFAULT_CUBLAS_WORKSPACE,
     )
     usable = card.total_bytes - RESERVE
     rep = CalibrationBudget(

@@ -15,11 +15,16 @@ The solver is GPTQ with lazy blocks of one super-block: when a super-block start
 the error feedback of every earlier column, and its scales are chosen on those updated weights with the
 Hessian diagonal as per-column importance (a weighted least-squares search like llama.cpp's imatrix path,
 then the integer sub-block scales/mins searched +-1 around the rounded value under the same weighted error).
+Then, when GPTQ reaches each sub-block (scale_search > 0, the default 2 of `gptq --gguf-scale-search`), its
+integer scale/min is re-chosen within +-scale_search of that fit by the GPTQ loss of running the sub-block's
+columns on each candidate: the full Hessian in the loop, not only its diagonal (chosen on the calibration
+prompts: fit on one half, error measured on the other; benchmarks/kquant_scale_search.py).
 Inside the super-block each column is rounded on that fixed grid and its error spread over later columns
 through the Cholesky factor of H^-1. Where this differs from llama.cpp's own quantizer: (1) error feedback;
 (2) the scales see the updated weights, not the original ones; (3) importance is diag(X^T X) of the drafter's
-own inputs (llama.cpp without an imatrix weights by x^2 of the weights themselves); (4) Q3_K/Q2_K scale search
-is a single weighted least-squares grid search, not llama.cpp's iterative make_q3_quants / make_qkx2_quants.
+own inputs (llama.cpp without an imatrix weights by x^2 of the weights themselves); (4) the scale search
+is one weighted least-squares sweep plus the in-loop search above, not llama.cpp's iterative make_q3_quants /
+make_qkx2_quants.
 Per-tensor mixes (Q4_K_M, Q3_K_M, ...) assign one of these grids to each tensor as llama-quantize does
 (dflash_quant/quantize/kmix.py).
 """
@@ -310,10 +315,70 @@ def rtn_kquant(weight: torch.Tensor, grid: KGrid, imp: torch.Tensor | None = Non
     return KQuantWeight(grid, codes, d, dmin, sc, m, name=name)
 
 
+def _search_in_loop(grid, X, U, d, dmin, sc, m, radius):
+    """Integer scale/min of one sub-block chosen with the Hessian in the loop: for every candidate (sc + i,
+    m + j), |i|, |j| <= radius, run GPTQ over the sub-block's columns X [rows, sub] (error feedback inside it
+    through U, the sub-block's slice of the Cholesky factor of H^-1) and keep, per row, the candidate with the
+    least GPTQ loss sum_i ((w_i - q_i) / U_ii)^2, the sub-block's share of tr(E H E^T)."""
+    span = range(-radius, radius + 1)
+    pairs = [(i, j) for i in span for j in (span if grid.has_min else (0,))]
+    dsc = torch.tensor([p[0] for p in pairs], dtype=sc.dtype).unsqueeze(1)
+    dm = torch.tensor([p[1] for p in pairs], dtype=m.dtype).unsqueeze(1)
+    tsc = (sc.unsqueeze(0) + dsc).clamp(grid.scale_lo, grid.scale_max)  # [C, rows]
+    tm = (m.unsqueeze(0) + dm).clamp(0, grid.scale_max)
+    step = d.unsqueeze(0) * tsc.float()
+    off = dmin.unsqueeze(0) * tm.float()
+    Xc = X.unsqueeze(0).repeat(len(pairs), 1, 1)
+    loss = torch.zeros(len(pairs), X.shape[0])
+    for i in range(X.shape[1]):
+        w = Xc[:, :, i]
+        deq = decode(grid, encode(grid, w, step, off).long(), step, off)
+        err = (w - deq) / U[i, i]
+        Xc[:, :, i:] -= err.unsqueeze(2) * U[i, i:]
+        loss += err * err
+    best = loss.argmin(0, keepdim=True)
+    return tsc.gather(0, best).squeeze(0), tm.gather(0, best).squeeze(0)
+
+
+def _block_pass(grid, W1, U1, d, dmin, sc, m, scale_search):
+    """GPTQ over one super-block (columns W1 [rows, block] already carrying all earlier feedback) on the given
+    scales; returns (codes, d, dmin, sc, m, errors scaled by U's diagonal)."""
+    W1 = W1.clone()
+    sc, m = sc.clone(), m.clone()
+    step, off = column_grid(grid, d, dmin, sc, m)
+    codes = torch.empty(W1.shape, dtype=torch.uint8)
+    Err1 = torch.zeros_like(W1)
+    searched = scale_search > 0 and grid.name != "IQ4_NL"
+    for i in range(grid.block):
+        if searched and i % grid.sub == 0:  # the sub-block's columns now carry all earlier feedback
+            j, e = i // grid.sub, i + grid.sub
+            sc[:, j], m[:, j] = _search_in_loop(
+                grid, W1[:, i:e], U1[i:e, i:e], d[:, 0], dmin[:, 0], sc[:, j], m[:, j], scale_search
+            )
+            step[:, i:e] = (d * sc[:, j : j + 1].float()).expand(-1, grid.sub)
+            off[:, i:e] = (dmin * m[:, j : j + 1].float()).expand(-1, grid.sub)
+        w = W1[:, i]
+        q = encode(grid, w, step[:, i], off[:, i])
+        deq = decode(grid, q.long(), step[:, i], off[:, i])
+        codes[:, i] = q.to(torch.uint8)
+        err = (w - deq) / U1[i, i]
+        W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+        Err1[:, i] = err
+    return codes, d, dmin, sc, m, Err1
+
+
 def gptq_kquant(
-    weight: torch.Tensor, hessian: torch.Tensor, grid: KGrid, *, damp: float = 0.01, name: str = ""
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    grid: KGrid,
+    *,
+    damp: float = 0.01,
+    name: str = "",
+    scale_search: int = 0,
 ) -> KQuantWeight:
-    """GPTQ of weight [out, in] against H [in, in] on `grid` (lazy blocks = one super-block)."""
+    """GPTQ of weight [out, in] against H [in, in] on `grid` (lazy blocks = one super-block). scale_search > 0:
+    each sub-block's integer scale/min is re-chosen, within +-scale_search of the weighted fit, by the GPTQ loss
+    of that sub-block when GPTQ reaches it (_search_in_loop); 0 keeps the diagonal-weighted fit alone."""
     _check(weight, grid, name)
     W = weight.detach().float().clone()
     H = hessian.detach().float().to(W.device).clone()
@@ -330,23 +395,14 @@ def gptq_kquant(
     ds, dmins, scs, ms = [], [], [], []
     for i1 in range(0, n, B):
         i2 = i1 + B
-        W1 = W[:, i1:i2].clone()
-        d, dmin, sc, m = fit_block(grid, W1, imp[i1:i2])
+        U1 = U[i1:i2, i1:i2]
+        d, dmin, sc, m = fit_block(grid, W[:, i1:i2], imp[i1:i2])
+        q, d, dmin, sc, m, Err1 = _block_pass(grid, W[:, i1:i2], U1, d, dmin, sc, m, scale_search)
+        codes[:, i1:i2] = q
         ds.append(d)
         dmins.append(dmin)
         scs.append(sc)
         ms.append(m)
-        step, off = column_grid(grid, d, dmin, sc, m)
-        U1 = U[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
-        for i in range(B):
-            w = W1[:, i]
-            q = encode(grid, w, step[:, i], off[:, i])
-            deq = decode(grid, q.long(), step[:, i], off[:, i])
-            codes[:, i1 + i] = q.to(torch.uint8)
-            err = (w - deq) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
     return KQuantWeight(
         grid,
@@ -476,10 +532,10 @@ def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tenso
 # ------------------------------------------------------------------------------------------ whole drafter
 
 
-def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=None):
+def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=None, scale_search: int = 2):
     """GPTQ (or RTN) of the chosen Linears on a llama.cpp grid; weights replaced in place by their exact
-    dequantized values (so the parity check measures what the GGUF holds). Returns a QuantOutcome whose
-    weights are KQuantWeights."""
+    dequantized values (so the parity check measures what the GGUF holds). scale_search: gptq_kquant's in-loop
+    sub-block scale/min search radius. Returns a QuantOutcome whose weights are KQuantWeights."""
     import time
 
     from dflash_quant.calibration.capture import input_group
@@ -510,7 +566,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
                     f"too few calibration rows reached {name}; raise --num-prompts or --max-new-tokens"
                 )
             assert hessian is not None  # acc checked above
-            qw = gptq_kquant(weight, hessian, grid, damp=settings.damp, name=name)
+            qw = gptq_kquant(weight, hessian, grid, damp=settings.damp, name=name, scale_search=scale_search)
         else:
             qw = rtn_kquant(weight, grid, None if hessian is None else hessian.diagonal(), name=name)
         deq = qw.dequantize()
