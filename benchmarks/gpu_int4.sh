@@ -4,7 +4,7 @@
 #   graph); gpu tests of the kernels; speculative tokens/s, bf16 vs int4 drafter, on the reference pair (its GPTQ
 #   artifact) and on a random Qwen3-8B pair of full size.
 # Needs the carried wheels in .wheels/ (gemlite); without them gemlite is reported as not installed.
-# Steps run in order of importance; one that would start after BUDGET seconds is skipped (and says so).
+# Steps run in order of importance, each cut at BUDGET seconds in all; one that would start later is skipped.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
@@ -13,7 +13,8 @@ BUDGET=${BUDGET:-450}
 step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout unless the budget is spent
   local name=$1 limit=$2; shift 2
   if (( SECONDS + 20 > BUDGET )); then echo "skipped $name (budget: ${SECONDS}s of ${BUDGET}s used)" | tee -a "$OUT/steps.log"; return; fi
-  local t0=$SECONDS
+  local t0=$SECONDS left=$((BUDGET - SECONDS))
+  (( limit > left )) && limit=$left  # no step runs past the budget
   timeout "$limit" "$@"; local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.log"
 }
