@@ -26,7 +26,7 @@ fi
 $PY -c "import torch, triton, importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, *(f'{m} {bool(u.find_spec(m))}' for m in ('gemlite', 'compressed_tensors')))" | tee "$OUT/versions.txt"
 step gemm_g128_sym 200 $PY benchmarks/gpu_int4.py gemm --group-size 128 --out "$OUT/int4_gemm_g128_sym.json" > "$OUT/gemm_g128.log" 2>&1
 tail -c 3000 "$OUT/gemm_g128.log" | grep -v '^ ' | tail -5
-step gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_int4_kernel.py > "$OUT/gpu_tests.log" 2>&1
+step gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu -k "not gemlite" tests/test_int4_kernel.py > "$OUT/gpu_tests.log" 2>&1
 tail -15 "$OUT/gpu_tests.log"
 # the reference pair's GPTQ int4 drafter (calibrated on the CPU: the artifact does not depend on the device)
 step ref_gptq 90 $PY -m dflash_quant.cli.app gptq reference --device cpu --output /tmp/ref-int4 --overwrite --no-verify \
@@ -49,4 +49,7 @@ step gptq_cuda 170 $PY -m dflash_quant.cli.app gptq reference --device cuda --ou
   --no-check-cache --json > "$OUT/gptq_cuda.json" 2> "$OUT/gptq_cuda.log"
 cp /tmp/ref-int4-cuda/parity.json "$OUT/gptq_cuda_parity.json" 2>/dev/null
 cp /tmp/ref-int4-cuda/README.md "$OUT/gptq_cuda_card.md" 2>/dev/null
+step gpu_tests_gemlite 100 $PY -m pytest -q -p no:cacheprovider -m gpu -k gemlite tests/test_int4_kernel.py \
+  > "$OUT/gpu_tests_gemlite.log" 2>&1
+tail -5 "$OUT/gpu_tests_gemlite.log"
 cat "$OUT/steps.log"
