@@ -227,7 +227,7 @@ def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, 
     dev = torch.device("cuda")
     target = load_target("reference:target", device=dev, dtype=torch.bfloat16)
     prompts = encode_prompts(target, "reference:heldout", 8, False, 48)
-    taus = {}
+    taus, hidden = {}, {}
     for choice in ("dequant", kernel):
         loaded = load_drafter(rtn_artifact, device=dev, dtype=torch.bfloat16)
         try:
@@ -240,9 +240,28 @@ def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, 
         with torch.inference_mode():
             runs = spec_runs(loaded.model, target.model, prompts, settings)
         taus[choice] = sum(sum(r.acceptance_lengths) for r in runs) / sum(len(r.acceptance_lengths) for r in runs)
+        hidden[choice] = _first_block(loaded.model, target.model, prompts[0])
     # no kernel here is exact (summation order; gemlite/tinygemm also round scales), so the gate is the tau
     # ratio; a broken kernel drafts garbage and tau falls towards 1 (the output stays the target's either way)
     assert abs(taus[kernel] / taus["dequant"] - 1) <= 0.03, taus
+    # one drafter forward over the prompt and a block: the kernel's hidden states against the dequantized ones
+    rel = float((hidden[kernel] - hidden["dequant"]).norm() / hidden["dequant"].norm())
+    assert rel < 2e-2, rel
+
+
+@torch.inference_mode()
+def _first_block(drafter, target, ids: list[int]) -> torch.Tensor:
+    """The drafter's hidden states for the first block after a prompt (as bench_prefill.py runs it), fp32."""
+    from dflash_quant.model import DraftCache
+
+    dev = next(drafter.parameters()).device
+    prompt = torch.tensor([ids], device=dev)
+    out = target(prompt, output_hidden_states=True)
+    ctx = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
+    block = torch.full((1, drafter.block_size), drafter.mask_token_id, device=dev)
+    block[0, 0] = out.logits[0, -1].argmax()
+    positions = torch.arange(0, len(ids) + drafter.block_size, device=dev)[None]
+    return drafter(target.get_input_embeddings()(block), ctx, positions, cache=DraftCache()).float()
 
 
 def test_parity_and_card_record_how_the_quantized_drafter_ran(reference_artifact):
