@@ -404,3 +404,23 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
             runs[name] = spec_runs(loaded.model, target.model, prompts, settings)
     assert [r.tokens for r in runs["triton"]] == [r.tokens for r in runs["dequant"]]
     assert [r.acceptance_lengths for r in runs["triton"]] == [r.acceptance_lengths for r in runs["dequant"]]
+
+
+def test_a_kernel_that_cannot_run_falls_back_or_refuses(rtn_artifact, monkeypatch):
+    """Every kernel passes over a Linear it cannot run: `auto` then keeps the dequantized weights and says why
+    for each kernel tried; a kernel asked for by name is a usage error naming the Linear."""
+    import dflash_quant.int4_linear as il
+    from dflash_quant.loading import load_drafter
+
+    loaded = load_drafter(rtn_artifact)
+    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["triton", "tinygemm"], None))
+    info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto")
+    assert info == {
+        "kernel": "dequant",
+        "linears": 0,
+        "reason": "triton: fc: int4 kernels need CUDA; tinygemm: fc: int4 kernels need CUDA",
+    }
+    assert all(isinstance(m, torch.nn.Linear) for n, m in loaded.model.named_modules() if n.endswith("_proj"))
+    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["tinygemm"], None))
+    with pytest.raises(UsageError, match=r"--int4-kernel tinygemm cannot run this drafter \(tinygemm: fc: .*dequant"):
+        il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "tinygemm")
