@@ -4,8 +4,8 @@ Kernels (chosen by `--int4-kernel`, `auto` picks the first that runs here, in KE
 - triton:   ours (dflash_quant/int4_triton.py), split-K on GPTQ v1's own qweight layout with fp16 scales as
             stored; its dequantized tile equals the bf16 weight of the dequantized path bit for bit, so only
             the summation order differs from it.
-- gemlite:  gemlite's A16Wn (Triton, group-wise scales and zeros); scales and zeros*scales held in bf16.
 - tinygemm: torch's `_weight_int4pack_mm`; scales and zeros held in bf16, inputs a multiple of 128 wide.
+- gemlite:  gemlite's A16Wn (Triton, group-wise scales and zeros); scales and zeros*scales held in bf16.
 `dequant` keeps today's path (weights dequantized to the model dtype). Act-order weights have their input
 columns permuted once at load so each group is contiguous; forward gathers the input columns to match.
 """
@@ -71,6 +71,10 @@ def kernel_problem(name: str, codes: Int4Codes, device: torch.device) -> str | N
     out_f, in_f = codes.shape
     if device.type != "cuda":
         return "int4 kernels need CUDA"
+    try:
+        codes.in_order()
+    except ValueError as exc:
+        return f"its input groups cannot be made contiguous tiles ({exc})"
     if name in ("triton", "gemlite") and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if name == "gemlite" and importlib.util.find_spec("gemlite") is None:

@@ -60,6 +60,9 @@ def test_groups_of_unequal_width_cannot_be_tiled():
     c.g_idx = torch.cat([torch.zeros(40, dtype=torch.long), torch.arange(88) // 32 + 1]).clamp(max=3)
     with pytest.raises(ValueError, match="unequal width"):
         c.in_order()
+    # every kernel passes over such a Linear (kernel_problem only reads the device's type: runs on CPU too)
+    for kernel in ("triton", "tinygemm", "gemlite"):
+        assert "cannot be made contiguous tiles" in (kernel_problem(kernel, c, torch.device("cuda")) or "")
 
 
 GPTQ4 = {"quant_method": "gptq", "bits": 4, "group_size": 128}
