@@ -180,6 +180,11 @@ def gptq(
     ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
+    lookup_max_tokens: int | None = typer.Option(
+        None,
+        help="With --lookup: lookup tokens per step at most (default: block size - 1; with mode `both` at least "
+        "that: the lookup row may be longer than the drafter's block).",
+    ),
     fmt: str = typer.Option(
         "gptq",
         "--format",
@@ -205,7 +210,7 @@ def gptq(
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
         from dflash_quant.lookup import LookupSettings
 
-        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram)
+        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
         look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
