@@ -15,7 +15,8 @@ Which proposal a step verifies (`mode`), decided before the verify forward:
   (history + the drafted tokens): both proposals in one forward, one after the other.
 - `both` (default): the drafter always runs; on a match the target verifies the drafter's block and the lookup
   continuation as two rows of one batched forward and the step commits the row that got further. The lookup
-  row has max(block - 1, max_tokens) tokens; when it is longer than the block, the drafter's row is filled up
+  row has max_tokens tokens (default BOTH_TOKENS, at least block - 1: on text that reproduces its history a
+  match often continues far past the block); when it is longer than the block, the drafter's row is filled up
   with the lookup continuation of (history + its drafts) (`Lookup.two_rows`). Per step it never commits fewer
   tokens than the drafter's block alone would, by design; it costs a second row in the verify forward on
   lookup steps (`verified_tokens` counts it).
@@ -45,6 +46,9 @@ import torch
 
 MODES = ("prefer", "agree", "extend", "both")
 DEFAULT_MODE = "both"
+# `both`'s lookup row by default (at least the drafter's block - 1): chosen on the development split
+# (benchmarks/lookup_modes.py, README "Lookup-augmented drafting")
+BOTH_TOKENS = 24
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class LookupSettings:
     mode: str = DEFAULT_MODE
     min_ngram: int = 2
     max_ngram: int = 4
-    max_tokens: int | None = None  # lookup tokens per step; default: the drafter's block - 1
+    max_tokens: int | None = None  # lookup tokens per step; default: `tokens`
 
     def check(self, block: int | None = None) -> None:
         """Refuse bad settings; `block` (the drafter's block size, when known) bounds `both`'s row length."""
@@ -72,6 +76,13 @@ class LookupSettings:
                 f"lookup mode `both` verifies the lookup as a second row at least that long: use "
                 f">= {block - 1}, leave it unset, or use another mode"
             )
+
+    def tokens(self, block: int) -> int:
+        """Lookup tokens per step at most: max_tokens, else `both`: BOTH_TOKENS (at least block - 1), other
+        modes: the drafter's block - 1."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return max(BOTH_TOKENS, block - 1) if self.mode == "both" else block - 1
 
     def label(self) -> str:
         return f"{self.mode}, n-gram {self.min_ngram}-{self.max_ngram}"
@@ -118,7 +129,7 @@ class Lookup:
     def __init__(self, settings: LookupSettings, block: int):
         settings.check(block)
         self.settings = settings
-        self.count = settings.max_tokens or block - 1
+        self.count = settings.tokens(block)
         self.seconds = 0.0
 
     @property

@@ -343,7 +343,7 @@ def lookup_summary(
         "mode": lk.mode,
         "min_ngram": lk.min_ngram,
         "max_ngram": lk.max_ngram,
-        "max_tokens": lk.max_tokens or block - 1,
+        "max_tokens": lk.tokens(block),
         "tau": full["tau"],
         "tau_without": plain["tau"],
         "tau_ratio": _ratio(full["tau"], plain["tau"]),

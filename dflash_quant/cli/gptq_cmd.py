@@ -182,8 +182,8 @@ def gptq(
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
     lookup_max_tokens: int | None = typer.Option(
         None,
-        help="With --lookup: lookup tokens per step at most (default: block size - 1; with mode `both` at least "
-        "that: the lookup row may be longer than the drafter's block).",
+        help="With --lookup: lookup tokens per step at most (mode `both`: the lookup row's length, "
+        "default 24, at least block size - 1; other modes: default block size - 1).",
     ),
     fmt: str = typer.Option(
         "gptq",

@@ -139,8 +139,8 @@ def verify(
         None,
         "--lookup-max-tokens",
         "--lookup-tokens",
-        help="Lookup tokens per step at most (default: block size - 1; with mode `both` at least that: the lookup "
-        "row may be longer than the drafter's block).",
+        help="Lookup tokens per step at most (mode `both`: the lookup row's length, default 24, "
+        "at least block size - 1; other modes: default block size - 1).",
     ),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
