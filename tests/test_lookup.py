@@ -67,6 +67,17 @@ def test_continuation_follows_the_most_recent_longest_match_and_repeats_periods(
     assert continuation(torch.tensor([1, 2, 3, 9, 2, 3]), LookupSettings(min_ngram=3, max_ngram=4), 2).tolist() == []
 
 
+def test_both_defaults_to_a_lookup_row_longer_than_the_block():
+    from dflash_quant.lookup import BOTH_TOKENS
+
+    assert LookupSettings().tokens(8) == BOTH_TOKENS > 7 and LookupSettings().tokens(40) == 39
+    assert LookupSettings("extend").tokens(8) == 7 and LookupSettings("both", max_tokens=7).tokens(8) == 7
+    LookupSettings("both", max_tokens=7).check(8)
+    with pytest.raises(UsageError, match="--lookup-max-tokens 6 is shorter than the drafter's block"):
+        LookupSettings("both", max_tokens=6).check(8)
+    LookupSettings("extend", max_tokens=2).check(8)  # other modes may propose fewer than a block
+
+
 def test_settings_are_checked():
     for bad in (
         LookupSettings(mode="nope"),
@@ -245,16 +256,16 @@ def test_two_rows_keep_the_target_distribution():
 
 @pytest.mark.parametrize(
     ("family", "max_tokens"),
-    [(None, None), ("qwen3_5", None), ("qwen3_next", None), (None, 9), ("qwen3_5", 9), ("qwen3_next", 9)],
+    [(None, 3), ("qwen3_5", 3), ("qwen3_next", 3), (None, 9), ("qwen3_5", 9), ("qwen3_next", 9)],
 )
 def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, max_tokens, monkeypatch):
     """`both` verifies two rows on lookup steps (the target's cache forked, one row kept, linear-attention
     state included) and the output is still the target's greedy output. The random tiny targets do not copy,
     so the lookup here is an oracle (the target's own continuation, its last token wrong every other step) that
-    makes the lookup row win, fully and partly, while the random drafter's row loses. With max_tokens 9 the
-    lookup row is 3x the drafter's block (block 4: 3 drafts, then 6 tokens of the tail search in row 0)."""
+    makes the lookup row win, fully and partly, while the random drafter's row loses. max_tokens 3: both rows
+    as long as the block (4: 3 drafts); 9: the lookup row 3x as long (row 0: 3 drafts, then 6 tail tokens)."""
     drafter, target = pair
-    count = max_tokens or 3
+    count = max_tokens
     if family is not None:
         target = load_target(save_hybrid_target(tmp_path / family, family)).model
     ids = _repeating_prompt(5)
