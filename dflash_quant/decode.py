@@ -40,10 +40,11 @@ class SpecResult:
     # lookup step, else 1) and, over the run, the tokens those forwards processed (rows x length).
     verify_rows: list[int] = field(default_factory=list)
     verified_tokens: int = 0
-    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps, else []
+    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps and on
+    # steps where the lookup row began with the drafts and both went as one longer row; else []
     row_accepted: list[list[int]] = field(default_factory=list)
-    # `both`: per step, the drafter's tokens at the head of row 0 on two-row steps (the rest of that row is the
-    # lookup continuation of history + those drafts, when the lookup row is longer), else 0
+    # `both`: per step, the drafter's tokens at the head of row 0 on the steps with row_accepted (the rest of
+    # that row is lookup tokens, when the lookup row is longer than the block), else 0
     row_drafts: list[int] = field(default_factory=list)
 
     @property
@@ -171,7 +172,7 @@ def speculative_generate(
         blk = ids[start : start + size].clone()
         draft_probs: Any = None  # full distribution (v1), (ids, probs) (DFlash2 / lookup), or None at T=0
         keep, ran_drafter = size - 1, False
-        look, rows, row_drafts = ids[:0], None, 0
+        look, rows, row_drafts, merged = ids[:0], None, 0, False
         if looker is not None and size > 1 and not looker.runs_drafter_always:  # `prefer`: lookup first
             look = looker.search(ids[: start + 1], min(looker.count, max_len - start - 1))
         if look.shape[0]:
@@ -185,7 +186,8 @@ def speculative_generate(
             blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
             if looker is not None and looker.second_row:  # `both`: the lookup as a second row
                 blk, rows, draft_probs = looker.two_rows(ids, start, blk, draft_probs, max_len, head.weight.shape[0])
-                row_drafts = size - 1 if rows is not None else 0
+                merged = rows is None and blk.shape[0] > size  # the lookup row starts with the drafts: one row
+                row_drafts = size - 1 if rows is not None or merged else 0
             elif looker is not None:
                 look, keep = looker.combine(ids, start, blk[1:], max_len - start - 1)
                 if look.shape[0]:
@@ -206,7 +208,7 @@ def speculative_generate(
         result.target_forwards += 1
         result.verified_tokens += batch.numel()
         result.verify_rows.append(batch.shape[0])
-        if rows is None:
+        if rows is None and not merged:
             result.row_accepted.append([])
         row = 0
         logits = out.logits[0]  # on the lm_head's device; only the picked tokens / probabilities move
@@ -226,6 +228,8 @@ def speculative_generate(
             greedy = logits.argmax(-1).to(device)
             acc = int((blk[1:] == greedy[:-1]).int().cumprod(0).sum())
             bonus = int(greedy[acc])
+        if merged:  # both rows in one: each got as far as the row
+            result.row_accepted.append([acc, acc])
         ids[start : start + acc + 1] = blk[: acc + 1]
         ids[start + acc + 1] = bonus
         produced = min(acc + 1, max_len - start - 1)
