@@ -270,6 +270,8 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
         if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
             raise UsageError(problem)
+    if job.lookup is not None:  # its row length against the drafter's block, before any compute
+        job.lookup.check(drafter.config.block_size)
     timings["load_s"] = time.perf_counter() - t0
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 

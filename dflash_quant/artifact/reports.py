@@ -222,7 +222,7 @@ class LookupCheck(Record):
     mode: str | None = doc("`prefer` | `agree` | `extend` | `both`: which proposal a step verifies")
     min_ngram: int | None = doc("shortest suffix a match needs")
     max_ngram: int | None = doc("longest suffix searched")
-    max_tokens: int | None = doc("lookup tokens proposed per step at most")
+    max_tokens: int | None = doc("lookup tokens proposed per step at most (`both`: the lookup row's length)")
     tau: float | None = doc("tau with lookup")
     tau_without: float | None = doc("tau of the same drafter, prompts and target without lookup (the Check's tau)")
     tau_ratio: float | None = doc("tau / tau_without")

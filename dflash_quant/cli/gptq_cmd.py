@@ -180,6 +180,11 @@ def gptq(
     ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
+    lookup_max_tokens: int | None = typer.Option(
+        None,
+        help="With --lookup: lookup tokens per step at most (mode `both`: the lookup row's length, "
+        "default 24, at least block size - 1; other modes: default block size - 1).",
+    ),
     fmt: str = typer.Option(
         "gptq",
         "--format",
@@ -210,7 +215,7 @@ def gptq(
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
         from dflash_quant.lookup import LookupSettings
 
-        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram)
+        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
         look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
