@@ -148,7 +148,6 @@ def _calibrate(
         store = CalibStore(job.calib_store, job.calib_store_max_bytes)
         skey = store_key(key, drafter, target, prompts, stop_tokens(target), device, hdev)
         stats = store.load(skey, job.quant.sequential, hdev)
-        info["store"] = "off"
         if stats is not None:
             info.update(cached=True, store="hit")
             return stats, info

@@ -94,8 +94,8 @@ class Calibration(Record):
     chat_template: bool | None = doc("prompts wrapped in the tokenizer's chat template")
     cached: bool | None = doc("statistics reused from --calib-cache or the calibration store")
     store: str | None = doc(
-        "calibration store (~/.cache/dflash-quant/calib, --no-calib-cache: off): `hit`, `stored`, `off` "
-        "(a miss not stored), or `not stored: <why>`",
+        "calibration store (~/.cache/dflash-quant/calib): `hit`, `stored`, or `not stored: <why>` (absent "
+        "with --no-calib-cache or --calib-cache)",
         omit_none=True,
     )
     resumed_prompts: int | None = doc(
