@@ -63,6 +63,8 @@ class GptqJob:
     calib_max_new_tokens: int = 64
     kv_hessian: str = "block+context"
     calib_cache: Path | None = None
+    calib_store: Path | None = None  # the user's calibration store (calibration.store; None: off)
+    calib_store_max_bytes: int = 20_000_000_000  # its size cap (oldest-used entries evicted first)
     verify: bool = True
     eval_prompts: str | None = None
     eval_num_prompts: int | None = None
@@ -140,6 +142,16 @@ def _calibrate(
         if stats is not None:
             info["cached"] = True
             return stats, info
+    store, skey = None, None
+    if job.calib_cache is None and job.calib_store is not None:  # an explicit --calib-cache takes its place
+        from dflash_quant.calibration.store import CalibStore, store_key
+
+        store = CalibStore(job.calib_store, job.calib_store_max_bytes)
+        skey = store_key(key, drafter, target, prompts, stop_tokens(target), device, hdev)
+        stats = store.load(skey, job.quant.sequential, hdev)
+        if stats is not None:
+            info.update(cached=True, store="hit")
+            return stats, info
     from dflash_quant.calibration import checkpoint as ckpt
     from dflash_quant.calibration.checkpoint import prompts_digest
 
@@ -173,6 +185,8 @@ def _calibrate(
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
+    if store is not None and skey is not None:
+        info["store"] = store.save(stats, skey)
     ckpt.clear(ckdir)
     if job.calib_cache is None and ckdir.is_dir() and not any(ckdir.iterdir()):
         ckdir.rmdir()

@@ -848,6 +848,13 @@ ROWS = [
         r"--calib-cache.*not a directory",
     ),
     R(
+        "calib-cache-max-gb-negative",
+        "arguments",
+        lambda c: c.gptq("--calib-cache-max-gb", "-1"),
+        2,
+        r"'--calib-cache-max-gb'.*greater than or equal to 0.*--help",
+    ),
+    R(
         "foreign-lock-file",
         "concurrency",
         lambda c: c.gptq() if c.file(".out.lock", "my notes\n") else [],

@@ -133,7 +133,22 @@ def gptq(
     kv_hessian: str = typer.Option(
         "block+context", help="Rows in the k/v Hessian: block, or block+context (default: measured better)."
     ),
-    calib_cache: Path | None = typer.Option(None, help="Directory to save/reuse calibration statistics."),
+    calib_cache: Path | None = typer.Option(
+        None,
+        help="Directory to save/reuse calibration statistics (replaces the store below for this run).",
+    ),
+    no_calib_cache: bool = typer.Option(
+        False,
+        "--no-calib-cache",
+        help="Neither read nor write the calibration store (~/.cache/dflash-quant/calib): always recalibrate.",
+    ),
+    calib_cache_max_gb: float = typer.Option(
+        20.0,
+        "--calib-cache-max-gb",
+        min=0.0,
+        envvar="DFLASH_QUANT_CALIB_CACHE_MAX_GB",
+        help="Size cap of the calibration store; the least recently used entries are evicted first.",
+    ),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the bf16-vs-quantized parity gate."),
     eval_prompts: str | None = typer.Option(
         None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."
@@ -220,6 +235,7 @@ def gptq(
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
+            from dflash_quant.calibration.store import default_dir as calib_store_dir
             from dflash_quant.check_cache import default_dir
             from dflash_quant.pipeline import GptqJob, run_gptq
             from dflash_quant.quantize.drafter import QuantSettings
@@ -249,6 +265,8 @@ def gptq(
                 calib_max_new_tokens=max_new_tokens,
                 kv_hessian=kv_hessian,
                 calib_cache=calib_cache,
+                calib_store=None if no_calib_cache else calib_store_dir(),
+                calib_store_max_bytes=int(calib_cache_max_gb * 1e9),
                 verify=verify,
                 eval_prompts=eval_prompts,
                 eval_num_prompts=eval_num_prompts,
