@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument(
         "--settings",
-        default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14,both:2-4,both:3-6",
+        default="prefer:2-4,prefer:3-6,agree:2-4,agree:3-6,extend:2-4,extend:3-6,extend:2-4:14,both:2-4:7,both:3-6:7",
+        help="mode:min-max[:max lookup tokens], comma-separated (`both` without tokens: its default row length)",
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

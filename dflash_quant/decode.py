@@ -40,8 +40,12 @@ class SpecResult:
     # lookup step, else 1) and, over the run, the tokens those forwards processed (rows x length).
     verify_rows: list[int] = field(default_factory=list)
     verified_tokens: int = 0
-    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps, else []
+    # `both`: per step, the accepted tokens of [the drafter's row, the lookup's row] on two-row steps and on
+    # steps where the lookup row began with the drafts and both went as one longer row; else []
     row_accepted: list[list[int]] = field(default_factory=list)
+    # `both`: per step, the drafter's tokens at the head of row 0 on the steps with row_accepted (the rest of
+    # that row is lookup tokens, when the lookup row is longer than the block), else 0
+    row_drafts: list[int] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -168,7 +172,7 @@ def speculative_generate(
         blk = ids[start : start + size].clone()
         draft_probs: Any = None  # full distribution (v1), (ids, probs) (DFlash2 / lookup), or None at T=0
         keep, ran_drafter = size - 1, False
-        look, rows = ids[:0], None
+        look, rows, row_drafts, merged = ids[:0], None, 0, False
         if looker is not None and size > 1 and not looker.runs_drafter_always:  # `prefer`: lookup first
             look = looker.search(ids[: start + 1], min(looker.count, max_len - start - 1))
         if look.shape[0]:
@@ -180,12 +184,10 @@ def speculative_generate(
             result.drafter_forwards += 1
             ran_drafter = True
             blk[1:], draft_probs = drafter.propose(hidden, blk[:1], head, temperature, generator)
-            if looker is not None and looker.second_row:  # `both`: the lookup as a second row, same length
-                look = looker.search(ids[: start + 1], size - 1)
-                if look.shape[0] and not torch.equal(look, blk[1:]):  # the same block needs no second row
-                    rows = torch.stack([blk, torch.cat([blk[:1], look])])
-                    if draft_probs is not None:
-                        draft_probs = join_proposals(draft_probs, size - 1, look[:0], head.weight.shape[0])
+            if looker is not None and looker.second_row:  # `both`: the lookup as a second row
+                blk, rows, draft_probs = looker.two_rows(ids, start, blk, draft_probs, max_len, head.weight.shape[0])
+                merged = rows is None and blk.shape[0] > size  # the lookup row starts with the drafts: one row
+                row_drafts = size - 1 if rows is not None or merged else 0
             elif looker is not None:
                 look, keep = looker.combine(ids, start, blk[1:], max_len - start - 1)
                 if look.shape[0]:
@@ -206,7 +208,7 @@ def speculative_generate(
         result.target_forwards += 1
         result.verified_tokens += batch.numel()
         result.verify_rows.append(batch.shape[0])
-        if rows is None:
+        if rows is None and not merged:
             result.row_accepted.append([])
         row = 0
         logits = out.logits[0]  # on the lm_head's device; only the picked tokens / probabilities move
@@ -214,7 +216,7 @@ def speculative_generate(
             row, acc, bonus, both_acc = two_row_step(rows, out.logits.to(device), draft_probs, temperature, generator)
             result.row_accepted.append(both_acc)
             t_state.pick(row)
-            blk, keep = rows[row], (size - 1 if row == 0 else 0)
+            blk, keep = rows[row], (row_drafts if row == 0 else 0)
         elif temperature > 0:
             t_probs = _probs(logits, temperature).to(device)
             if size > 1:
@@ -226,6 +228,8 @@ def speculative_generate(
             greedy = logits.argmax(-1).to(device)
             acc = int((blk[1:] == greedy[:-1]).int().cumprod(0).sum())
             bonus = int(greedy[acc])
+        if merged:  # both rows in one: each got as far as the row
+            result.row_accepted.append([acc, acc])
         ids[start : start + acc + 1] = blk[: acc + 1]
         ids[start + acc + 1] = bonus
         produced = min(acc + 1, max_len - start - 1)
@@ -239,6 +243,7 @@ def speculative_generate(
         result.accepted.append(acc)
         result.drafted.append(size - 1)
         result.drafter_drafts.append(min(keep, size - 1))
+        result.row_drafts.append(row_drafts)
         result.acceptance_lengths.append(produced)
         start += produced
         t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)

@@ -14,9 +14,12 @@ Which proposal a step verifies (`mode`), decided before the verify forward:
 - `extend`: the drafter always runs and its whole block is verified, followed by the lookup continuation of
   (history + the drafted tokens): both proposals in one forward, one after the other.
 - `both` (default): the drafter always runs; on a match the target verifies the drafter's block and the lookup
-  continuation as two rows of one batched forward (same length, the block's) and the step commits the row
-  that got further. Per step it never commits fewer tokens than the drafter's block alone would, by design;
-  it costs a second row in the verify forward on lookup steps (`verified_tokens` counts it).
+  continuation as two rows of one batched forward and the step commits the row that got further. The lookup
+  row has max_tokens tokens (default BOTH_TOKENS, at least block - 1: on text that reproduces its history a
+  match often continues far past the block); when it is longer than the block, the drafter's row is filled up
+  with the lookup continuation of (history + its drafts) (`Lookup.two_rows`). Per step it never commits fewer
+  tokens than the drafter's block alone would, by design; it costs a second row in the verify forward on
+  lookup steps (`verified_tokens` counts it).
 
 Why this stays exact. At temperature 0 every mode verifies one token sequence and commits its longest prefix
 that equals the target's argmax, plus the target's token: the output is the target's greedy output whatever
@@ -37,11 +40,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 MODES = ("prefer", "agree", "extend", "both")
 DEFAULT_MODE = "both"
+# `both`'s lookup row by default (at least the drafter's block - 1): chosen on the development split
+# (benchmarks/lookup_modes.py, README "Lookup-augmented drafting")
+BOTH_TOKENS = 24
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,10 @@ class LookupSettings:
     mode: str = DEFAULT_MODE
     min_ngram: int = 2
     max_ngram: int = 4
-    max_tokens: int | None = None  # lookup tokens per step; default: the drafter's block - 1
+    max_tokens: int | None = None  # lookup tokens per step; default: `tokens`
 
-    def check(self) -> None:
+    def check(self, block: int | None = None) -> None:
+        """Refuse bad settings; `block` (the drafter's block size, when known) bounds `both`'s row length."""
         from dflash_quant.errors import UsageError
 
         if self.mode not in MODES:
@@ -62,11 +70,19 @@ class LookupSettings:
             )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise UsageError(f"lookup max tokens must be at least 1, got {self.max_tokens}")
-        if self.mode == "both" and self.max_tokens is not None:
+        if self.mode == "both" and self.max_tokens is not None and block is not None and self.max_tokens < block - 1:
             raise UsageError(
-                "lookup mode `both` verifies the lookup as a second row as long as the drafter's block; "
-                "leave the lookup max tokens unset or use another mode"
+                f"--lookup-max-tokens {self.max_tokens} is shorter than the drafter's block ({block - 1} drafts); "
+                f"lookup mode `both` verifies the lookup as a second row at least that long: use "
+                f">= {block - 1}, leave it unset, or use another mode"
             )
+
+    def tokens(self, block: int) -> int:
+        """Lookup tokens per step at most: max_tokens, else `both`: BOTH_TOKENS (at least block - 1), other
+        modes: the drafter's block - 1."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return max(BOTH_TOKENS, block - 1) if self.mode == "both" else block - 1
 
     def label(self) -> str:
         return f"{self.mode}, n-gram {self.min_ngram}-{self.max_ngram}"
@@ -111,9 +127,9 @@ class Lookup:
     """The per-request proposer the decode loop calls, with the time its searches took."""
 
     def __init__(self, settings: LookupSettings, block: int):
-        settings.check()
+        settings.check(block)
         self.settings = settings
-        self.count = settings.max_tokens or block - 1
+        self.count = settings.tokens(block)
         self.seconds = 0.0
 
     @property
@@ -129,6 +145,31 @@ class Lookup:
         out = continuation(history, self.settings, self.count if count is None else count)
         self.seconds += time.perf_counter() - t0
         return out
+
+    def two_rows(
+        self, ids: torch.Tensor, start: int, blk: torch.Tensor, draft_probs, max_len: int, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """`both`, after the drafter ran: (row to verify alone, or row 0; the two rows [2, S] or None; row 0's
+        proposal). blk is the anchor and the drafter's g tokens; ids[: start + 1] the committed history.
+
+        The lookup row has max(g, max_tokens) tokens (within the room left). A longer lookup row needs row 0 as
+        long (one batched forward): its drafts are followed by the lookup continuation of (history + drafts),
+        point-mass proposals like any lookup token, so whatever fills it the step stays exact. A lookup row that
+        starts with the drafter's g tokens needs no second row: the block and the rest of the lookup, one row.
+        """
+        g = blk.shape[0] - 1
+        history = ids[: start + 1]
+        look = self.search(history, min(max(self.count, g), max_len - start - 1))
+        if not look.shape[0]:
+            return blk, None, draft_probs
+        if torch.equal(look[:g], blk[1:]):
+            return torch.cat([blk, look[g:]]), None, join_proposals(draft_probs, g, look[g:], vocab)
+        extra = look.shape[0] - g
+        tail = self.search(torch.cat([history, blk[1:]]), extra) if extra else look[:0]
+        if tail.shape[0] < extra:  # no match after the drafts: any tokens fill the row (the lookup's, say)
+            tail = look[g:]
+        row0 = torch.cat([blk, tail])
+        return row0, torch.stack([row0, torch.cat([blk[:1], look])]), join_proposals(draft_probs, g, tail, vocab)
 
     def combine(self, ids: torch.Tensor, start: int, drafts: torch.Tensor, room: int) -> tuple[torch.Tensor, int]:
         """After the drafter ran: (lookup tokens to verify, how many drafts to keep before them).

@@ -63,6 +63,8 @@ class GptqJob:
     calib_max_new_tokens: int = 64
     kv_hessian: str = "block+context"
     calib_cache: Path | None = None
+    calib_store: Path | None = None  # the user's calibration store (calibration.store; None: off)
+    calib_store_max_bytes: int = 20_000_000_000  # its size cap (oldest-used entries evicted first)
     verify: bool = True
     eval_prompts: str | None = None
     eval_num_prompts: int | None = None
@@ -141,6 +143,16 @@ def _calibrate(
         if stats is not None:
             info["cached"] = True
             return stats, info
+    store, skey = None, None
+    if job.calib_cache is None and job.calib_store is not None:  # an explicit --calib-cache takes its place
+        from dflash_quant.calibration.store import CalibStore, store_key
+
+        store = CalibStore(job.calib_store, job.calib_store_max_bytes)
+        skey = store_key(key, drafter, target, prompts, stop_tokens(target), device, hdev)
+        stats = store.load(skey, job.quant.sequential, hdev)
+        if stats is not None:
+            info.update(cached=True, store="hit")
+            return stats, info
     from dflash_quant.calibration import checkpoint as ckpt
     from dflash_quant.calibration.checkpoint import prompts_digest
 
@@ -174,6 +186,8 @@ def _calibrate(
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
+    if store is not None and skey is not None:
+        info["store"] = store.save(stats, skey)
     ckpt.clear(ckdir)
     if job.calib_cache is None and ckdir.is_dir() and not any(ckdir.iterdir()):
         ckdir.rmdir()
@@ -271,6 +285,8 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
         if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
             raise UsageError(problem)
+    if job.lookup is not None:  # its row length against the drafter's block, before any compute
+        job.lookup.check(drafter.config.block_size)
     timings["load_s"] = time.perf_counter() - t0
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
 

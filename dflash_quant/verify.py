@@ -309,11 +309,13 @@ def _split_acceptance(runs: list[SpecResult]) -> tuple[list[float | None], list[
 
     for r in runs:
         both = r.row_accepted or [[]] * len(r.accepted)
-        for acc, n_draft, d, two in zip(r.accepted, r.drafted, r.drafter_drafts, both, strict=False):
-            if two:  # `both`: the drafter's row and the lookup's, n_draft tokens each
-                lookup_steps += 1
-                for k in range(n_draft):
+        heads = r.row_drafts or [0] * len(r.accepted)
+        for acc, n_draft, d, two, g in zip(r.accepted, r.drafted, r.drafter_drafts, both, heads, strict=False):
+            if two:  # `both`: the drafter's row (its g drafts; the lookup tail after them is not counted) and the
+                lookup_steps += 1  # lookup's, n_draft tokens
+                for k in range(g or n_draft):
                     add("drafter", k, two[0] > k)
+                for k in range(n_draft):
                     add("lookup", k, two[1] > k)
                 continue
             lookup_steps += n_draft > d
@@ -341,7 +343,7 @@ def lookup_summary(
         "mode": lk.mode,
         "min_ngram": lk.min_ngram,
         "max_ngram": lk.max_ngram,
-        "max_tokens": lk.max_tokens or block - 1,
+        "max_tokens": lk.tokens(block),
         "tau": full["tau"],
         "tau_without": plain["tau"],
         "tau_ratio": _ratio(full["tau"], plain["tau"]),

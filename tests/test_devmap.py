@@ -152,6 +152,7 @@ def _gptq(out: Path, *extra: str) -> list[str]:
         "--no-card",
         "--calib-checkpoint-every",
         "2",
+        "--no-calib-cache",  # every run calibrates (the store would serve the second from the first)
         "-o",
         str(out),
         *extra,

@@ -67,6 +67,17 @@ def test_continuation_follows_the_most_recent_longest_match_and_repeats_periods(
     assert continuation(torch.tensor([1, 2, 3, 9, 2, 3]), LookupSettings(min_ngram=3, max_ngram=4), 2).tolist() == []
 
 
+def test_both_defaults_to_a_lookup_row_longer_than_the_block():
+    from dflash_quant.lookup import BOTH_TOKENS
+
+    assert LookupSettings().tokens(8) == BOTH_TOKENS > 7 and LookupSettings().tokens(40) == 39
+    assert LookupSettings("extend").tokens(8) == 7 and LookupSettings("both", max_tokens=7).tokens(8) == 7
+    LookupSettings("both", max_tokens=7).check(8)
+    with pytest.raises(UsageError, match="--lookup-max-tokens 6 is shorter than the drafter's block"):
+        LookupSettings("both", max_tokens=6).check(8)
+    LookupSettings("extend", max_tokens=2).check(8)  # other modes may propose fewer than a block
+
+
 def test_settings_are_checked():
     for bad in (
         LookupSettings(mode="nope"),
@@ -243,13 +254,18 @@ def test_two_rows_keep_the_target_distribution():
     assert _chi2(torch.tensor([0.0, 0, 0, 8000, 0]) + 1e-9, p0) > 1000
 
 
-@pytest.mark.parametrize("family", [None, "qwen3_5", "qwen3_next"])
-def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "max_tokens"),
+    [(None, 3), ("qwen3_5", 3), ("qwen3_next", 3), (None, 9), ("qwen3_5", 9), ("qwen3_next", 9)],
+)
+def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, max_tokens, monkeypatch):
     """`both` verifies two rows on lookup steps (the target's cache forked, one row kept, linear-attention
     state included) and the output is still the target's greedy output. The random tiny targets do not copy,
     so the lookup here is an oracle (the target's own continuation, its last token wrong every other step) that
-    makes the lookup row win, fully and partly, while the random drafter's row loses."""
+    makes the lookup row win, fully and partly, while the random drafter's row loses. max_tokens 3: both rows
+    as long as the block (4: 3 drafts); 9: the lookup row 3x as long (row 0: 3 drafts, then 6 tail tokens)."""
     drafter, target = pair
+    count = max_tokens
     if family is not None:
         target = load_target(save_hybrid_target(tmp_path / family, family)).model
     ids = _repeating_prompt(5)
@@ -264,16 +280,107 @@ def test_both_verifies_two_rows_and_stays_lossless(pair, tmp_path, family, monke
         return out
 
     monkeypatch.setattr(Lookup, "search", oracle)
-    spec = speculative_generate(drafter, target, ids, 30, lookup=LookupSettings("both", 1, 3))
+    spec = speculative_generate(drafter, target, ids, 30, lookup=LookupSettings("both", 1, 3, max_tokens))
     assert spec.tokens == ref, family
     assert len(spec.verify_rows) == len(spec.drafted) and set(spec.verify_rows) <= {1, 2}
     assert spec.verified_tokens == sum(n * (d + 1) for n, d in zip(spec.verify_rows, spec.drafted, strict=True))
+    two = [(d, g) for r, d, g in zip(spec.verify_rows, spec.drafted, spec.row_drafts, strict=True) if r == 2]
+    assert two and all(g == min(3, d) and d <= count for d, g in two) and max(d for d, _ in two) == count
     won = [a for r, k, a in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, strict=True) if r == 2 and k == 0]
-    assert len(won) >= 3 and max(won) == 3 and min(won) < 3  # the lookup row committed, whole and in part
+    assert len(won) >= 2 and max(won) == count and min(won) < count  # the lookup row committed, whole and in part
     for rows_, k, a, both in zip(spec.verify_rows, spec.drafter_drafts, spec.accepted, spec.row_accepted, strict=True):
-        assert (len(both) == 2) == (rows_ == 2) and (not both or both[int(k == 0)] == a >= both[int(k != 0)])
+        merged = rows_ == 1 and len(both) == 2  # the lookup row began with the drafts: one longer row
+        assert (len(both) == 2) == (rows_ == 2) or (merged and both == [a, a])
+        assert not both or both[int(k == 0)] == a >= both[int(k != 0)]
     if family is not None:
         assert spec.replay_forwards > 0
+
+
+def test_two_rows_of_a_longer_lookup_row():
+    """`Lookup.two_rows` with the lookup row longer than the block (block 4, 6 lookup tokens): row 0 is the
+    drafts followed by the lookup continuation of (history + drafts); a lookup row that starts with the drafts
+    is verified as one row; no match keeps the block alone. Row 0's proposal: the drafter's, then point masses."""
+    looker = Lookup(LookupSettings("both", 2, 3, 6), 4)
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 5, 6] + [0] * 40)
+    start = 12  # history ..., 5, 6: the lookup continues 7 8 9 10 11 12
+    q = torch.softmax(torch.randn(3, 20, generator=torch.Generator().manual_seed(0)), -1)
+    # drafts 9 10 11: the lookup of history + drafts continues 12 13 1
+    blk, rows, prop = looker.two_rows(ids, start, torch.tensor([6, 9, 10, 11]), q, 40, 20)
+    assert rows is not None and rows.tolist() == [[6, 9, 10, 11, 12, 13, 1], [6, 7, 8, 9, 10, 11, 12]]
+    assert torch.equal(blk, rows[0]) and torch.equal(prop[:3], q)
+    assert prop[3:].argmax(-1).tolist() == [12, 13, 1] and prop[3:].sum().item() == 3.0
+    # drafts 4 3 17 have no match after them: row 0 is filled up with the lookup's own tokens
+    _, rows, _ = looker.two_rows(ids, start, torch.tensor([6, 4, 3, 17]), None, 40, 20)
+    assert rows is not None and rows[0].tolist() == [6, 4, 3, 17, 10, 11, 12]
+    # drafts 7 8 9 are the lookup's first tokens: one row, the block then the rest of the lookup
+    blk, rows, prop = looker.two_rows(ids, start, torch.tensor([6, 7, 8, 9]), q, 40, 20)
+    assert rows is None and blk.tolist() == [6, 7, 8, 9, 10, 11, 12] and prop.shape == (6, 20)
+    # the room left bounds the lookup row; no match keeps the block
+    _, rows, _ = looker.two_rows(ids, start, torch.tensor([6, 4, 3, 17]), None, start + 5, 20)
+    assert rows is not None and rows.shape == (2, 5)
+    blk, rows, _ = looker.two_rows(torch.tensor([1, 2, 3, 4] + [0] * 9), 3, torch.tensor([4, 7, 7, 7]), None, 12, 20)
+    assert rows is None and blk.tolist() == [4, 7, 7, 7]
+    with pytest.raises(UsageError, match="shorter than the drafter's block"):
+        Lookup(LookupSettings("both", 2, 3, 2), 4)
+
+
+def test_two_rows_with_a_longer_lookup_row_keep_the_target_distribution():
+    """T>0 with rows longer than the drafter's block: row 0 is one sampled drafter token then a lookup tail
+    token (point mass, from join_proposals), row 1 two lookup tokens. The first emitted token ~ p0, the second
+    given the first ~ that prefix's row of the target (chi-square, 5-token vocabulary, fixed seed)."""
+    gen = torch.Generator().manual_seed(5)
+    p0 = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15])
+    after = torch.tensor(
+        [
+            [0.2] * 5,
+            [0.1, 0.1, 0.2, 0.3, 0.3],
+            [0.4, 0.3, 0.1, 0.1, 0.1],
+            [0.05, 0.45, 0.2, 0.2, 0.1],
+            [0.3] + [0.175] * 4,
+        ]
+    )
+    q = torch.tensor([[0.05, 0.1, 0.15, 0.4, 0.3]])
+    look, tail = torch.tensor([3, 1]), torch.tensor([2])
+    first, second = torch.zeros(5), {1: torch.zeros(5), 3: torch.zeros(5)}
+    for _ in range(8000):
+        d = torch.multinomial(q[0], 1, generator=gen)
+        rows = torch.stack([torch.cat([torch.tensor([0]), d, tail]), torch.cat([torch.tensor([0]), look])])
+        probs = torch.stack([torch.stack([p0, after[int(r[1])], torch.full((5,), 0.2)]) for r in rows])
+        row, acc, nxt, reached = two_row_step(rows, probs.log(), join_proposals(q, 1, tail, 5), 1.0, gen)
+        assert reached[row] == acc and max(reached) == acc
+        tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
+        first[tokens[0]] += 1
+        if len(tokens) > 1 and tokens[0] in second:
+            second[tokens[0]][tokens[1]] += 1
+    assert _chi2(first, p0) < 18.47  # p = 0.001, 4 degrees of freedom
+    for tok, counts in second.items():
+        assert counts.sum() > 500 and _chi2(counts, after[tok]) < 18.47, tok
+    # not trivially passing: the tail token 2 after 1 is proposed with q = 1 but has p = 0.2 there
+    assert _chi2(torch.tensor([0.0, 0, 8000, 0, 0]) + 1e-9, after[1]) > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair_name", ["reference", "reference-dflash2"])
+def test_longer_lookup_row_is_lossless_on_the_reference_pairs(pair_name):
+    """The shipped pairs at T=0 with `both` and a 16-token lookup row on reproduce prompts: the output equals
+    the target's greedy output, and some steps commit more tokens than the drafter's block holds."""
+    from dflash_quant.prompts import load_prompts
+    from dflash_quant.runtime import encode_prompts, load_pair
+
+    drafter, target = load_pair(pair_name, None, torch.device("cpu"), torch.float32)
+    cats = [p.category for p in load_prompts("builtin:calib")]
+    encoded = encode_prompts(target, "builtin:calib", None, True)
+    picked = [e for e, c in zip(encoded, cats, strict=True) if c == "reproduce"][:3]
+    block = drafter.config.block_size
+    longest = 0
+    for e in picked:
+        ids = torch.tensor([e])
+        ref = target_generate(target.model, ids, 48).tokens
+        spec = speculative_generate(drafter.model, target.model, ids, 48, lookup=LookupSettings("both", 2, 4, 16))
+        assert spec.tokens == ref
+        assert max(spec.drafted) <= 16
+        longest = max(longest, max(spec.acceptance_lengths))
+    assert longest > block
 
 
 def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
@@ -298,18 +405,20 @@ def test_sampling_with_lookup_is_reproducible_and_counts_add_up(pair):
 
 def test_split_acceptance_counts_each_row_of_a_two_row_step():
     # step 1 (`both`): drafter row 1 accepted, lookup row 3 (committed); step 2: one row, 3 drafter drafts, 0
-    # accepted; step 3: the last token
+    # accepted; step 3: a lookup row of 6 that began with the 3 drafts, one row, 5 accepted; step 4: the last token
     r = SpecResult(
-        tokens=list(range(6)),
-        acceptance_lengths=[4, 1, 1],
-        accepted=[3, 0, 0],
-        drafted=[3, 3, 0],
-        drafter_drafts=[0, 3, 0],
-        verify_rows=[2, 1, 1],
-        row_accepted=[[1, 3], [], []],
+        tokens=list(range(12)),
+        acceptance_lengths=[4, 1, 6, 1],
+        accepted=[3, 0, 5, 0],
+        drafted=[3, 3, 6, 0],
+        drafter_drafts=[0, 3, 3, 0],
+        verify_rows=[2, 1, 1, 1],
+        row_accepted=[[1, 3], [], [5, 5], []],
+        row_drafts=[3, 0, 3, 0],
     )
     drafter_pos, lookup_pos, steps = _split_acceptance([r])
-    assert drafter_pos == [0.5, 0.0, 0.0] and lookup_pos == [1.0, 1.0, 1.0] and steps == 1
+    assert drafter_pos == [0.6667, 0.3333, 0.3333] and steps == 2
+    assert lookup_pos == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # the merged row counts as the lookup's from its start
 
 
 def test_split_acceptance_and_lookup_summary():

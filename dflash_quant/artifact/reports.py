@@ -92,7 +92,12 @@ class Calibration(Record):
     mean_tau_bf16: float | None = doc("tau of the bf16 drafter during calibration")
     seed: int | None = doc("seed")
     chat_template: bool | None = doc("prompts wrapped in the tokenizer's chat template")
-    cached: bool | None = doc("statistics reused from --calib-cache")
+    cached: bool | None = doc("statistics reused from --calib-cache or the calibration store")
+    store: str | None = doc(
+        "calibration store (~/.cache/dflash-quant/calib): `hit`, `stored`, or `not stored: <why>` (absent "
+        "with --no-calib-cache or --calib-cache)",
+        omit_none=True,
+    )
     resumed_prompts: int | None = doc(
         "prompts taken from an interrupted run's checkpoint (--calib-checkpoint-every) instead of recomputed",
         omit_none=True,
@@ -234,7 +239,7 @@ class LookupCheck(Record):
     mode: str | None = doc("`prefer` | `agree` | `extend` | `both`: which proposal a step verifies")
     min_ngram: int | None = doc("shortest suffix a match needs")
     max_ngram: int | None = doc("longest suffix searched")
-    max_tokens: int | None = doc("lookup tokens proposed per step at most")
+    max_tokens: int | None = doc("lookup tokens proposed per step at most (`both`: the lookup row's length)")
     tau: float | None = doc("tau with lookup")
     tau_without: float | None = doc("tau of the same drafter, prompts and target without lookup (the Check's tau)")
     tau_ratio: float | None = doc("tau / tau_without")

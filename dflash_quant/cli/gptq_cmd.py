@@ -135,7 +135,22 @@ def gptq(
     kv_hessian: str = typer.Option(
         "block+context", help="Rows in the k/v Hessian: block, or block+context (default: measured better)."
     ),
-    calib_cache: Path | None = typer.Option(None, help="Directory to save/reuse calibration statistics."),
+    calib_cache: Path | None = typer.Option(
+        None,
+        help="Directory to save/reuse calibration statistics (replaces the store below for this run).",
+    ),
+    no_calib_cache: bool = typer.Option(
+        False,
+        "--no-calib-cache",
+        help="Neither read nor write the calibration store (~/.cache/dflash-quant/calib): always recalibrate.",
+    ),
+    calib_cache_max_gb: float = typer.Option(
+        20.0,
+        "--calib-cache-max-gb",
+        min=0.0,
+        envvar="DFLASH_QUANT_CALIB_CACHE_MAX_GB",
+        help="Size cap of the calibration store; the least recently used entries are evicted first.",
+    ),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Run the bf16-vs-quantized parity gate."),
     eval_prompts: str | None = typer.Option(
         None, help="Held-out parity prompts (default: builtin:heldout / reference:heldout)."
@@ -183,6 +198,11 @@ def gptq(
     ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
+    lookup_max_tokens: int | None = typer.Option(
+        None,
+        help="With --lookup: lookup tokens per step at most (mode `both`: the lookup row's length, "
+        "default 24, at least block size - 1; other modes: default block size - 1).",
+    ),
     fmt: str = typer.Option(
         "gptq",
         "--format",
@@ -214,11 +234,12 @@ def gptq(
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
         from dflash_quant.lookup import LookupSettings
 
-        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram)
+        look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
         look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
+            from dflash_quant.calibration.store import default_dir as calib_store_dir
             from dflash_quant.check_cache import default_dir
             from dflash_quant.pipeline import GptqJob, run_gptq
             from dflash_quant.quantize.drafter import QuantSettings
@@ -248,6 +269,8 @@ def gptq(
                 calib_max_new_tokens=max_new_tokens,
                 kv_hessian=kv_hessian,
                 calib_cache=calib_cache,
+                calib_store=None if no_calib_cache else calib_store_dir(),
+                calib_store_max_bytes=int(calib_cache_max_gb * 1e9),
                 verify=verify,
                 eval_prompts=eval_prompts,
                 eval_num_prompts=eval_num_prompts,

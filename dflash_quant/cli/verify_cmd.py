@@ -139,7 +139,11 @@ def verify(
     lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
     lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
     lookup_tokens: int | None = typer.Option(
-        None, help="Lookup tokens per step at most (default: block size - 1; not with mode `both`)."
+        None,
+        "--lookup-max-tokens",
+        "--lookup-tokens",
+        help="Lookup tokens per step at most (mode `both`: the lookup row's length, default 24, "
+        "at least block size - 1; other modes: default block size - 1).",
     ),
 ) -> None:
     """Run speculative decoding with DRAFTER on TARGET and report tau, per-position acceptance and losslessness."""
@@ -201,6 +205,8 @@ def verify(
             raise UsageError(
                 f"--block-size {block} must be between 2 and the drafter's block size {d.config.block_size}"
             )
+    if look is not None:
+        look.check(block)
     settings = CheckSettings(max_new_tokens, temperature, block, seed, stop_tokens(tgt))
     spec = prompts or default_prompt_spec(tgt, "heldout")
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
