@@ -18,8 +18,22 @@ from typing import Any
 from dflash_quant.errors import UsageError
 from dflash_quant.quantize.mixed import Candidate
 
-DEFAULT_CANDIDATES = tuple(Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 128))
-UNIFORM_POINTS = tuple(Candidate(b, 128) for b in (2, 3, 4, 8))  # measured on the dev prompts for the tau map
+BITS = (2, 3, 4, 8)
+GROUPS = (32, 128)
+
+
+def candidates_for(shapes: Sequence[tuple[int, int]]) -> list[Candidate]:
+    """bits 2/3/4/8 x groups 32/128, keeping the groups every Linear's input width splits into (GPTQ v1 packs
+    whole int32 words: widths of drafters are multiples of 32); per channel when neither group fits."""
+    groups = [g for g in GROUPS if all(i % g == 0 for _, i in shapes)] or [-1]
+    bits = [b for b in BITS if all((o * b) % 32 == 0 and (i * b) % 32 == 0 for o, i in shapes)]
+    return [Candidate(b, g) for b in bits for g in groups]
+
+
+def tau_points(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The uniform settings measured for the tau map: each bit width at the widest searched group."""
+    widest = max({c.group_size for c in candidates}, key=lambda g: (g == -1, g))
+    return [c for c in candidates if c.group_size == widest]
 
 
 @dataclass
@@ -117,9 +131,7 @@ def measure_points(
 
     tau_bf16 = tau(model, "bf16")
     points = []
-    for c in UNIFORM_POINTS:
-        if not all(c in t for t in table.values()):
-            continue
+    for c in tau_points(next(iter(table.values())).keys()):
         q = copy.deepcopy(model)
         quantize_drafter(q, stats, replace(quant, bits=c.bits, group_size=c.group_size))
         t = tau(q, f"uniform {c.bits}/{c.group_size}")
@@ -135,8 +147,6 @@ def measure_points(
                 "tau_loss": round(1 - t / tau_bf16, 5),
             }
         )
-    if not points:
-        raise UsageError("the tau map needs uniform g128 candidates at 2/3/4/8 bits; none were searched")
     return tau_bf16, points
 
 

@@ -32,10 +32,10 @@ def plan_mix(
     job, drafter, target, stats, calib_ids: list[list[int]], calib_key: dict[str, Any], progress
 ) -> MixPlan:
     goal: mp.MixedGoal = job.mixed
-    candidates = list(mp.DEFAULT_CANDIDATES)
     seconds: dict[str, float] = {}
     chosen, _ = select_linears(drafter.model, job.quant)
-    weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float().cpu() for n in chosen}
+    weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float() for n in chosen}
+    candidates = mp.candidates_for([tuple(w.shape) for w in weights.values()])
     key = {
         **calib_key,
         "linears": chosen,
@@ -51,34 +51,10 @@ def plan_mix(
             save_table(job.calib_cache, table, key)
     seconds["table_s"] = round(time.perf_counter() - t, 3)
 
-    # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
-    from dflash_quant.runtime import stop_tokens
-    from dflash_quant.verify import CheckSettings
-
-    dev_ids = calib_ids[: goal.dev_prompts]
-    ckey = {"dev_prompts": len(dev_ids), "dev_max_new_tokens": goal.dev_max_new_tokens, "seed": job.seed}
-    t = time.perf_counter()
-    curve = load_curve(job.calib_cache, key, ckey) if job.calib_cache is not None else None
-    if curve is None:
-        check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
-        tau_bf16, points = mp.measure_points(
-            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress
-        )
-        curve = {"tau_bf16": round(tau_bf16, 5), "points": points}
-        if job.calib_cache is not None:
-            save_curve(job.calib_cache, key, ckey, curve)
-    seconds["tau_map_s"] = round(time.perf_counter() - t, 3)
-    points = curve["points"]
-
     rest = _other_bytes(drafter.model, chosen)
-    t = time.perf_counter()
     byte_budget: int | None = None
     loss_budget: float | None = None
-    if goal.kind == "max_tau_loss":
-        assert goal.max_tau_loss is not None
-        loss_budget = mp.loss_budget(points, goal.max_tau_loss)
-        choice = min_bytes(table, loss_budget)
-    else:
+    if goal.kind != "max_tau_loss":  # budget checked before the tau map is measured
         if goal.kind == "max_bytes":
             assert goal.max_bytes is not None
             room = goal.max_bytes
@@ -102,6 +78,33 @@ def plan_mix(
                 f"{what} leaves {byte_budget} bytes for the quantized Linears after the drafter's {rest} bf16 bytes; "
                 f"the smallest mix takes {least}: raise the budget"
             )
+
+    # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
+    from dflash_quant.runtime import stop_tokens
+    from dflash_quant.verify import CheckSettings
+
+    dev_ids = calib_ids[: goal.dev_prompts]
+    ckey = {"dev_prompts": len(dev_ids), "dev_max_new_tokens": goal.dev_max_new_tokens, "seed": job.seed}
+    t = time.perf_counter()
+    curve = load_curve(job.calib_cache, key, ckey) if job.calib_cache is not None else None
+    if curve is None:
+        check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
+        tau_bf16, points = mp.measure_points(
+            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress
+        )
+        curve = {"tau_bf16": round(tau_bf16, 5), "points": points}
+        if job.calib_cache is not None:
+            save_curve(job.calib_cache, key, ckey, curve)
+    seconds["tau_map_s"] = round(time.perf_counter() - t, 3)
+    points = curve["points"]
+
+    t = time.perf_counter()
+    if goal.kind == "max_tau_loss":
+        assert goal.max_tau_loss is not None
+        loss_budget = mp.loss_budget(points, goal.max_tau_loss)
+        choice = min_bytes(table, loss_budget)
+    else:
+        assert byte_budget is not None
         top = sum(max(b for b, _ in c.values()) for c in table.values())
         choice = max_quality(table, min(byte_budget, top))
     seconds["search_s"] = round(time.perf_counter() - t, 3)
