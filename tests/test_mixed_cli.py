@@ -153,7 +153,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     assert prov["predicted_bytes"] == report["quantized_bytes"]  # the byte formula is the written size
     picked = {e["name"]: f"{e['bits']}/{e['group_size']}" for e in report["layers"]}
     assert picked == prov["picks"] and len(set(picked.values())) > 1
-    assert len(prov["tau_calibration"]) == 4 and prov["tau_calibration"][0]["tau_bf16"] > 1
+    # the tau map: uniform 2/3/4/8 measured on the dev prompts (a random tiny drafter accepts ~nothing: tau ~1)
+    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/32", "3/32", "4/32", "8/32"]
+    assert all(p["tau"] >= 1 and p["tau_bf16"] >= 1 for p in prov["tau_calibration"])
     # GPTQ v1 `dynamic`: every Linear's setting read back with vLLM's first-match rule decodes its tensors
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
     assert qcfg["dynamic"] and qcfg["dflash_quant"]["mixed"] is True

@@ -142,9 +142,6 @@ def convert_artifact(
     src, dst = Path(src), Path(dst)
     art = read_gptq_artifact(src)
     permuted = bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")
-    problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
-    if problem:
-        raise UsageError(problem)
     settings = {(qw.spec.bits, qw.spec.group_size) for qw in art.quantized.values()}
     if len(settings) > 1 and fmt != "compressed-tensors":
         top = max(settings)
@@ -152,6 +149,9 @@ def convert_artifact(
             f"{src} is a per-Linear mixed-precision drafter and {fmt} holds one setting for all Linears; "
             f"export compressed-tensors or GPTQ, or re-run gptq uniform (nearest: --bits {top[0]} --group-size {top[1]})"
         )
+    problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
+    if problem:
+        raise UsageError(problem)
     # the source's reports, through their typed readers (one-line errors when malformed)
     reports = {}
     for cls in REPORT_CLASSES:

@@ -6,7 +6,7 @@ Runs after calibration, before quantization, on the bf16 drafter. The table and 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -33,7 +33,8 @@ def plan_mix(
 ) -> MixPlan:
     goal: mp.MixedGoal = job.mixed
     seconds: dict[str, float] = {}
-    chosen, _ = select_linears(drafter.model, job.quant)
+    # which Linears (profile, --skip); --bits/--group-size do not apply to a mix, so any width is accepted here
+    chosen, _ = select_linears(drafter.model, replace(job.quant, bits=8, group_size=-1))
     weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float() for n in chosen}
     candidates = mp.candidates_for([tuple(w.shape) for w in weights.values()])
     key = {
