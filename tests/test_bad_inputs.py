@@ -1011,6 +1011,57 @@ ROWS = [
         2,
         r"--hessian-device 'gpu' is not a device",
     ),
+    R(
+        "mix-two-goals",
+        "arguments",
+        lambda c: c.gptq("--max-tau-loss", "0.01", "--max-bytes", "1MB"),
+        2,
+        r"--max-tau-loss and --max-bytes are exclusive; pick one goal",
+    ),
+    R(
+        "mix-tau-loss-range",
+        "arguments",
+        lambda c: c.gptq("--max-tau-loss", "1.5"),
+        2,
+        r"--max-tau-loss must be in \(0, 1\)",
+    ),
+    R("mix-bytes-word", "arguments", lambda c: c.gptq("--max-bytes", "lots"), 2, r"cannot read --max-bytes 'lots'"),
+    R("mix-fit-no-context", "arguments", lambda c: c.gptq("--fit", "rtx4090"), 2, r"--fit needs --context N"),
+    R(
+        "mix-context-without-fit",
+        "arguments",
+        lambda c: c.gptq("--context", "4096"),
+        2,
+        r"--context and --target-weights only apply with --fit GPU",
+    ),
+    R(
+        "mix-fit-unknown-gpu",
+        "arguments",
+        lambda c: c.gptq("--fit", "gtx9999", "--context", "4096"),
+        2,
+        r"unknown GPU 'gtx9999'",
+    ),
+    R(
+        "mix-with-rtn",
+        "arguments",
+        lambda c: c.gptq("--max-bytes", "1MB", "--method", "rtn"),
+        2,
+        r"mixed-precision search .* runs plain GPTQ .*; drop --method rtn",
+    ),
+    R(
+        "mix-to-gguf",
+        "arguments",
+        lambda c: c.gptq("--max-bytes", "1MB", "--format", "gguf"),
+        2,
+        r"--format gguf holds one bit width for all Linears, not a per-Linear mix",
+    ),
+    R(
+        "mix-bytes-too-small",
+        "arguments",
+        lambda c: c.gptq("--max-bytes", "1000"),
+        2,
+        r"--max-bytes 1000 leaves -?\d+ bytes for the quantized Linears .* the smallest mix takes \d+: raise the budget",
+    ),
 ]
 
 

@@ -65,16 +65,18 @@ class MixedGoal:
             f for f, v in (("--max-tau-loss", self.max_tau_loss), ("--max-bytes", self.max_bytes), ("--fit", self.fit_gpu))
             if v is not None
         ]  # fmt: skip
-        if len(given) != 1:
+        if self.fit_gpu is None and (self.context is not None or self.target_weights is not None):
+            raise UsageError("--context and --target-weights only apply with --fit GPU; add --fit or drop them")
+        if len(given) > 1:
             raise UsageError(f"{' and '.join(given)} are exclusive; pick one goal for the mixed-precision search")
+        if not given:
+            raise UsageError("give a mixed-precision goal: --max-tau-loss, --max-bytes or --fit")
         if self.max_tau_loss is not None and not (0 < self.max_tau_loss < 1):
             raise UsageError(f"--max-tau-loss must be in (0, 1) (0.01 keeps 99 % of bf16 tau), got {self.max_tau_loss}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise UsageError(f"--max-bytes must be a positive size like 900KB or 1.2GB, got {self.max_bytes}")
         if self.fit_gpu is not None and self.context is None:
             raise UsageError("--fit needs --context N (the context length to serve next to the target)")
-        if self.fit_gpu is None and (self.context is not None or self.target_weights is not None):
-            raise UsageError("--context and --target-weights only apply with --fit GPU; add --fit or drop them")
         if self.context is not None and self.context < 1:
             raise UsageError(f"--context must be a positive number of tokens, got {self.context}")
         if self.dev_prompts < 1 or self.dev_max_new_tokens < 1:
