@@ -322,7 +322,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
         t = time.perf_counter()
         mix = plan_mix(
-            job, drafter, target, stats, calib_ids, _calib_key(job, drafter, target, calib_spec, calib_ids, drafter_sha),
+            job,
+            drafter,
+            target,
+            stats,
+            calib_ids,
+            _calib_key(job, drafter, target, calib_spec, calib_ids, drafter_sha),
             progress,
         )
         job.quant = replace(job.quant, bits=mix.base.bits, group_size=mix.base.group_size)

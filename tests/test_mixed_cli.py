@@ -100,7 +100,7 @@ def test_fit_budget_on_the_27b_preset():
             shapes[f"layers.{i}.{leaf}"] = shp
     cands = mp.candidates_for(list(shapes.values()))
     # loss proxy: a size-weighted 4^-bits (no weights here, so no measured error; the budget is what is tested)
-    table = {n: {c: (packed_bytes(o, i, c), o * i * 4.0 ** -c.bits) for c in cands} for n, (o, i) in shapes.items()}
+    table = {n: {c: (packed_bytes(o, i, c), o * i * 4.0**-c.bits) for c in cands} for n, (o, i) in shapes.items()}
     linear_bf16 = sum(2 * o * i for o, i in shapes.values())
     rest = d.bf16_bytes - linear_bf16
     choice = max_quality(table, room - rest)
@@ -171,7 +171,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
         assert torch.equal(loaded.model.get_submodule(name).weight, unpack_gptq_v1(parts, bits, group))
     # compressed-tensors: one config group per setting, read back to the same weights
     ct = tmp_path / "ct"
-    e = subprocess.run([*CLI, "export", str(art), "--format", "compressed-tensors", "-o", str(ct)], capture_output=True, text=True)
+    e = subprocess.run(
+        [*CLI, "export", str(art), "--format", "compressed-tensors", "-o", str(ct)], capture_output=True, text=True
+    )
     assert e.returncode == 0, e.stderr
     groups = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]
     assert len(groups) == len(set(picked.values()))
@@ -179,7 +181,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     for name in picked:
         torch.testing.assert_close(again.model.get_submodule(name).weight, loaded.model.get_submodule(name).weight)
     # GGUF holds one setting: refused in one line, naming the nearest uniform setting
-    g = subprocess.run([*CLI, "export", str(art), "--format", "gguf", "-o", str(tmp_path / "g")], capture_output=True, text=True)
+    g = subprocess.run(
+        [*CLI, "export", str(art), "--format", "gguf", "-o", str(tmp_path / "g")], capture_output=True, text=True
+    )
     assert g.returncode == 2 and "per-Linear mixed-precision" in g.stderr and "nearest" in g.stderr
     # the card names the picks and the engines that cannot load the mix
     card = (art / "README.md").read_text()

@@ -197,14 +197,16 @@ def gptq(
         "(0.01: 99 percent of bf16 tau; the loss -> tau map is measured on the first calibration prompts).",
     ),
     max_bytes: str | None = typer.Option(
-        None, help="Mixed precision: the best predicted acceptance with the whole drafter within this size (e.g. 900KB)."
+        None,
+        help="Mixed precision: the best predicted acceptance with the whole drafter within this size (e.g. 900KB).",
     ),
     fit: str | None = typer.Option(
         None, help="Mixed precision: the best acceptance that fits this GPU (rtx4090, h100, 24GB) next to the target."
     ),
     context: int | None = typer.Option(None, help="With --fit: context length served (target and drafter caches)."),
     target_weights: str | None = typer.Option(
-        None, help="With --fit: the target's weight form in the budget (bf16|fp8|int8|int4 or a size); default from files."
+        None,
+        help="With --fit: the target's weight form in the budget (bf16|fp8|int8|int4 or a size); default from files.",
     ),
     mix_dev_prompts: int = typer.Option(32, help="Mixed precision: calibration prompts measured for the tau map."),
     mix_dev_new_tokens: int = typer.Option(64, help="Mixed precision: tokens per prompt for the tau map."),

@@ -102,7 +102,11 @@ def quantization_config(art) -> dict[str, Any]:
     groups = _groups(art)
     if len(groups) == 1:
         (bits, group), _ = next(iter(groups.items()))
-        schemes = {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art.sym, bits, group)))}
+        schemes = {
+            "group_0": QuantizationScheme(
+                targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art.sym, bits, group))
+            )
+        }
     else:  # a mix: one config group per setting, each naming its Linears (anchored suffix, as `ignore` does)
         schemes = {
             f"group_{i}": QuantizationScheme(

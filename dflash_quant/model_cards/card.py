@@ -1027,11 +1027,22 @@ def _section_mixed(ctx: dict) -> str:
         _table(
             ["", "bytes (quantized Linears)", "summed error", "tau ratio"],
             [
-                ["this mix", fmt_bytes(mix.get("predicted_bytes")), fmt_float(mix.get("predicted_loss"), 4),
-                 f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted; "
-                 f"{fmt_float(par.get('tau_ratio'), 4)} measured on {par.get('num_prompts', '-')} held-out prompts"],
-                *[[f"uniform {p['setting']}", fmt_bytes(p.get("bytes")), fmt_float(p.get("loss"), 4),
-                   f"{fmt_float(p.get('tau_ratio'), 4)} on the dev prompts"] for p in cal],
+                [
+                    "this mix",
+                    fmt_bytes(mix.get("predicted_bytes")),
+                    fmt_float(mix.get("predicted_loss"), 4),
+                    f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted; "
+                    f"{fmt_float(par.get('tau_ratio'), 4)} measured on {par.get('num_prompts', '-')} held-out prompts",
+                ],
+                *[
+                    [
+                        f"uniform {p['setting']}",
+                        fmt_bytes(p.get("bytes")),
+                        fmt_float(p.get("loss"), 4),
+                        f"{fmt_float(p.get('tau_ratio'), 4)} on the dev prompts",
+                    ]
+                    for p in cal
+                ],
             ],  # fmt: skip
         ),
     ]
@@ -1047,7 +1058,9 @@ def _section_mixed(ctx: dict) -> str:
         "**Where the mix loads.** GPTQModel and dflash-quant (`verify`) read the per-Linear `dynamic` overrides in "
         "`quantization_config`; `dflash-quant export --format compressed-tensors` writes one config group per "
         "setting. GGUF and MLX hold one setting for all Linears and are refused for this artifact: the nearest "
-        f"uniform setting is `--bits {near.split('/')[0]} --group-size {near.split('/')[1]}`." if near else "",
+        f"uniform setting is `--bits {near.split('/')[0]} --group-size {near.split('/')[1]}`."
+        if near
+        else "",
     ]
     if conflicts:
         lines.append(

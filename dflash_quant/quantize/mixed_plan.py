@@ -133,7 +133,7 @@ def measure_points(
 
     tau_bf16 = tau(model, "bf16")
     points = []
-    for c in tau_points(next(iter(table.values())).keys()):
+    for c in tau_points(list(next(iter(table.values())))):
         q = copy.deepcopy(model)
         quantize_drafter(q, stats, replace(quant, bits=c.bits, group_size=c.group_size))
         t = tau(q, f"uniform {c.bits}/{c.group_size}")

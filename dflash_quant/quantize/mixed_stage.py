@@ -28,15 +28,13 @@ class MixPlan:
     record: Mixed
 
 
-def plan_mix(
-    job, drafter, target, stats, calib_ids: list[list[int]], calib_key: dict[str, Any], progress
-) -> MixPlan:
+def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key: dict[str, Any], progress) -> MixPlan:
     goal: mp.MixedGoal = job.mixed
     seconds: dict[str, float] = {}
     # which Linears (profile, --skip); --bits/--group-size do not apply to a mix, so any width is accepted here
     chosen, _ = select_linears(drafter.model, replace(job.quant, bits=8, group_size=-1))
     weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float() for n in chosen}
-    candidates = mp.candidates_for([tuple(w.shape) for w in weights.values()])
+    candidates = mp.candidates_for([(int(w.shape[0]), int(w.shape[1])) for w in weights.values()])
     key = {
         **calib_key,
         "linears": chosen,
@@ -124,7 +122,11 @@ def plan_mix(
         tau_calibration=[{**p, "tau_bf16": curve["tau_bf16"], "slope": round(mp.slope(points), 6)} for p in points],
         dev_prompts=f"{calib_key.get('prompts')} first {len(dev_ids)} x {goal.dev_max_new_tokens} tokens",
         uniform=[
-            {"setting": mp.fmt_cand(c), "bytes": mp.uniform_loss(table, c)[0], "loss": round(mp.uniform_loss(table, c)[1], 6)}
+            {
+                "setting": mp.fmt_cand(c),
+                "bytes": mp.uniform_loss(table, c)[0],
+                "loss": round(mp.uniform_loss(table, c)[1], 6),
+            }
             for c in candidates
         ],
         nearest_uniform=mp.fmt_cand(mp.nearest_uniform(table, candidates, choice.total_bytes)),
