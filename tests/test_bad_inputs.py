@@ -1061,6 +1061,12 @@ ROWS = [
         lambda c: c.gptq("--max-bytes", "1000"),
         2,
         r"--max-bytes 1000 leaves -?\d+ bytes for the quantized Linears .* the smallest mix takes \d+: raise the budget",
+    ),    R(
+        "mix-fit-no-room",
+        "arguments",
+        lambda c: c.gptq("--fit", "64MiB", "--context", "16"),
+        2,
+        r"--fit 64MiB --context 16: the target, its caches and the runtime leave -?\d+ bytes for the drafter",
     ),
 ]
 
