@@ -30,8 +30,11 @@ def grid_problem(desc_act: bool) -> str | None:
     return ACT_ORDER_PROBLEM if desc_act else None
 
 
-def _scheme_args(sym: bool, bits: int, group_size: int) -> dict[str, Any]:
-    args: dict[str, Any] = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False}
+def _scheme_args(art, bits: int | None = None, group_size: int | None = None) -> dict[str, Any]:
+    """Weight args at the artifact's setting, or at one Linear's (bits, group_size) of a mix."""
+    bits = art.bits if bits is None else bits
+    group_size = art.group_size if group_size is None else group_size
+    args: dict[str, Any] = {"num_bits": bits, "type": "int", "symmetric": art.sym, "dynamic": False}
     if group_size == -1:
         args["strategy"] = "channel"
     else:
@@ -104,14 +107,14 @@ def quantization_config(art) -> dict[str, Any]:
         (bits, group), _ = next(iter(groups.items()))
         schemes = {
             "group_0": QuantizationScheme(
-                targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art.sym, bits, group))
+                targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art, bits, group))
             )
         }
     else:  # a mix: one config group per setting, each naming its Linears (anchored suffix, as `ignore` does)
         schemes = {
             f"group_{i}": QuantizationScheme(
                 targets=[r"re:(^|.*\.)" + re.escape(n) + "$" for n in sorted(names)],
-                weights=QuantizationArgs(**_scheme_args(art.sym, bits, group)),
+                weights=QuantizationArgs(**_scheme_args(art, bits, group)),
             )
             for i, ((bits, group), names) in enumerate(sorted(groups.items()))
         }
