@@ -1061,7 +1061,8 @@ ROWS = [
         lambda c: c.gptq("--max-bytes", "1000"),
         2,
         r"--max-bytes 1000 leaves -?\d+ bytes for the quantized Linears .* the smallest mix takes \d+: raise the budget",
-    ),    R(
+    ),
+    R(
         "mix-fit-no-room",
         "arguments",
         lambda c: c.gptq("--fit", "64MiB", "--context", "16"),

@@ -945,7 +945,10 @@ def build_card(
         )
 
     tags = ["dflash", "speculative-decoding", "draft-model", "gptq"]
-    if isinstance(bits, int):
+    mixed = bool(_get(prov, "mixed"))
+    if mixed:  # `bits` is only the most common pick of a per-Linear mix
+        tags.append("mixed-precision")
+    elif isinstance(bits, int):
         tags.append(f"int{bits}")
     tags += ["quantized", "dflash-quant"]
     data_kwargs: dict[str, Any] = {}
@@ -981,7 +984,8 @@ def build_card(
         "license_note": license_note,
     }
     title_src = source["hub_id"] or (Path(source["id"]).name if source["id"] else artifact_dir.name)
-    title = f"# {title_src.split('/')[-1]} — GPTQ int{bits}" if bits else f"# {title_src.split('/')[-1]} — GPTQ"
+    kind = "mixed precision" if mixed else (f"int{bits}" if bits else "")
+    title = f"# {title_src.split('/')[-1]} — GPTQ {kind}".rstrip()
     if not source["hub_id"]:
         what = {"shipped": "is a model shipped with dflash-quant", "local": "is a local directory"}.get(
             source["kind"], "was not a Hugging Face Hub id"
