@@ -247,6 +247,18 @@ def weights_sha256(path: Path) -> str:
     return sha256_files(weight_files(path))
 
 
+def layer_setting(qcfg: dict[str, Any], name: str) -> tuple[int, int]:
+    """(bits, group_size) of one Linear: the config's, or its `dynamic` override (first match wins, as in vLLM)."""
+    from dflash_quant.export.gptq_dynamic import resolve
+    from dflash_quant.quantize.mixed import Candidate
+
+    base = Candidate(int(qcfg["bits"]), int(qcfg["group_size"]))
+    got = resolve(qcfg.get("dynamic") or {}, name, base)
+    if got is None:
+        raise DFlashQuantError(f"{name} has packed GPTQ tensors but a `dynamic` rule skips it; re-export")
+    return got.bits, got.group_size
+
+
 def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     from dflash_quant.export.gptq_v1 import unpack_gptq_v1
 
@@ -265,7 +277,8 @@ def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> 
             raise DFlashQuantError(
                 f"quantized layer {base} lacks {sorted({'qweight', 'qzeros', 'scales', 'g_idx'} - set(parts))}; re-export"
             )
-        out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=int(qcfg["bits"]), group_size=int(qcfg["group_size"]))
+        bits, group = layer_setting(qcfg, base)
+        out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=bits, group_size=group)
         if f"{base}.bias" in tensors:
             out[f"{base}.bias"] = tensors[f"{base}.bias"]
     return out

@@ -6,7 +6,7 @@ import datetime as dt
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ class GptqJob:
     placement: Any = None  # devmap.Placement: the target split by --device-map / --max-memory
     hessian_device: str | None = None  # where the fp32 Hessians accumulate (default: the drafter's device)
     calib_checkpoint_every: int = 16  # prompts between calibration checkpoints (0: none)
+    mixed: Any = None  # quantize.mixed_plan.MixedGoal: per-Linear bits chosen by a search (--max-tau-loss ...)
 
 
 @dataclass
@@ -117,6 +118,18 @@ def _calibrate(
     progress: Progress,
     target_sha: str = "",
 ) -> tuple[CalibrationStats, dict[str, Any]]:
+    key = _calib_key(job, drafter, target, spec, prompts, drafter_sha)
+    info = {
+        "prompts": spec,
+        "num_prompts": len(prompts),
+        "max_new_tokens": job.calib_max_new_tokens,
+        "kv_hessian": job.kv_hessian,
+        "cached": False,
+    }
+    return _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info)
+
+
+def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafter_sha: str) -> dict[str, Any]:
     key = {
         "drafter_sha256": drafter_sha,
         "target": target.source.id,
@@ -130,13 +143,11 @@ def _calibrate(
     extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
-    info = {
-        "prompts": spec,
-        "num_prompts": len(prompts),
-        "max_new_tokens": job.calib_max_new_tokens,
-        "kv_hessian": job.kv_hessian,
-        "cached": False,
-    }
+    return key
+
+
+def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info):
+    extra = key.get("extra_linears", [])
     hdev = resolve_hessian_device(job.hessian_device, device)
     if job.calib_cache is not None:
         stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, hdev)
@@ -261,7 +272,19 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
             raise UsageError(f"--gguf-scale-search must be 0..8 (0: off), got {job.gguf_scale_search}")
         if job.format != "gguf":
             raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
-    elif job.format != "gptq":
+    if job.mixed is not None:
+        job.mixed.check()
+        if job.quant.method != "gptq" or job.quant.sequential or job.gguf_type is not None:
+            raise UsageError(
+                "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs plain GPTQ from the calibration "
+                "Hessians; drop --method rtn, --sequential and --gguf-type"
+            )
+        if job.format in ("gguf", "mlx"):
+            raise UsageError(
+                f"--format {job.format} holds one bit width for all Linears, not a per-Linear mix; use --format gptq "
+                "or compressed-tensors, or a uniform --bits"
+            )
+    if job.gguf_type is None and job.format != "gptq":
         from dflash_quant.export.convert import format_problem
 
         permuted = job.quant.desc_act and not job.quant.static_groups
@@ -313,8 +336,25 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         calib_info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
         timings["calibrate_s"] = time.perf_counter() - t
 
+    mix = None
+    if job.mixed is not None:
+        from dflash_quant.quantize.mixed_stage import plan_mix
+
+        t = time.perf_counter()
+        mix = plan_mix(
+            job,
+            drafter,
+            target,
+            stats,
+            calib_ids,
+            _calib_key(job, drafter, target, calib_spec, calib_ids, drafter_sha),
+            progress,
+        )
+        job.quant = replace(job.quant, bits=mix.base.bits, group_size=mix.base.group_size)
+        timings["mix_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    advance = progress(f"quantizing ({job.quant.method}, {job.quant.bits}-bit)", len(candidates))
+    label = "mixed" if mix is not None else f"{job.quant.bits}-bit"
+    advance = progress(f"quantizing ({job.quant.method}, {label})", len(candidates))
     if job.gguf_type is not None:
         from dflash_quant.quantize.kquant import quantize_drafter_kquant
 
@@ -327,7 +367,9 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
             scale_search=job.gguf_scale_search,
         )
     else:
-        outcome = quantize_drafter(drafter.model, stats, job.quant, progress=lambda name: advance())
+        outcome = quantize_drafter(
+            drafter.model, stats, job.quant, progress=lambda name: advance(), picks=mix.picks if mix else None
+        )
     timings["quantize_s"] = time.perf_counter() - t
 
     quant_report = QuantReport.from_dict(
@@ -374,6 +416,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
                 **_grid_fields(job.gguf_type, outcome.layers, job.gguf_scale_search),
             }
         ),
+        mixed=mix.record if mix is not None else None,
         device=str(device),
         dtype=str(dtype).replace("torch.", ""),
     )
@@ -387,7 +430,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
             write_kquant_gguf(tmp, drafter, outcome, job.gguf_type, target.source.path, provenance, quant_report, stats)
         else:
-            export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report)
+            export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report, mix.picks if mix else None)
         result.quant_report = quant_report.to_dict()
         if job.gguf_type is None:  # memory of the GPTQ tensors, before any conversion
             _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)

@@ -127,6 +127,28 @@ class Quantization(Record):
 
 
 @dataclass
+class Mixed(Record):
+    goal: str | None = doc("`max_tau_loss`, `max_bytes` or `fit` (the gptq flag that asked for the mix)")
+    goal_value: str | None = doc("the flag's value (tau loss, bytes, or GPU and context for `fit`)")
+    byte_budget: int | None = doc("bytes the quantized Linears may take (max_bytes / fit); null for max_tau_loss")
+    loss_budget: float | None = doc("summed relative output error allowed (max_tau_loss, from the tau calibration)")
+    candidates: list[str] | None = doc("settings searched per Linear, `bits/group_size`")
+    picks: dict[str, str] | None = doc("the chosen setting per Linear, `bits/group_size`")
+    predicted_bytes: int | None = doc("GPTQ v1 bytes of the quantized Linears at the picks")
+    predicted_loss: float | None = doc("summed relative output error at the picks (calibration rows)")
+    predicted_tau_ratio: float | None = doc("tau ratio the tau calibration predicts for that loss")
+    tau_calibration: list[dict] | None = doc(
+        "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"
+    )
+    dev_prompts: str | None = doc("development prompts of the tau calibration (calibration prompts, first N)")
+    uniform: list[dict] | None = doc("each uniform candidate's bytes and summed loss, for comparison")
+    nearest_uniform: str | None = doc("the smallest uniform setting at least as large as the mix (`bits/group_size`)")
+    vllm_fused_conflicts: list[str] | None = doc("vLLM fused modules (qkv_proj, gate_up_proj) whose parts differ")
+    seconds: dict[str, float] | None = doc("table, tau calibration and search time")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class TargetQuantization(Record):
     format: str | None = doc("`pack-quantized` (compressed-tensors), `gptq` or `awq`; null for a dense target")
     quant_method: str | None = doc("the checkpoint's quantization_config.quant_method")
@@ -170,6 +192,9 @@ class Provenance(ReportFile):
     )
     calibration: Calibration | None = doc("calibration data")
     quantization: Quantization | None = doc("recipe")
+    mixed: Mixed | None = doc(
+        "per-Linear mixed precision chosen by a search (gptq --max-tau-loss/--max-bytes/--fit)", omit_none=True
+    )
     device: str | None = doc("device of the run")
     dtype: str | None = doc("compute dtype of the run")
     extra: E = doc("", factory=dict)

@@ -219,6 +219,25 @@ def gptq(
         help="With --gguf-type: each sub-block's integer scale/min is re-chosen within +-N of the weighted fit by "
         "the GPTQ loss when GPTQ reaches it (Hessian in the loop); 0 = the weighted fit alone.",
     ),
+    max_tau_loss: float | None = typer.Option(
+        None,
+        help="Mixed precision: per-Linear bits/group for the fewest bytes whose predicted tau ratio is >= 1 - this "
+        "(0.01: 99 percent of bf16 tau; the loss -> tau map is measured on the first calibration prompts).",
+    ),
+    max_bytes: str | None = typer.Option(
+        None,
+        help="Mixed precision: the best predicted acceptance with the whole drafter within this size (e.g. 900KB).",
+    ),
+    fit: str | None = typer.Option(
+        None, help="Mixed precision: the best acceptance that fits this GPU (rtx4090, h100, 24GB) next to the target."
+    ),
+    context: int | None = typer.Option(None, help="With --fit: context length served (target and drafter caches)."),
+    target_weights: str | None = typer.Option(
+        None,
+        help="With --fit: the target's weight form in the budget (bf16|fp8|int8|int4 or a size); default from files.",
+    ),
+    mix_dev_prompts: int = typer.Option(32, help="Mixed precision: calibration prompts measured for the tau map."),
+    mix_dev_new_tokens: int = typer.Option(64, help="Mixed precision: tokens per prompt for the tau map."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
@@ -230,6 +249,23 @@ def gptq(
 
     placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
     check_hessian_device(hessian_device)
+    goal = None
+    if max_tau_loss is not None or max_bytes is not None or fit is not None or context is not None or target_weights:
+        from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
+        from dflash_quant.quantize.mixed_plan import MixedGoal
+
+        goal = MixedGoal(
+            max_tau_loss=max_tau_loss,
+            max_bytes=None if max_bytes is None else parse_bytes(max_bytes, what="--max-bytes"),
+            fit_gpu=fit,
+            context=context,
+            target_weights=target_weights,
+            dev_prompts=mix_dev_prompts,
+            dev_max_new_tokens=mix_dev_new_tokens,
+        )
+        goal.check()
+        if fit is not None:
+            resolve_gpu(fit)
     look = None
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
         from dflash_quant.lookup import LookupSettings
@@ -291,6 +327,7 @@ def gptq(
                 hessian_device=hessian_device,
                 calib_checkpoint_every=calib_checkpoint_every,
                 int4_kernel=int4_kernel,
+                mixed=goal,
             )
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=err_console, transient=True) as bar:

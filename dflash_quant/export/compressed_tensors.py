@@ -30,13 +30,24 @@ def grid_problem(desc_act: bool) -> str | None:
     return ACT_ORDER_PROBLEM if desc_act else None
 
 
-def _scheme_args(art) -> dict[str, Any]:
-    args: dict[str, Any] = {"num_bits": art.bits, "type": "int", "symmetric": art.sym, "dynamic": False}
-    if art.group_size == -1:
+def _scheme_args(art, bits: int | None = None, group_size: int | None = None) -> dict[str, Any]:
+    """Weight args at the artifact's setting, or at one Linear's (bits, group_size) of a mix."""
+    bits = art.bits if bits is None else bits
+    group_size = art.group_size if group_size is None else group_size
+    args: dict[str, Any] = {"num_bits": bits, "type": "int", "symmetric": art.sym, "dynamic": False}
+    if group_size == -1:
         args["strategy"] = "channel"
     else:
-        args.update(strategy="group", group_size=art.group_size)
+        args.update(strategy="group", group_size=group_size)
     return args
+
+
+def _groups(art) -> dict[tuple[int, int], list[str]]:
+    """Quantized Linears by (bits, group_size): one entry for a uniform drafter, several for a mix."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for name, qw in art.quantized.items():
+        out.setdefault((qw.spec.bits, qw.spec.group_size), []).append(name)
+    return out or {(art.bits, art.group_size): []}
 
 
 def _in_order(qw) -> bool:
@@ -91,9 +102,24 @@ def kept_linears(art) -> list[str]:
 def quantization_config(art) -> dict[str, Any]:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art)))
+    groups = _groups(art)
+    if len(groups) == 1:
+        (bits, group), _ = next(iter(groups.items()))
+        schemes = {
+            "group_0": QuantizationScheme(
+                targets=["Linear"], weights=QuantizationArgs(**_scheme_args(art, bits, group))
+            )
+        }
+    else:  # a mix: one config group per setting, each naming its Linears (anchored suffix, as `ignore` does)
+        schemes = {
+            f"group_{i}": QuantizationScheme(
+                targets=[r"re:(^|.*\.)" + re.escape(n) + "$" for n in sorted(names)],
+                weights=QuantizationArgs(**_scheme_args(art, bits, group)),
+            )
+            for i, ((bits, group), names) in enumerate(sorted(groups.items()))
+        }
     config = QuantizationConfig(
-        config_groups={"group_0": scheme},
+        config_groups=schemes,
         format=FORMAT,
         quantization_status="compressed",
         ignore=ignore_rules(kept_linears(art), int(art.config.get("num_hidden_layers", 0))),
@@ -166,12 +192,21 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
         raise DFlashQuantError(
             f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})"
         ) from exc
-    if config.format != FORMAT or len(config.config_groups) != 1:
+    if config.format != FORMAT:
         raise DFlashQuantError(
-            f"compressed-tensors format {config.format!r} with {len(config.config_groups)} groups cannot be read here; "
-            f"dflash-quant reads the single-group {FORMAT} checkpoints it writes"
+            f"compressed-tensors format {config.format!r} cannot be read here; dflash-quant reads the {FORMAT} "
+            "checkpoints it writes"
         )
-    scheme = next(iter(config.config_groups.values()))
+    schemes = list(config.config_groups.values())
+
+    def scheme_of(name: str):
+        if len(schemes) == 1:
+            return schemes[0]
+        for scheme in schemes:  # a mix: the group whose regex names this Linear
+            if any(t.startswith("re:") and re.match(t[3:], name) for t in scheme.targets):
+                return scheme
+        raise DFlashQuantError(f"no config group of the compressed-tensors config names {name}; re-export")
+
     out: dict[str, torch.Tensor] = {}
     bases = {k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")}
     for key, value in tensors.items():
@@ -184,6 +219,6 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
                 f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads"
             )
         state["weight_scale"] = state["weight_scale"].float()
-        weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        weight = PackedQuantizationCompressor.decompress(state, scheme_of(base))["weight"]
         out[f"{base}.weight"] = weight.float()
     return out

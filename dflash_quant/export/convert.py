@@ -52,7 +52,7 @@ class GptqArtifact:
 def read_gptq_artifact(path: Path) -> GptqArtifact:
     """Codes, scales, zeros and g_idx of every quantized Linear of a GPTQ v1 artifact (exact, no float math)."""
     from dflash_quant.config import read_config_json
-    from dflash_quant.loading import read_safetensors
+    from dflash_quant.loading import layer_setting, read_safetensors
 
     path = Path(path)
     config = read_config_json(path)
@@ -76,6 +76,8 @@ def read_gptq_artifact(path: Path) -> GptqArtifact:
         except KeyError as exc:
             raise DFlashQuantError(f"quantized layer {base} lacks {exc.args[0]}; re-export the artifact") from exc
         out_features = qweight.shape[1]
+        bits, group = layer_setting(qcfg, base)  # a mixed artifact's `dynamic` rule, else the config's
+        spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
         codes = _unpack_dim0(qweight, bits).T.contiguous()
         zeros = _unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1
         art.quantized[base] = QuantizedWeight(
@@ -140,6 +142,13 @@ def convert_artifact(
     src, dst = Path(src), Path(dst)
     art = read_gptq_artifact(src)
     permuted = bool(art.qcfg.get("desc_act")) and not art.qcfg.get("static_groups")
+    settings = {(qw.spec.bits, qw.spec.group_size) for qw in art.quantized.values()}
+    if len(settings) > 1 and fmt != "compressed-tensors":
+        top = max(settings)
+        raise UsageError(
+            f"{src} is a per-Linear mixed-precision drafter and {fmt} holds one setting for all Linears; "
+            f"export compressed-tensors or GPTQ, or re-run gptq uniform (nearest: --bits {top[0]} --group-size {top[1]})"
+        )
     problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
     if problem:
         raise UsageError(problem)

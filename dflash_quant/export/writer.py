@@ -41,14 +41,25 @@ def _skip_rules(kept: list[str], n_layers: int) -> dict[str, dict]:
     return rules
 
 
-def quantization_config(settings: QuantSettings, kept: list[str], n_layers: int) -> dict[str, Any]:
-    """GPTQ v1 config; Linears kept in bf16 are listed as negative `dynamic` rules (vLLM/GPTQModel skip them)."""
+def quantization_config(
+    settings: QuantSettings, kept: list[str], n_layers: int, picks: dict[str, tuple[int, int]] | None = None
+) -> dict[str, Any]:
+    """GPTQ v1 config; Linears kept in bf16 are listed as negative `dynamic` rules (vLLM/GPTQModel skip them),
+    and a mixed-precision pick that differs from the base bits/group_size as an anchored positive rule."""
     ours: dict[str, Any] = {"method": settings.method, "profile": settings.profile}
     if settings.quantize_conv or settings.quantize_selector:
         ours.update(quantize_conv=settings.quantize_conv, quantize_selector=settings.quantize_selector)
     extra: dict[str, Any] = {"quantizer": [f"dflash-quant:{__version__}"], "dflash_quant": ours}
-    if kept:
-        extra["dynamic"] = _skip_rules(kept, n_layers)
+    dynamic: dict[str, dict] = _skip_rules(kept, n_layers) if kept else {}
+    if picks:
+        from dflash_quant.export.gptq_dynamic import dynamic_overrides
+        from dflash_quant.quantize.mixed import Candidate
+
+        base = Candidate(settings.bits, settings.group_size)
+        dynamic.update(dynamic_overrides({n: Candidate(b, g) for n, (b, g) in picks.items()}, base))
+        ours["mixed"] = True
+    if dynamic:
+        extra["dynamic"] = dynamic
     return gptq_quantization_config(
         settings.bits,
         settings.group_size,
@@ -90,6 +101,7 @@ def export_gptq(
     settings: QuantSettings,
     provenance: Provenance,
     quant_report: QuantReport,
+    picks: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Fill `out` (an empty temp dir); returns the quantization_config written."""
     out = Path(out)
@@ -110,7 +122,7 @@ def export_gptq(
     # bf16 Linears outside the backbone (DFlash2 conv/selector, unless quantized on request) must be skipped by
     # GPTQ loaders too; base_kernel and the codebooks are not Linears, so no loader expects qweight for them
     kept = outcome.kept + [n for n in source.model.other_linear_names() if n not in outcome.weights]
-    qcfg = quantization_config(settings, kept, source.config.num_hidden_layers)
+    qcfg = quantization_config(settings, kept, source.config.num_hidden_layers, picks)
     config = dict(source.raw_config)
     config["quantization_config"] = qcfg
     config["torch_dtype"] = "bfloat16"

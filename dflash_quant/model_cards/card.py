@@ -21,7 +21,7 @@ from dflash_quant.artifact.reports import Budget, MemoryReport, Parity, Provenan
 from dflash_quant.artifact.sources import portable_command
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import has_manifest, record_files, require_intact
-from dflash_quant.model_cards.chart import CHART_NAME, write_acceptance_chart
+from dflash_quant.model_cards.chart import CHART_NAME, MIX_CHART_NAME, write_acceptance_chart, write_tradeoff_chart
 
 README = "README.md"
 REPORT_CLASSES = (Provenance, QuantReport, Parity, MemoryReport)
@@ -940,7 +940,12 @@ def _section_reproduce(ctx: dict) -> str:
 
 
 def build_card(
-    artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None, chart: bool | None = None
+    artifact_dir: Path,
+    *,
+    command: list[str] | None = None,
+    repo_id: str | None = None,
+    chart: bool | None = None,
+    mix_chart: bool | None = None,
 ) -> ModelCard:
     artifact_dir = Path(artifact_dir)
     reports, problems = load_reports(artifact_dir)
@@ -964,7 +969,10 @@ def build_card(
         )
 
     tags = ["dflash", "speculative-decoding", "draft-model", "gptq"]
-    if isinstance(bits, int):
+    mixed = bool(_get(prov, "mixed"))
+    if mixed:  # `bits` is only the most common pick of a per-Linear mix
+        tags.append("mixed-precision")
+    elif isinstance(bits, int):
         tags.append(f"int{bits}")
     tags += ["quantized", "dflash-quant"]
     data_kwargs: dict[str, Any] = {}
@@ -996,10 +1004,12 @@ def build_card(
         "command": command,
         "repo_id": repo_id,
         "chart": has_chart,
+        "mix_chart": mix_chart if mix_chart is not None else (artifact_dir / MIX_CHART_NAME).is_file(),
         "license_note": license_note,
     }
     title_src = source["hub_id"] or (Path(source["id"]).name if source["id"] else artifact_dir.name)
-    title = f"# {title_src.split('/')[-1]} — GPTQ int{bits}" if bits else f"# {title_src.split('/')[-1]} — GPTQ"
+    kind = "mixed precision" if mixed else (f"int{bits}" if bits else "")
+    title = f"# {title_src.split('/')[-1]} — GPTQ {kind}".rstrip()
     if not source["hub_id"]:
         what = {"shipped": "is a model shipped with dflash-quant", "local": "is a local directory"}.get(
             source["kind"], "was not a Hugging Face Hub id"
@@ -1016,6 +1026,7 @@ def build_card(
             _section_summary(ctx) + base_note,
             _section_parity(ctx),
             _section_recipe(ctx),
+            *([_section_mixed(ctx)] if _get(prov, "mixed") else []),
             _section_memory(ctx),
             *([_section_mtp_comparison(ctx)] if _mtp_comparison(ctx) else []),
             _section_serving(ctx),
@@ -1025,6 +1036,85 @@ def build_card(
     )
     content = f"---\n{card_data.to_yaml()}\n---\n\n{body}\n"
     return ModelCard(content)
+
+
+def _section_mixed(ctx: dict) -> str:
+    """Per-Linear picks, how they were chosen, what each engine can load, and the bytes-vs-tau chart."""
+    mix = ctx["provenance"]["mixed"]
+    par = ctx["parity"] or {}
+    cal = mix.get("tau_calibration") or []
+    lines = [
+        "## Mixed precision",
+        "",
+        f"Bits and group size were chosen per Linear by `{mix.get('goal')}` = `{mix.get('goal_value')}`: GPTQ at "
+        f"each candidate ({', '.join(mix.get('candidates') or [])}) on the calibration Hessians gives each Linear's "
+        "relative output error; an exact knapsack search picks one setting per Linear; the summed error is tied "
+        f"to tau by uniform settings measured on development prompts ({mix.get('dev_prompts')}, not the held-out "
+        "prompts of the parity check).",
+        "",
+        _table(
+            ["", "bytes (quantized Linears)", "summed error", "tau ratio"],
+            [
+                [
+                    "this mix",
+                    fmt_bytes(mix.get("predicted_bytes")),
+                    fmt_float(mix.get("predicted_loss"), 4),
+                    f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted; "
+                    f"{fmt_float(par.get('tau_ratio'), 4)} measured on {par.get('num_prompts', '-')} held-out prompts",
+                ],
+                *[
+                    [
+                        f"uniform {p['setting']}",
+                        fmt_bytes(p.get("bytes")),
+                        fmt_float(p.get("loss"), 4),
+                        f"{fmt_float(p.get('tau_ratio'), 4)} on the dev prompts",
+                    ]
+                    for p in cal
+                ],
+            ],  # fmt: skip
+        ),
+    ]
+    if ctx.get("mix_chart"):
+        lines += ["", f"![bytes vs tau]({MIX_CHART_NAME})"]
+    picks = mix.get("picks") or {}
+    lines += ["", "Chosen setting per Linear (`bits/group_size`):", "",
+              _table(["Linear", "setting"], [[f"`{n}`", s] for n, s in picks.items()])]  # fmt: skip
+    conflicts = mix.get("vllm_fused_conflicts") or []
+    near = mix.get("nearest_uniform")
+    lines += [
+        "",
+        "**Where the mix loads.** GPTQModel and dflash-quant (`verify`) read the per-Linear `dynamic` overrides in "
+        "`quantization_config`; `dflash-quant export --format compressed-tensors` writes one config group per "
+        "setting. GGUF and MLX hold one setting for all Linears and are refused for this artifact: the nearest "
+        f"uniform setting is `--bits {near.split('/')[0]} --group-size {near.split('/')[1]}`."
+        if near
+        else "",
+    ]
+    if conflicts:
+        lines.append(
+            "vLLM loads q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` with a single setting, and "
+            "renames the drafter's layers, so its anchored rules do not match there; these fused groups are "
+            f"split in this mix: {', '.join(f'`{c}`' for c in conflicts)}. For vLLM use the nearest uniform "
+            "setting above."
+        )
+    return "\n".join(lines)
+
+
+def _write_mix_chart(artifact_dir: Path, parity) -> bool:
+    prov = Provenance.read(artifact_dir, optional=True)
+    path = artifact_dir / MIX_CHART_NAME
+    mix = prov.mixed if prov is not None else None
+    if mix is None or not mix.tau_calibration:
+        if path.exists():
+            path.unlink()
+        return False
+    uniform = [(str(p["setting"]), float(p["bytes"]), float(p["tau_ratio"])) for p in mix.tau_calibration]
+    measured = parity.tau_ratio if parity is not None else None
+    tmp = path.with_name(".mix_tradeoff.png.tmp")
+    write_tradeoff_chart(tmp, uniform, (float(mix.predicted_bytes or 0), mix.predicted_tau_ratio, measured),
+                         title="Bytes vs acceptance: uniform GPTQ and the chosen mix")  # fmt: skip
+    tmp.replace(path)
+    return True
 
 
 def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None) -> Path:
@@ -1042,7 +1132,7 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
         )
     manifest = has_manifest(artifact_dir)
     if manifest:
-        require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME))
+        require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME, MIX_CHART_NAME))
     parity, _ = Parity.problem(artifact_dir)
     chart_path = artifact_dir / CHART_NAME
     chart = False
@@ -1064,11 +1154,12 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
             chart = True
     if not chart and chart_path.exists():
         chart_path.unlink()  # a stale chart from an earlier parity report must not outlive it
-    card = build_card(artifact_dir, command=command, repo_id=repo_id, chart=chart)
+    mix_chart = _write_mix_chart(artifact_dir, parity)
+    card = build_card(artifact_dir, command=command, repo_id=repo_id, chart=chart, mix_chart=mix_chart)
     readme = artifact_dir / README
     tmp = readme.with_name(".README.md.tmp")
     card.save(tmp)
     tmp.replace(readme)
     if manifest:
-        record_files(artifact_dir, (README, CHART_NAME))
+        record_files(artifact_dir, (README, CHART_NAME, MIX_CHART_NAME))
     return readme

@@ -60,3 +60,45 @@ def write_acceptance_chart(
     path = Path(path)
     fig.savefig(path, format="png", metadata={"Software": None})
     return path
+
+
+MIX_CHART_NAME = "mix_tradeoff.png"
+
+
+def write_tradeoff_chart(
+    path: Path,
+    uniform: Sequence[tuple[str, float, float]],
+    mix: tuple[float, float | None, float | None],
+    *,
+    title: str | None = None,
+) -> Path:
+    """Bytes vs tau ratio: uniform settings (label, bytes, tau ratio measured on the dev prompts) and the
+    mix (bytes, tau ratio predicted by the tau map, tau ratio measured on the held-out prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 3.6), dpi=100)
+    ax = fig.add_subplot(1, 1, 1)
+    pts = sorted(uniform, key=lambda u: u[1])
+    ax.plot([u[1] / 1e6 for u in pts], [u[2] for u in pts], color="#4C72B0", marker="o", linewidth=1.5,
+            label="uniform GPTQ (dev prompts)")  # fmt: skip
+    for label, b, r in pts:
+        ax.annotate(label, (b / 1e6, r), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    mb, predicted, measured = mix
+    if predicted is not None:
+        ax.plot([mb / 1e6], [predicted], marker="D", color="#DD8452", linestyle="", label="mix, predicted")
+    if measured is not None:
+        ax.plot([mb / 1e6], [measured], marker="*", markersize=11, color="#C44E52", linestyle="",
+                label="mix, held-out prompts")  # fmt: skip
+    ax.set_xlabel("quantized Linear bytes (MB)")
+    ax.set_ylabel("tau / tau bf16")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png", metadata={"Software": None})
+    return path

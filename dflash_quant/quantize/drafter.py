@@ -6,7 +6,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -232,8 +232,11 @@ def quantize_drafter(
     stats: CalibrationStats | None,
     settings: QuantSettings,
     progress: Callable[[str], None] | None = None,
+    picks: Mapping[str, tuple[int, int]] | None = None,
 ) -> QuantOutcome:
-    """Quantize the chosen Linears in place (weights replaced by their dequantized values) and return codes."""
+    """Quantize the chosen Linears in place (weights replaced by their dequantized values) and return codes.
+
+    `picks`: (bits, group_size) per Linear name, a mixed-precision choice; Linears it omits use `settings`."""
     settings = settings.normalized()
     settings.check()
     if settings.method == "gptq" and stats is None:
@@ -265,20 +268,40 @@ def quantize_drafter(
         for group, names in shared.items():
             pending.append((names, [cast(nn.Linear, model.get_submodule(n)) for n in names], accs.get(group)))
         if settings.sequential:
-            _apply(pending, settings, outcome, progress)
+            _apply(pending, settings, outcome, progress, picks)
             pending = []
-    _apply(pending, settings, outcome, progress)
+    _apply(pending, settings, outcome, progress, picks)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     outcome.seconds = time.perf_counter() - t0
     return outcome
 
 
-def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress) -> None:
+def _by_setting(groups, settings: QuantSettings, picks: Mapping[str, tuple[int, int]] | None):
+    """Split shared-input groups by each Linear's (bits, group_size), so each batch is solved on one grid."""
+    out: dict[tuple[int, int], list] = {}
+    for names, modules, acc in groups:
+        parts: dict[tuple[int, int], tuple[list[str], list[nn.Linear]]] = {}
+        for name, module in zip(names, modules, strict=True):
+            key = (picks or {}).get(name, (settings.bits, settings.group_size))
+            part = parts.setdefault(key, ([], []))
+            part[0].append(name)
+            part[1].append(module)
+        for key, (ns, ms) in parts.items():
+            out.setdefault(key, []).append((ns, ms, acc))
+    return [(replace(settings, bits=b, group_size=g), gs) for (b, g), gs in out.items()]
+
+
+def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None) -> None:
     """Quantize `groups` and write the dequantized weights back into their modules, in order."""
     if not groups:
         return
-    for (names, modules, _), results in zip(groups, _quantize_groups(groups, settings), strict=False):
+    solved = []
+    for each, part in _by_setting(groups, settings, picks):
+        solved += list(zip(part, _quantize_groups(part, each), strict=True))
+    order = {name: i for i, (names, _, _) in enumerate(groups) for name in names}
+    solved.sort(key=lambda item: order[item[0][0][0]])
+    for (names, modules, _), results in solved:
         for module, name, (qw, entry) in zip(modules, names, results, strict=False):
             with torch.no_grad():
                 module.weight.copy_(qw.dequantize().to(module.weight.dtype))

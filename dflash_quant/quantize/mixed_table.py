@@ -60,3 +60,25 @@ def load_table(directory: Path, key: dict[str, Any]) -> Table | None:
         name: {Candidate(r["bits"], r["group_size"]): (int(r["bytes"]), float(r["rel_error"])) for r in rows}
         for name, rows in data["linears"].items()
     }
+
+
+def save_curve(directory: Path, key: dict[str, Any], curve_key: dict[str, Any], curve: dict[str, Any]) -> Path:
+    """Store the loss -> tau map (dev-prompt measurements) in the table's file, beside the table it used."""
+    path = directory / TABLE
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if data.get("key") != key:
+        raise DFlashQuantError(f"{path} holds another calibration's table; the tau map is stored beside its own table")
+    data["tau_calibration"] = {"key": curve_key, **curve}
+    return write_json_atomic(path, data)
+
+
+def load_curve(directory: Path, key: dict[str, Any], curve_key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached tau map if it was measured for this table and these dev prompts, else None."""
+    path = directory / TABLE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    cal = data.get("tau_calibration")
+    if data.get("key") != key or not cal or cal.get("key") != curve_key:
+        return None
+    return {"tau_bf16": cal["tau_bf16"], "points": cal["points"]}

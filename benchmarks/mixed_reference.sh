@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Mixed precision on a shipped pair (issue #12): uniform 3/4-bit GPTQ vs --max-tau-loss 0.01 and --max-bytes at
+# uniform 3-bit's size, all on the same held-out prompts (never the calibration/dev prompts), one calibration.
+#   nice -n 10 bash benchmarks/mixed_reference.sh [PAIR] [HELD-OUT PROMPTS] [N] [NEW TOKENS]
+# Results: benchmarks/results/mixed_<pair>_{u4,u3,tau,bytes}.json (gptq --json), then paired_tau.py on them.
+set -euo pipefail
+PAIR=${1:-reference}
+PROMPTS=${2:-benchmarks/prompts/ref_heldout_extra.jsonl}
+N=${3:-128}
+NEW=${4:-64}
+WORK=${WORK:-/tmp/mixed_bench_$PAIR}
+PY=${PY:-python}
+OUT=benchmarks/results
+mkdir -p "$WORK"
+run() {  # name, extra flags...; a result already there is kept (delete it to re-measure)
+  local name=$1; shift
+  [ -s "$OUT/mixed_${PAIR}_$name.json" ] && return 0
+  # exit 1 is a failed parity gate (uniform 3-bit fails the default 0.97): its JSON is still the measurement
+  $PY -m dflash_quant.cli.app gptq "$PAIR" --calib-cache "$WORK/calib" --eval-prompts "$PROMPTS" \
+    --eval-num-prompts "$N" --eval-max-new-tokens "$NEW" -o "$WORK/$name" --overwrite --no-card --json "$@" \
+    > "$OUT/mixed_${PAIR}_$name.json" || [ $? -eq 1 ]
+}
+run u4 --bits 4
+run u3 --bits 3
+run tau --max-tau-loss 0.01
+U3=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['quant_report']['drafter_bytes_quantized'])" "$OUT/mixed_${PAIR}_u3.json")
+run bytes --max-bytes "$U3"
+$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_bytes.json" "$OUT/mixed_${PAIR}_u3.json"
+$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_tau.json" "$OUT/mixed_${PAIR}_u4.json"

@@ -1,0 +1,53 @@
+"""A mixed-precision GPTQ v1 config (`dynamic` per-Linear overrides, as dflash-quant writes it) read by
+GPTQModel's own `dynamic_get`, and each Linear decoded by GPTQModel's CPU torch kernel at the setting it
+resolves: the same weights as ours (run: make interop)."""
+
+import pytest
+import torch
+
+gptqmodel = pytest.importorskip("gptqmodel", reason="gptqmodel is not installed (build it with `make interop`)")
+from gptqmodel.quantization.config import dynamic_get  # noqa: E402
+
+from dflash_quant.export.gptq_v1 import pack_gptq_v1, unpack_gptq_v1  # noqa: E402
+from dflash_quant.export.writer import quantization_config  # noqa: E402
+from dflash_quant.loading import layer_setting  # noqa: E402
+from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize  # noqa: E402
+from dflash_quant.quantize.drafter import QuantSettings  # noqa: E402
+
+from .test_gptqmodel import _gptqmodel_linear  # noqa: E402
+
+pytestmark = pytest.mark.interop
+
+# a mix like the search's: base 4/128, overrides on some Linears, one kept in bf16
+PICKS = {
+    "fc": (4, 128),
+    "layers.0.self_attn.q_proj": (2, 128),
+    "layers.0.self_attn.k_proj": (3, 32),
+    "layers.0.self_attn.v_proj": (4, 128),
+    "layers.0.mlp.down_proj": (8, 32),
+    "layers.1.self_attn.q_proj": (3, 128),
+}
+KEPT = ["layers.1.self_attn.k_proj"]
+
+
+def test_gptqmodel_resolves_and_decodes_a_mixed_artifact():
+    qcfg = quantization_config(QuantSettings(bits=4, group_size=128), KEPT, 2, PICKS)
+    dynamic = qcfg["dynamic"]
+    assert dynamic_get(dynamic, KEPT[0]) is False  # the bf16 Linear is skipped by GPTQModel too
+    for i, (name, (bits, group)) in enumerate(PICKS.items()):
+        got = (
+            dynamic_get(dynamic, name, "bits", qcfg["bits"]),
+            dynamic_get(dynamic, name, "group_size", qcfg["group_size"]),
+        )
+        assert got == (bits, group) == layer_setting(qcfg, name)
+        torch.manual_seed(i)
+        out_features, in_features = 192, 256
+        weight = torch.randn(out_features, in_features) * 0.05
+        acc = HessianAccumulator(in_features, name=name)
+        acc.add(torch.randn(512, in_features))
+        qw = gptq_quantize(weight, acc, QuantSpec(bits, group, True))
+        tensors = pack_gptq_v1(qw)
+        ours = unpack_gptq_v1(tensors, bits, group)
+        m = _gptqmodel_linear(tensors, bits, group, True, False, out_features, in_features)
+        with torch.no_grad():
+            assert torch.equal(m.dequantize_weight().T, ours.half())

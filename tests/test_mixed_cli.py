@@ -1,0 +1,190 @@
+"""Mixed precision end to end (#12): the tau map, per-Linear GPTQ, the `dynamic` export read back by verify,
+compressed-tensors config groups, the --fit budget, and `gptq --max-bytes/--max-tau-loss` on a tiny pair."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import save_drafter, save_target
+
+from dflash_quant.errors import UsageError
+from dflash_quant.loading import layer_setting, load_drafter
+from dflash_quant.quantize import mixed_plan as mp
+from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
+from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.mixed import Candidate
+from dflash_quant.quantize.rtn import rtn_quantize
+
+CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
+
+
+def test_tau_map_is_a_least_squares_line_through_the_origin():
+    points = [{"loss": 1.0, "tau_loss": 0.2}, {"loss": 0.2, "tau_loss": 0.05}, {"loss": 0.01, "tau_loss": -0.01}]
+    a = (1.0 * 0.2 + 0.2 * 0.05 + 0.01 * -0.01) / (1.0 + 0.04 + 0.0001)
+    assert mp.slope(points) == pytest.approx(a)
+    assert mp.loss_budget(points, 0.01) == pytest.approx(0.01 / a)
+    assert mp.predict_tau_loss(points, 0.5) == pytest.approx(0.5 * a)
+    # no measured loss at all: every measured loss is allowed, nothing more
+    flat = [{"loss": 0.3, "tau_loss": 0.0}, {"loss": 0.1, "tau_loss": -0.01}]
+    assert mp.loss_budget(flat, 0.01) == 0.3
+    assert mp.predict_tau_loss(flat, 10.0) == 0.0
+
+
+def test_candidates_follow_the_widths():
+    assert mp.candidates_for([(256, 512), (512, 256)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 128)]
+    assert mp.candidates_for([(64, 64)]) == [Candidate(b, 32) for b in (2, 3, 4, 8)]
+    assert mp.candidates_for([(40, 40)]) == [Candidate(4, -1), Candidate(8, -1)]  # 40*2, 40*3 not whole words
+    assert mp.tau_points(mp.candidates_for([(256, 512)])) == [Candidate(b, 128) for b in (2, 3, 4, 8)]
+
+
+def test_goal_flags_are_exclusive_and_checked():
+    for goal, msg in [
+        (mp.MixedGoal(max_tau_loss=0.01, max_bytes=10), "exclusive"),
+        (mp.MixedGoal(max_tau_loss=1.0), r"in \(0, 1\)"),
+        (mp.MixedGoal(fit_gpu="rtx4090"), "needs --context"),
+        (mp.MixedGoal(max_bytes=10, context=10), "only apply with --fit"),
+    ]:
+        with pytest.raises(UsageError, match=msg):
+            goal.check()
+
+
+def test_picks_quantize_each_linear_on_its_own_grid(tmp_path):
+    drafter = load_drafter(save_drafter(tmp_path / "d", std=0.2), device="cpu", dtype=torch.float32)
+    names = drafter.model.linear_names()
+    picks = {n: [(2, 32), (3, 32), (8, -1), (4, 64)][i % 4] for i, n in enumerate(names)}
+    source = {n: drafter.model.get_submodule(n).weight.detach().clone() for n in names}
+    outcome = quantize_drafter(drafter.model, None, QuantSettings(method="rtn", group_size=32), picks=picks)
+    assert [e["name"] for e in outcome.layers] == [n for n in names]  # execution order kept across the split
+    for entry in outcome.layers:
+        bits, group = picks[entry["name"]]
+        assert (entry["bits"], entry["group_size"]) == (bits, group)
+        want = rtn_quantize(source[entry["name"]], QuantSpec(bits, group)).dequantize()
+        assert torch.equal(drafter.model.get_submodule(entry["name"]).weight, want)
+
+
+def test_layer_setting_reads_dynamic_first_match():
+    qcfg = {"bits": 4, "group_size": 128, "dynamic": {r"+:^a\.q$": {"bits": 2}, r"+:^a\..*$": {"group_size": 32}}}
+    assert layer_setting(qcfg, "a.q") == (2, 128)
+    assert layer_setting(qcfg, "a.k") == (4, 32)
+    assert layer_setting(qcfg, "b.k") == (4, 128)
+
+
+def test_fit_budget_on_the_27b_preset():
+    """The budget model (vLLM, batch 1, K=15) with an int4 Qwen3.5-27B: on a 24 GiB card at 32768 tokens the
+    target, its caches (recurrent state in 16 slots) and the runtime already exceed the usable bytes, so no
+    drafter fits; on a 28 GiB card there is room for part of a bf16 drafter, and the search's pick over the
+    preset drafter's real Linear shapes fits by the same budget."""
+    from dataclasses import replace
+
+    from dflash_quant.memory.budget import compute_budget
+    from dflash_quant.memory.plan import budget_objects
+    from dflash_quant.quantize.mixed import max_quality, packed_bytes
+
+    tight = mp.fit_drafter_bytes("qwen3.5-27b", "qwen3.5-27b-dflash", "rtx4090", 32768, "int4")
+    assert tight["drafter_room"] < 0
+    room = mp.fit_drafter_bytes("qwen3.5-27b", "qwen3.5-27b-dflash", "28GiB", 32768, "int4")["drafter_room"]
+    t, d, s = budget_objects(
+        "qwen3.5-27b", "qwen3.5-27b-dflash", "28GiB", 32768, 1, None, "int4", None, None, None, "vllm", None,
+        None, None, 2048, 256, None, 0, 128,
+    )  # fmt: skip
+    assert 0 < room < d.bf16_bytes
+    h, m, layers = d.shape.hidden_size, d.shape.intermediate_size, d.shape.num_layers
+    q, kv = d.shape.num_attention_heads * d.shape.head_dim, d.shape.num_kv_heads * d.shape.head_dim
+    shapes = {"fc": (h, h * d.shape.num_taps)}
+    for i in range(layers):
+        for leaf, shp in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q)),
+                          ("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):  # fmt: skip
+            shapes[f"layers.{i}.{leaf}"] = shp
+    cands = mp.candidates_for(list(shapes.values()))
+    # loss proxy: a size-weighted 4^-bits (no weights here, so no measured error; the budget is what is tested)
+    table = {n: {c: (packed_bytes(o, i, c), o * i * 4.0**-c.bits) for c in cands} for n, (o, i) in shapes.items()}
+    linear_bf16 = sum(2 * o * i for o, i in shapes.values())
+    rest = d.bf16_bytes - linear_bf16
+    choice = max_quality(table, room - rest)
+    drafter_bytes = choice.total_bytes + rest
+    assert drafter_bytes <= room
+    budget = compute_budget(t, replace(d.as_model("bf16"), weight_bytes=drafter_bytes), s)
+    assert budget.fits
+    # and the search used the room: not every Linear at its smallest setting
+    assert choice.total_bytes > sum(min(b for b, _ in c.values()) for c in table.values())
+    assert choice.total_bytes < sum(max(b for b, _ in c.values()) for c in table.values())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    rng = random.Random(0)
+
+    def line():
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
+    (root / "calib.txt").write_text("\n".join(line() for _ in range(8)))
+    (root / "eval.txt").write_text("\n".join(line() for _ in range(3)))
+    return {"root": root, "drafter": save_drafter(root / "drafter", std=0.2), "target": save_target(root / "target")}
+
+
+def gptq(pair, out, *extra):
+    args = [
+        "gptq", str(pair["drafter"]), "--target", str(pair["target"]), "--calib-prompts", str(pair["root"] / "calib.txt"),
+        "--eval-prompts", str(pair["root"] / "eval.txt"), "--max-new-tokens", "16", "--eval-max-new-tokens", "12",
+        "--mix-dev-prompts", "4", "--mix-dev-new-tokens", "12", "--no-check-cache", "-o", str(pair["root"] / out),
+        "--calib-cache", str(pair["root"] / "calib"), "--json", *extra,
+    ]  # fmt: skip
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path):
+    from safetensors.torch import load_file
+
+    # uniform 3-bit as the budget, as in the README measurement
+    u3 = gptq(pair, "u3", "--bits", "3", "--group-size", "32")
+    assert u3.returncode == 0, u3.stderr
+    budget = json.loads(u3.stdout)["quant_report"]["drafter_bytes_quantized"]
+    r = gptq(pair, "mix", "--max-bytes", str(budget))
+    assert r.returncode == 0, r.stderr
+    art = pair["root"] / "mix"
+    prov = json.loads((art / "provenance.json").read_text())["mixed"]
+    report = json.loads((art / "quant_report.json").read_text())
+    assert report["drafter_bytes_quantized"] <= budget
+    assert prov["predicted_bytes"] == report["quantized_bytes"]  # the byte formula is the written size
+    picked = {e["name"]: f"{e['bits']}/{e['group_size']}" for e in report["layers"]}
+    assert picked == prov["picks"] and len(set(picked.values())) > 1
+    # the tau map: uniform 2/3/4/8 measured on the dev prompts (a random tiny drafter accepts ~nothing: tau ~1)
+    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/32", "3/32", "4/32", "8/32"]
+    assert all(p["tau"] >= 1 and p["tau_bf16"] >= 1 for p in prov["tau_calibration"])
+    # GPTQ v1 `dynamic`: every Linear's setting read back with vLLM's first-match rule decodes its tensors
+    qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
+    assert qcfg["dynamic"] and qcfg["dflash_quant"]["mixed"] is True
+    for name, setting in picked.items():
+        assert "/".join(map(str, layer_setting(qcfg, name))) == setting
+    loaded = load_drafter(art, device="cpu", dtype=torch.float32)  # what verify loads
+    tensors = load_file(art / "model.safetensors")
+    from dflash_quant.export.gptq_v1 import unpack_gptq_v1
+
+    for name, setting in picked.items():
+        bits, group = map(int, setting.split("/"))
+        parts = {p: tensors[f"{name}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx")}
+        assert torch.equal(loaded.model.get_submodule(name).weight, unpack_gptq_v1(parts, bits, group))
+    # compressed-tensors: one config group per setting, read back to the same weights
+    ct = tmp_path / "ct"
+    e = subprocess.run(
+        [*CLI, "export", str(art), "--format", "compressed-tensors", "-o", str(ct)], capture_output=True, text=True
+    )
+    assert e.returncode == 0, e.stderr
+    groups = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert len(groups) == len(set(picked.values()))
+    again = load_drafter(ct, device="cpu", dtype=torch.float32)
+    for name in picked:
+        torch.testing.assert_close(again.model.get_submodule(name).weight, loaded.model.get_submodule(name).weight)
+    # GGUF holds one setting: refused in one line, naming the nearest uniform setting
+    g = subprocess.run(
+        [*CLI, "export", str(art), "--format", "gguf", "-o", str(tmp_path / "g")], capture_output=True, text=True
+    )
+    assert g.returncode == 2 and "per-Linear mixed-precision" in g.stderr and "nearest" in g.stderr
+    # the card names the picks and the engines that cannot load the mix
+    card = (art / "README.md").read_text()
+    assert "Mixed precision" in card and prov["nearest_uniform"] in card
