@@ -80,7 +80,7 @@ class GptqJob:
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
     lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
-    int4_kernel: str = "auto"  # parity check: how a 4-bit drafter runs on CUDA (dflash_quant.int4_linear)
+    int4_kernel: str = "dequant"  # parity check: how a 4-bit drafter runs on CUDA (dflash_quant.int4_linear)
     gguf_type: str | None = (
         None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
     )
