@@ -161,6 +161,21 @@ def test_hybrid_targets_stay_lossless_with_lookup(pair, tmp_path, family):
         assert spec.replay_forwards > 0
 
 
+def _tally(rows, row, acc, nxt, reached, first, second):
+    """Count a two-row step's first committed token, and its second one after the first tokens watched."""
+    assert reached[row] == acc and max(reached) == acc
+    tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
+    first[tokens[0]] += 1
+    if len(tokens) > 1 and tokens[0] in second:
+        second[tokens[0]][tokens[1]] += 1
+
+
+def _assert_target_marginals(first, second, p0, after):
+    assert _chi2(first, p0) < 18.47  # p = 0.001, 4 degrees of freedom
+    for tok, counts in second.items():
+        assert counts.sum() > 500 and _chi2(counts, after[tok]) < 18.47, tok
+
+
 def _chi2(counts, probs):
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
@@ -242,14 +257,8 @@ def test_two_rows_keep_the_target_distribution():
         # per row: p0, then the row after its own first token, then uniform after two tokens
         probs = torch.stack([torch.stack([p0, after[int(r[1])], torch.full((5,), 0.2)]) for r in rows])
         row, acc, nxt, reached = two_row_step(rows, probs.log(), q, 1.0, gen)
-        assert reached[row] == acc and max(reached) == acc
-        tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
-        first[tokens[0]] += 1
-        if len(tokens) > 1 and tokens[0] in second:
-            second[tokens[0]][tokens[1]] += 1
-    assert _chi2(first, p0) < 18.47  # p = 0.001, 4 degrees of freedom
-    for tok, counts in second.items():
-        assert counts.sum() > 500 and _chi2(counts, after[tok]) < 18.47, tok
+        _tally(rows, row, acc, nxt, reached, first, second)
+    _assert_target_marginals(first, second, p0, after)
     # not trivially passing: the lookup's first token is far more often proposed than p0 gives it
     assert _chi2(torch.tensor([0.0, 0, 0, 8000, 0]) + 1e-9, p0) > 1000
 
@@ -347,14 +356,8 @@ def test_two_rows_with_a_longer_lookup_row_keep_the_target_distribution():
         rows = torch.stack([torch.cat([torch.tensor([0]), d, tail]), torch.cat([torch.tensor([0]), look])])
         probs = torch.stack([torch.stack([p0, after[int(r[1])], torch.full((5,), 0.2)]) for r in rows])
         row, acc, nxt, reached = two_row_step(rows, probs.log(), join_proposals(q, 1, tail, 5), 1.0, gen)
-        assert reached[row] == acc and max(reached) == acc
-        tokens = rows[row, 1 : acc + 1].tolist() + [nxt]
-        first[tokens[0]] += 1
-        if len(tokens) > 1 and tokens[0] in second:
-            second[tokens[0]][tokens[1]] += 1
-    assert _chi2(first, p0) < 18.47  # p = 0.001, 4 degrees of freedom
-    for tok, counts in second.items():
-        assert counts.sum() > 500 and _chi2(counts, after[tok]) < 18.47, tok
+        _tally(rows, row, acc, nxt, reached, first, second)
+    _assert_target_marginals(first, second, p0, after)
     # not trivially passing: the tail token 2 after 1 is proposed with q = 1 but has p = 0.2 there
     assert _chi2(torch.tensor([0.0, 0, 8000, 0, 0]) + 1e-9, after[1]) > 1000
 

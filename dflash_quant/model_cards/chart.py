@@ -52,14 +52,7 @@ def write_acceptance_chart(
     ax.set_xticks(list(range(1, longest + 1)))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("fraction of steps accepting position k")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right", frameon=False)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", metadata={"Software": None})
-    return path
+    return _save(fig, ax, path, title, legend="upper right")
 
 
 MIX_CHART_NAME = "mix_tradeoff.png"
@@ -94,8 +87,13 @@ def write_tradeoff_chart(
                 label="mix, held-out prompts")  # fmt: skip
     ax.set_xlabel("quantized Linear bytes (MB)")
     ax.set_ylabel("tau / tau bf16")
+    return _save(fig, ax, path, title, legend="lower right")
+
+
+def _save(fig, ax, path: Path, title: str | None, legend: str) -> Path:
+    """Grid, legend and title, then a PNG without the software metadata (byte-stable across runs)."""
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right", frameon=False)
+    ax.legend(loc=legend, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
