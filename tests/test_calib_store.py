@@ -195,3 +195,24 @@ def test_second_gptq_reuses_the_calibration_with_the_same_codes(tmp_path):
     assert off["cached"] is False and "store" not in off and off["rows"] == first["rows"]
     fresh = _gptq(pair, tmp_path / "e", xdg, "--max-new-tokens", "12")  # other calibration settings: recomputed
     assert fresh["cached"] is False and fresh["store"] == "stored"
+
+
+def test_eviction_never_touches_what_the_store_did_not_write(pairs, tmp_path):
+    """A user's folder, or a symlink to one, inside the store survives a save that must evict."""
+    load, stats = pairs
+    probe = CalibStore(tmp_path / "probe", 10**9)
+    probe.save(stats, _key(load))
+    size = sum(f.stat().st_size for f in (tmp_path / "probe").rglob("*") if f.is_file())
+    store = CalibStore(tmp_path / "s", int(size * 1.5))  # room for one entry: the second save evicts
+    store.save(stats, _key(load, max_new_tokens=1))
+    mine = tmp_path / "precious"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "s" / "a-folder").mkdir()
+    (tmp_path / "s" / "a-folder" / "data.bin").write_bytes(b"x" * 10)
+    os.symlink(mine, tmp_path / "s" / "a-link")
+    os.utime(tmp_path / "s" / "a-folder", (1, 1))  # older than the entry: first in line if it were counted
+    assert store.save(stats, _key(load, max_new_tokens=2)) == "stored"
+    assert store.load(_key(load, max_new_tokens=1), False, CPU) is None  # our old entry was evicted
+    assert (tmp_path / "s" / "a-folder" / "data.bin").read_bytes() == b"x" * 10
+    assert (tmp_path / "s" / "a-link").is_symlink() and (mine / "notes.txt").read_text() == "keep"

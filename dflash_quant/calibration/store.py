@@ -137,7 +137,12 @@ class CalibStore:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _entries(self) -> list[Path]:
-        return [p for p in self.directory.iterdir() if p.is_dir() and not p.name.startswith(".")]
+        # Only folders this store wrote: a symlink or a folder without our metadata is never evicted.
+        return [
+            p
+            for p in self.directory.iterdir()
+            if not p.name.startswith(".") and not p.is_symlink() and p.is_dir() and (p / calib_cache.META).is_file()
+        ]
 
     def _evict(self, incoming: int, keep: Path) -> None:
         """Remove the least recently used entries until the store plus `incoming` bytes fits the cap."""
