@@ -175,8 +175,23 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
         [*CLI, "export", str(art), "--format", "compressed-tensors", "-o", str(ct)], capture_output=True, text=True
     )
     assert e.returncode == 0, e.stderr
-    groups = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]
+    qcfg = json.loads((ct / "config.json").read_text())["quantization_config"]
+    groups = qcfg["config_groups"]
     assert len(groups) == len(set(picked.values()))
+    # the consumer's own reading: the library parses the config, and its matcher puts each Linear in one group
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_name
+
+    parsed = QuantizationConfig.model_validate(qcfg)
+    tensor_names = {
+        k[: -len(".weight_packed")] for k in load_file(str(ct / "model.safetensors")) if k.endswith("_packed")
+    }
+    assert len(tensor_names) == len(picked)
+    for module in tensor_names:
+        hits = [g for g in parsed.config_groups.values() if any(match_name(module, t) for t in g.targets)]
+        assert len(hits) == 1, (module, [g.targets for g in hits])
+        short = next(n for n in picked if module.endswith(n))
+        assert f"{hits[0].weights.num_bits}/{hits[0].weights.group_size}" == picked[short], module
     again = load_drafter(ct, device="cpu", dtype=torch.float32)
     for name in picked:
         torch.testing.assert_close(again.model.get_submodule(name).weight, loaded.model.get_submodule(name).weight)
