@@ -100,43 +100,54 @@ def main(argv=None):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, drafter = build(device, dtype, args.small)
-    # int4: GPTQ-grid weights (RTN, 4-bit g128 sym) dequantized, as the parity check runs the artifact
+    # int4: GPTQ-grid weights (RTN, 4-bit g128 sym) dequantized, as the parity check runs the artifact; on CUDA
+    # also the same codes through our int4 kernel (`--int4-kernel triton`), which rebuilds each weight in bf16
+    # for a prompt's rows (int4_linear.MAX_KERNEL_ROWS) and keeps only the codes resident
+    from dflash_quant.int4_linear import Int4Codes, use_int4_codes
     from dflash_quant.quantize import QuantSpec, rtn_quantize
 
     int4 = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
     int4.load_state_dict(drafter.state_dict())
+    codes = {}
     with torch.no_grad():
         for name in int4.linear_names():
             mod = int4.get_submodule(name)
-            mod.weight.copy_(
-                rtn_quantize(mod.weight.float(), QuantSpec(4, 128, True), name=name).dequantize().to(dtype)
-            )
+            qw = rtn_quantize(mod.weight.float(), QuantSpec(4, 128, True), name=name)
+            mod.weight.copy_(qw.dequantize().to(dtype))
+            if device.type == "cuda":
+                codes[name] = (Int4Codes(qw.codes, qw.zeros, qw.scales, qw.g_idx.long(), 128), None)
+    drafters = {"bf16_drafter": drafter, "int4_drafter": int4}
+    if codes:
+        kernel = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
+        kernel.load_state_dict(int4.state_dict())
+        use_int4_codes(kernel, codes, ["triton"])
+        drafters["int4_kernel_drafter"] = kernel
+        del codes
     rows = []
     g = torch.Generator().manual_seed(0)
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = torch.randint(0, target.config.vocab_size, (1, n), generator=g).to(device)
         for _ in range(2):  # warm-up at this length
-            ttft(target, drafter, ids, True, device)
             ttft(target, None, ids, False, device)
-        times = {"target_only": [], "bf16_drafter": [], "int4_drafter": []}
-        for _ in range(args.repeats):  # interleaved, so drift hits all three alike
+            for d in drafters.values():
+                ttft(target, d, ids, True, device)
+        times: dict[str, list[float]] = {"target_only": [], **{k: [] for k in drafters}}
+        for _ in range(args.repeats):  # interleaved, so drift hits all alike
             times["target_only"].append(ttft(target, None, ids, False, device))
-            times["bf16_drafter"].append(ttft(target, drafter, ids, True, device))
-            times["int4_drafter"].append(ttft(target, int4, ids, True, device))
+            for k, d in drafters.items():
+                times[k].append(ttft(target, d, ids, True, device))
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {
             "prompt_tokens": n,
             **{f"{k}_ttft_s": round(v, 5) for k, v in med.items()},
             **{f"{k}_prefill_tok_s": round(n / v, 1) for k, v in med.items()},
-            "bf16_overhead": round(med["bf16_drafter"] / med["target_only"] - 1, 4),
-            "int4_overhead": round(med["int4_drafter"] / med["target_only"] - 1, 4),
+            **{f"{k.removesuffix('_drafter')}_overhead": round(med[k] / med["target_only"] - 1, 4) for k in drafters},
             "runs_s": times,
         }
         rows.append(row)
         print(
             f"{n:>6} tokens: target-only {med['target_only'] * 1e3:8.1f} ms ({n / med['target_only']:9.0f} tok/s) | "
-            f"+bf16 drafter {med['bf16_drafter'] * 1e3:8.1f} ms ({row['bf16_overhead']:+.1%}) | "
-            f"+int4 drafter {med['int4_drafter'] * 1e3:8.1f} ms ({row['int4_overhead']:+.1%})",
+            + " | ".join(f"+{k} {med[k] * 1e3:8.1f} ms ({med[k] / med['target_only'] - 1:+.1%})" for k in drafters),
             flush=True,
         )
     result = {

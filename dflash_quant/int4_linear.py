@@ -24,7 +24,7 @@ from torch import nn
 from dflash_quant.errors import UsageError
 from dflash_quant.int4_choice import KERNEL_ORDER, check_int4_kernel
 
-MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows run in chunks of 64
+MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows go through a bf16 GEMM
 
 
 @dataclass
@@ -149,15 +149,10 @@ class Int4Linear(nn.Module):
 
             if flat.shape[0] <= MAX_KERNEL_ROWS:
                 y = w4a16_matmul(flat, self.qweight, self.scales, self.zeros, self.group_size)
-            else:
-                y = torch.cat(
-                    [
-                        w4a16_matmul(
-                            flat[r : r + MAX_KERNEL_ROWS], self.qweight, self.scales, self.zeros, self.group_size
-                        )
-                        for r in range(0, flat.shape[0], MAX_KERNEL_ROWS)
-                    ]
-                )
+            else:  # a prompt's worth of rows: compute-bound, so rebuild the bf16 weight once and use cuBLAS
+                from dflash_quant.int4_triton import dequantize_t
+
+                y = flat @ dequantize_t(self.qweight, self.scales, self.zeros, self.group_size)
         elif self.kernel == "tinygemm":
             y = torch.ops.aten._weight_int4pack_mm(flat.contiguous(), self.packed, self.group_size, self.sz)
         else:

@@ -23,26 +23,62 @@ import triton.language as tl
 
 # Autotuned per (rows bucket, N, K, group): split-K fills the GPU when N alone gives too few programs.
 # WIDE_LOAD: read each packed word once ([BLOCK_K/8, BLOCK_N]) and spread its 8 codes with a reshape, instead
-# of one (cached) load per code; which is faster depends on the shape, so both are tuned.
+# of one (cached) load per code; SWAP_AB: multiply W x^T so that the weight tile is the MMA's wide operand.
+# Which is faster depends on the shape, so they are tuned.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide}, num_warps=4, num_stages=3)
+    triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide, "SWAP_AB": swap}, num_warps=4, num_stages=3)
     for bn in (32, 64, 128)
     for sk in (1, 2, 4, 8, 16)
     for wide in (False, True)
+    for swap in (False, True)
 ]
 if os.environ.get("DFLASH_INT4_TUNE") == "extended":  # benchmarks only: other warps and pipeline depths
     _CONFIGS = [
-        triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide}, num_warps=w, num_stages=st)
-        for bn in (32, 64, 128)
+        triton.Config({"BLOCK_N": bn, "SPLIT_K": sk, "WIDE_LOAD": wide, "SWAP_AB": swap}, num_warps=w, num_stages=st)
+        for bn in (64, 128)
         for sk in (4, 8, 16)
         for wide in (False, True)
-        for w, st in ((2, 3), (4, 4), (8, 3))
+        for swap in (False, True)
+        for w, st in ((4, 3), (4, 4), (8, 3))
     ]
 MAX_SPLIT_K = 16
 MIN_BLOCK_N = 32
 
 
-@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP"])
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: any count gives a valid plan
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_for(n: int, k: int, block_n: int, bk: int, sms: int) -> int:
+    """The smallest power-of-two split-K that gives about two programs per SM (capped by the K blocks)."""
+    tiles = triton.cdiv(n, block_n)
+    most = min(MAX_SPLIT_K, max(1, k // bk))
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= most:
+        split *= 2
+    return split
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the configs near the occupancy heuristic: BLOCK_N 64/128 with the split-K that fills the GPU and
+    half of it, both load styles and operand orders (<= 16 per shape). Tuning all 30 compiled ~30 kernels per shape, which is what
+    ate the first GPU run; a pinned config list (tests) or DFLASH_INT4_TUNE=extended is kept whole."""
+    if len(configs) <= 16 or os.environ.get("DFLASH_INT4_TUNE") == "extended":
+        return configs
+    n, k = int(named_args["N"]), int(named_args["K"])
+    sms = _sm_count(named_args["x_ptr"].device)
+    keep = []
+    for c in configs:
+        bn, sk = c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"]
+        best = split_for(n, k, bn, kwargs["BLOCK_K"], sms)
+        if bn in (64, 128) and sk in (best, max(1, best // 2)):
+            keep.append(c)
+    return keep or configs
+
+
+@triton.autotune(configs=_CONFIGS, key=["M_BUCKET", "N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _w4a16_kernel(
     x_ptr,
@@ -63,6 +99,7 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     WIDE_LOAD: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -72,7 +109,7 @@ def _w4a16_kernel(
     mask_n = offs_n < N
     per_split = tl.cdiv(K, BLOCK_K * SPLIT_K)
     shift = (tl.arange(0, BLOCK_K) % 8) * 4
-    acc = tl.zeros((M_BUCKET, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, M_BUCKET) if SWAP_AB else (M_BUCKET, BLOCK_N), dtype=tl.float32)
     for i in range(0, per_split):
         b = pid_k * per_split + i
         live = b * BLOCK_K < K  # the last split may hold fewer blocks: its extra iterations load nothing
@@ -82,18 +119,29 @@ def _w4a16_kernel(
             offs_w = b * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
             words = tl.load(q_ptr + offs_w[:, None] * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
             nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K/8, 8, BLOCK_N]
-            codes = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)  # row 8*r + i: code i of word r
+            bits = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))  # row 8*r + i: code i of word r
         else:
             words = tl.load(q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask_n[None, :] & live, other=0)
-            codes = ((words >> shift[:, None]) & 0xF).to(tl.float32)
+            bits = (words >> shift[:, None]) & 0xF
         g = (b * BLOCK_K) // GROUP  # BLOCK_K divides GROUP: one group per tile
         scale = tl.load(s_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + g * N + offs_n, mask=mask_n & live, other=0.0).to(tl.float32)
-        w = (codes - zero[None, :]) * scale[None, :]
+        # q as the float 2^23 + q (int -> float conversions run at a quarter of the ALU rate and bounded the
+        # first version); (2^23 + q) - (2^23 + z) = q - z exactly, then bf16((q - z) * s) as dequantized
+        codes = (bits | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (codes - (zero + 8388608.0)[None, :]) * scale[None, :]
         if FP32_DOT:  # interpreter: its bf16 dot is wrong and its bf16 cast truncates, so the fp32 weight
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            wd = w
+            xd = x.to(tl.float32)
         else:
-            acc += tl.dot(x, w.to(tl.bfloat16))
+            wd = w.to(tl.bfloat16)
+            xd = x
+        if SWAP_AB:  # out^T = W x^T: the weight tile is the MMA's A operand, x (16 rows) the narrow B
+            acc += tl.dot(tl.trans(wd), tl.trans(xd), input_precision="ieee" if FP32_DOT else None)
+        else:
+            acc += tl.dot(xd, wd, input_precision="ieee" if FP32_DOT else None)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     tile = offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -109,6 +157,35 @@ def _w4a16_kernel(
                 total += tl.load(ws_ptr + s * M_BUCKET * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + tile, total.to(tl.bfloat16), mask=mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """W^T [K, N] from the codes, each element bf16((q - z) * s) in fp32 as in the matmul kernel's tiles
+    (fp32 out under the interpreter, whose bf16 cast truncates; the caller rounds it)."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    words = tl.load(q_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask, other=0)
+    codes = (((words >> ((offs_k % 8) * 4)[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    gn = (offs_k // GROUP)[:, None] * N + offs_n[None, :]
+    scale = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32) + 8388608.0  # codes hold 2^23 + q
+    w = (codes - zero) * scale
+    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_t(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The bf16 weight, transposed ([in, out]), in one pass over the codes: for inputs of many rows (the
+    drafter taking in a prompt), where a bf16 GEMM is compute-bound and rebuilding the weight once is cheap."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, device=qweight.device, dtype=torch.float32 if _INTERPRET else torch.bfloat16)
+    grid = (triton.cdiv(k, 64), triton.cdiv(n, 64))
+    args = (qweight.contiguous(), scales.contiguous(), zeros.contiguous(), w, n, k)
+    _dequant_kernel[grid](*args, GROUP=group_size, BLOCK_K=64, BLOCK_N=64)
+    return w.to(torch.bfloat16)
 
 
 def block_k(group_size: int) -> int:
@@ -143,7 +220,7 @@ _TUNED: dict[tuple[int, int, int, int, torch.device], dict] = {}
 # Up to 32 rows are tuned: a step's k/v see the block and the newly committed context (17..32 rows). More
 # rows (the drafter's context over a prompt, once per request) run untuned: one compilation.
 TUNED_ROWS = 32
-PREFILL_CONFIG = {"BLOCK_N": 64, "SPLIT_K": 1, "WIDE_LOAD": False, "num_warps": 4, "num_stages": 3}
+PREFILL_CONFIG = {"BLOCK_N": 64, "SPLIT_K": 1, "WIDE_LOAD": False, "SWAP_AB": False, "num_warps": 4, "num_stages": 3}
 
 
 def reset_tuning() -> None:
@@ -163,7 +240,12 @@ def w4a16_matmul(
     ws, count = _scratch(x.device, bucket, n)
     x = x.contiguous()
     args = (x, qweight, scales, zeros, out, ws, count, m, n, k, x.stride(0))
-    consts = {"M_BUCKET": bucket, "GROUP": group_size, "BLOCK_K": block_k(group_size), "FP32_DOT": _INTERPRET}
+    consts = {
+        "M_BUCKET": bucket,
+        "GROUP": group_size,
+        "BLOCK_K": block_k(group_size),
+        "FP32_DOT": _INTERPRET,
+    }
     key = (bucket, n, k, group_size, x.device)
     tuned = _TUNED.get(key, PREFILL_CONFIG if bucket > TUNED_ROWS else None)
     if tuned is None:

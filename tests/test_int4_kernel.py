@@ -20,7 +20,7 @@ import torch
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_v1 import decode_gptq_v1, pack_gptq_v1
-from dflash_quant.int4_linear import Int4Codes, Int4Linear, kernel_problem, plan, use_int4_kernel
+from dflash_quant.int4_linear import MAX_KERNEL_ROWS, Int4Codes, Int4Linear, kernel_problem, plan, use_int4_kernel
 from dflash_quant.quantize.grid import QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
@@ -139,7 +139,7 @@ def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, 
 
     from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
-    config = {"BLOCK_N": block_n, "SPLIT_K": split_k, "WIDE_LOAD": wide}
+    config = {"BLOCK_N": block_n, "SPLIT_K": split_k, "WIDE_LOAD": wide, "SWAP_AB": wide}
     _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=2)]
     reset_tuning()
     qw = _quantized(96, 384, group, sym, act_order, seed=group)
@@ -148,18 +148,40 @@ def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, 
     x = torch.randn(rows, 384).to(torch.bfloat16)
     # the interpreter runs the kernel's FP32_DOT branch (fp32 weight tile, see int4_triton.py) and truncates
     # on its cast to bf16, so the result is the fp32 dequantized matmul within one bf16 ulp
-    ref = (x.double() @ c.dequantize().double().T).float()
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    if rows > MAX_KERNEL_ROWS:  # many rows: the weight rebuilt in bf16 by our dequant kernel, then a bf16 GEMM
+        assert torch.equal(got, x @ c.dequantize().to(torch.bfloat16).T)
+        return
+    ref = (x.double() @ c.dequantize().double().T).float()
     ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp(min=2**-30))) - 7)
     assert bool(((got.float() - ref).abs() <= ulp * 1.01 + 1e-6).all())
     assert torch.equal(layer(x), got)  # split-K counters were left at zero: a second call adds up the same
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
+@pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, True), (64, False, True)])
+def test_dequant_kernel_rebuilds_the_bf16_weight_bit_for_bit(group, sym, act_order):
+    from dflash_quant.export.gptq_v1 import _pack_dim0
+    from dflash_quant.int4_triton import dequantize_t
+
+    c, _ = _codes(_quantized(80, 256, group, sym, act_order, seed=3), group).in_order()
+    qweight = _pack_dim0(c.codes.T, 4)
+    got = dequantize_t(qweight, c.scales.to(torch.float16), c.zeros.to(torch.float16), group)
+    assert torch.equal(got, c.dequantize().to(torch.bfloat16).T)
+    broken = qweight.clone()
+    broken[3, 5] ^= 1 << 8  # one code of one word: exactly one weight must change
+    diff = dequantize_t(broken, c.scales.to(torch.float16), c.zeros.to(torch.float16), group) != got
+    assert int(diff.sum()) == 1 and bool(diff[3 * 8 + 2, 5])
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(params=[(1, False), (4, False), (4, True)], ids=["splitk1", "splitk4", "splitk4-wide"])
+@pytest.fixture(
+    params=[(1, False, False), (4, False, False), (4, True, False), (2, False, True), (4, True, True)],
+    ids=["splitk1", "splitk4", "splitk4-wide", "splitk2-swap", "splitk4-wide-swap"],
+)
 def triton_split(request):
     """Our kernel pinned to one config, without and with split-K (both code paths, few compilations)."""
     import triton
@@ -167,8 +189,8 @@ def triton_split(request):
     from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
-    split_k, wide = request.param
-    config = {"BLOCK_N": 64, "SPLIT_K": split_k, "WIDE_LOAD": wide}
+    split_k, wide, swap = request.param
+    config = {"BLOCK_N": 64, "SPLIT_K": split_k, "WIDE_LOAD": wide, "SWAP_AB": swap}
     _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=3)]
     reset_tuning()
     yield request.param
@@ -182,7 +204,7 @@ def triton_split(request):
 @pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, False), (64, False, True)])
 @pytest.mark.parametrize("rows", [1, 16, 24, 100])
 def test_kernel_against_fp32_dequant_matmul(kernel, group, sym, act_order, rows, triton_split):
-    if kernel != "triton" and triton_split != (1, False):
+    if kernel != "triton" and triton_split != (1, False, False):
         pytest.skip("split-K is our kernel's parameter")
     c = _codes(_quantized(1024, 2048, group, sym, act_order, seed=group), group).to(torch.device("cuda"))
     problem = kernel_problem(kernel, c, torch.device("cuda"))
@@ -209,7 +231,7 @@ def triton_one_config():
     from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
-    config = {"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True}
+    config = {"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True, "SWAP_AB": True}
     _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=3)]
     reset_tuning()
     yield
@@ -389,7 +411,9 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
     from dflash_quant.runtime import encode_prompts, stop_tokens
     from dflash_quant.verify import CheckSettings, spec_runs
 
-    _w4a16_kernel.configs = [triton.Config({"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True}, num_warps=4)]
+    _w4a16_kernel.configs = [
+        triton.Config({"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True, "SWAP_AB": True}, num_warps=4)
+    ]
     reset_tuning()
     monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["triton"], None))  # CPU allowed here
     monkeypatch.setattr(il, "kernel_problem", lambda name, codes, device: None)
@@ -428,3 +452,26 @@ def test_a_kernel_that_cannot_run_falls_back_or_refuses(rtn_artifact, monkeypatc
     monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["tinygemm"], None))
     with pytest.raises(UsageError, match=r"--int4-kernel tinygemm cannot run this drafter \(tinygemm: fc: .*dequant"):
         il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "tinygemm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_autotuning_keeps_a_few_configs_that_fill_the_gpu(monkeypatch):
+    import triton
+
+    import dflash_quant.int4_triton as kernels
+    from dflash_quant.int4_triton import _CONFIGS, _prune, split_for
+
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 132)
+
+    sms = 132  # H200
+    # a wide matrix already has enough tiles; a narrow deep one (down: 4096 x 12288) needs split-K
+    assert split_for(24576, 4096, 64, 128, sms) == 1
+    assert split_for(4096, 12288, 64, 128, sms) == 8 and 4096 // 64 * 8 >= 2 * sms
+    assert split_for(4096, 256, 64, 128, sms) == 2  # capped by the two K blocks there are
+    x = torch.empty(16, 12288, device="meta")
+    kept = _prune(_CONFIGS, {"N": 4096, "K": 12288, "x_ptr": x}, BLOCK_K=128, M_BUCKET=16, GROUP=128)
+    assert 0 < len(kept) <= 16 < len(_CONFIGS)
+    assert {c.kwargs["BLOCK_N"] for c in kept} <= {64, 128}
+    assert all(c.kwargs["SPLIT_K"] in (4, 8) or c.kwargs["BLOCK_N"] == 128 for c in kept)
+    pinned = [triton.Config({"BLOCK_N": 32, "SPLIT_K": 3, "WIDE_LOAD": False, "SWAP_AB": False})]
+    assert _prune(pinned, {"N": 4096, "K": 12288, "x_ptr": x}, BLOCK_K=128) == pinned  # tests pin one config
