@@ -25,5 +25,7 @@ run u3 --bits 3
 run tau --max-tau-loss 0.01
 U3=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['quant_report']['drafter_bytes_quantized'])" "$OUT/mixed_${PAIR}_u3.json")
 run bytes --max-bytes "$U3"
-$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_bytes.json" "$OUT/mixed_${PAIR}_u3.json"
-$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_tau.json" "$OUT/mixed_${PAIR}_u4.json"
+{
+  $PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_bytes.json" "$OUT/mixed_${PAIR}_u3.json"
+  $PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_tau.json" "$OUT/mixed_${PAIR}_u4.json"
+} | tee "$OUT/mixed_${PAIR}_paired.txt"
