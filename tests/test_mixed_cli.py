@@ -81,6 +81,21 @@ def test_slope_bounds_bracket_the_fit_and_close_without_noise():
     )
 
 
+def test_cached_tau_map_keeps_the_per_prompt_data_of_its_bounds(tmp_path):
+    from dflash_quant.quantize.mixed_table import load_curve, save_curve, save_table
+
+    rng = random.Random(2)
+    base = [rng.randint(4, 10) / 2 for _ in range(20)]
+    curve = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.05)) for t in base]) for s, (loss, f) in
+                    {"2/128": (1.0, 0.2), "4/128": (0.1, 0.02)}.items()}, base)  # fmt: skip
+    key, ckey = {"drafter": "x"}, {"dev_prompts": 20}
+    save_table(tmp_path, {"fc": {Candidate(4, 128): (10, 0.1)}}, key)
+    save_curve(tmp_path, key, ckey, curve)
+    cached = load_curve(tmp_path, key, ckey)
+    assert cached is not None and mp.slope_bounds(cached) == mp.slope_bounds(curve) is not None
+    assert load_curve(tmp_path, key, {"dev_prompts": 21}) is None
+
+
 def test_tau_goal_plans_on_the_upper_slope_above_the_bit_floor():
     points = [{"setting": "2/128", "loss": 1.0, "tau_loss": 0.2}, {"setting": "3/128", "loss": 0.2, "tau_loss": 0.04},
               {"setting": "4/128", "loss": 0.05, "tau_loss": 0.01}, {"setting": "8/128", "loss": 0.001, "tau_loss": 0.0}]  # fmt: skip
