@@ -39,9 +39,10 @@ def test_candidates_follow_the_widths():
     assert mp.candidates_for([(64, 64)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, -1)]
     assert mp.candidates_for([(96, 96)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, -1)]
     assert mp.candidates_for([(40, 40)]) == [Candidate(4, -1), Candidate(8, -1)]  # 40*2, 40*3 not whole words
-    # the tau map measures the default group; per channel only where no group fits
+    # the tau map measures the default group, else the largest that fits, else per channel
     assert mp.tau_points(every) == [Candidate(b, 128) for b in (2, 3, 4, 8)]
     assert mp.tau_points(mp.candidates_for([(40, 40)])) == [Candidate(4, -1), Candidate(8, -1)]
+    assert mp.tau_points(mp.candidates_for([(64, 64)])) == [Candidate(b, 64) for b in (2, 3, 4, 8)]
 
 
 def _curve(per_setting: dict[str, tuple[float, list[float]]], base: list[float], steps: int = 100) -> dict:
@@ -232,8 +233,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     assert prov["predicted_bytes"] == report["quantized_bytes"]  # the byte formula is the written size
     picked = {e["name"]: f"{e['bits']}/{e['group_size']}" for e in report["layers"]}
     assert picked == prov["picks"] and len(set(picked.values())) > 1
-    # the tau map: uniform 2/3/4/8 measured on the dev prompts (a random tiny drafter accepts ~nothing: tau ~1)
-    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/32", "3/32", "4/32", "8/32"]
+    # the tau map: uniform 2/3/4/8 at the largest group of the tiny widths (64) measured on the dev prompts
+    # (a random tiny drafter accepts ~nothing: tau ~1)
+    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/64", "3/64", "4/64", "8/64"]  # largest group
     assert all(p["tau"] >= 1 and p["tau_bf16"] >= 1 for p in prov["tau_calibration"])
     # GPTQ v1 `dynamic`: every Linear's setting read back with vLLM's first-match rule decodes its tensors
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
@@ -270,7 +272,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
         hits = [g for g in parsed.config_groups.values() if any(match_name(module, t) for t in g.targets)]
         assert len(hits) == 1, (module, [g.targets for g in hits])
         short = next(n for n in picked if module.endswith(n))
-        assert f"{hits[0].weights.num_bits}/{hits[0].weights.group_size}" == picked[short], module
+        w = hits[0].weights
+        group = -1 if str(getattr(w.strategy, "value", w.strategy)) == "channel" else w.group_size  # per channel
+        assert f"{w.num_bits}/{group}" == picked[short], module
     again = load_drafter(ct, device="cpu", dtype=torch.float32)
     for name in picked:
         torch.testing.assert_close(again.model.get_submodule(name).weight, loaded.model.get_submodule(name).weight)

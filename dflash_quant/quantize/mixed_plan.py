@@ -43,9 +43,10 @@ def candidates_for(shapes: Sequence[tuple[int, int]]) -> list[Candidate]:
 
 
 def tau_points(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The uniform settings measured for the tau map: each bit width at group 128 (else the widest group)."""
+    """The uniform settings measured for the tau map: each bit width at group 128, else at the largest group
+    the widths allow (the nearest to the default), else per channel."""
     groups = {c.group_size for c in candidates}
-    group = TAU_GROUP if TAU_GROUP in groups else max(groups, key=lambda g: (g == -1, g))
+    group = TAU_GROUP if TAU_GROUP in groups else max(groups)
     return [c for c in candidates if c.group_size == group]
 
 
