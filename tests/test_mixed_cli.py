@@ -286,3 +286,27 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     # the card names the picks and the engines that cannot load the mix
     card = (art / "README.md").read_text()
     assert "Mixed precision" in card and prov["nearest_uniform"] in card
+
+
+@pytest.mark.slow
+def test_gptq_max_tau_loss_plans_on_the_cached_maps_bounds(pair):
+    """--max-tau-loss after another goal on the same --calib-cache: the map comes from the cache with its
+    per-prompt data, so the plan has its bootstrap bounds, and the record is consistent with the picks."""
+    first = gptq(pair, "mix-first", "--max-bytes", "10MB", "--no-verify", "--no-card")
+    assert first.returncode == 0, first.stderr
+    cached = json.loads((pair["root"] / "calib" / "sensitivity.json").read_text())["tau_calibration"]
+    assert len(cached["per_prompt"]["tokens"]) == 4 and all(
+        len(p["per_prompt"]["steps"]) == 4 for p in cached["points"]
+    )
+    r = gptq(pair, "mix-tau", "--max-tau-loss", "0.05")  # reads that map
+    assert r.returncode == 0, r.stderr
+    art = pair["root"] / "mix-tau"
+    prov = json.loads((art / "provenance.json").read_text())["mixed"]
+    lo, hi = prov["slope_bounds"]
+    slope = prov["tau_calibration"][0]["slope"]
+    assert lo <= slope <= hi
+    assert prov["loss_budget"] >= prov["predicted_loss"]
+    assert all(int(s.split("/")[0]) >= prov["bits_floor"] for s in prov["picks"].values())
+    assert prov["predicted_tau_ratio_low"] <= prov["predicted_tau_ratio"]
+    card = (art / "README.md").read_text()
+    assert f"no Linear below {prov['bits_floor']} bits" in card and "with the slope's upper bound" in card
