@@ -2,7 +2,12 @@
 # Mixed precision on a shipped pair (issue #12): uniform 3/4-bit GPTQ vs --max-tau-loss 0.01 and --max-bytes at
 # uniform 3-bit's size, all on the same held-out prompts (never the calibration/dev prompts), one calibration.
 #   nice -n 10 bash benchmarks/mixed_reference.sh [PAIR] [HELD-OUT PROMPTS] [N] [NEW TOKENS]
-# Results: benchmarks/results/mixed_<pair>_{u4,u3,tau,bytes}.json (gptq --json), then paired_tau.py on them.
+#   nice -n 10 bash benchmarks/mixed_reference.sh reference-dflash2 benchmarks/prompts/d2_heldout_extra.jsonl
+# Results: benchmarks/results/mixed_<pair>_{u4,u3,tau,bytes}.json (gptq --json), then paired_tau.py on them
+# (mixed_<pair>_paired.txt). Measured (128 x 64, CPU fp32), tau ratio held-out:
+#   reference: u4 0.9962, --max-tau-loss 0.01 0.9958 at 1,044,928 vs 1,049,088 B; u3 0.9573, --max-bytes 0.9698
+#   reference-dflash2: u4 0.9871, --max-tau-loss 0.01 0.9917 at 1,035,328 B; u3 0.9528, --max-bytes 0.9619
+# WORK (default /tmp/mixed_bench_<pair>) holds the calibration, table and tau map between runs.
 set -euo pipefail
 PAIR=${1:-reference}
 PROMPTS=${2:-benchmarks/prompts/ref_heldout_extra.jsonl}
@@ -25,5 +30,7 @@ run u3 --bits 3
 run tau --max-tau-loss 0.01
 U3=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['quant_report']['drafter_bytes_quantized'])" "$OUT/mixed_${PAIR}_u3.json")
 run bytes --max-bytes "$U3"
-$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_bytes.json" "$OUT/mixed_${PAIR}_u3.json"
-$PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_tau.json" "$OUT/mixed_${PAIR}_u4.json"
+{
+  $PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_bytes.json" "$OUT/mixed_${PAIR}_u3.json"
+  $PY benchmarks/paired_tau.py "$OUT/mixed_${PAIR}_tau.json" "$OUT/mixed_${PAIR}_u4.json"
+} | tee "$OUT/mixed_${PAIR}_paired.txt"

@@ -18,14 +18,26 @@ def tau(pp):  # aggregate tau = tokens / steps over the chosen prompts
     return sum(x["tau"] * x["steps"] for x in pp) / sum(x["steps"] for x in pp)
 
 
+def ratio_ci(p):  # 95 % bootstrap interval of tau_q / tau_bf16, prompts resampled with their bf16 runs
+    q, b = p["quantized"]["per_prompt"], p["baseline"]["per_prompt"]
+    rng = random.Random(0)
+    draws = []
+    for _ in range(2000):
+        idx = [rng.randrange(len(q)) for _ in q]
+        draws.append(tau([q[i] for i in idx]) / tau([b[i] for i in idx]))
+    draws.sort()
+    return draws[50], draws[1950]
+
+
 files = sys.argv[1:]
 ref = None
 for f in files:
     p = load(f)
     q = p["quantized"]
+    lo, hi = ratio_ci(p)
     print(
-        f"{f.split('/')[-1]:28s} tau_b={p['baseline']['tau']:.3f} tau_q={q['tau']:.3f} ratio={p['tau_ratio']:.4f} lossless={p['lossless']} "
-        f"acc={' / '.join(f'{a:.3f}' for a in q['per_position_acceptance'])}"
+        f"{f.split('/')[-1]:28s} tau_b={p['baseline']['tau']:.3f} tau_q={q['tau']:.3f} ratio={p['tau_ratio']:.4f} "
+        f"[{lo:.4f}, {hi:.4f}] lossless={p['lossless']} acc={' / '.join(f'{a:.3f}' for a in q['per_position_acceptance'])}"
     )
 if len(files) >= 2:
     a, b = load(files[0]), load(files[1])

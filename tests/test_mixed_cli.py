@@ -15,7 +15,7 @@ from dflash_quant.loading import layer_setting, load_drafter
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.quantize.grid import QuantSpec
-from dflash_quant.quantize.mixed import Candidate
+from dflash_quant.quantize.mixed import Candidate, min_bytes
 from dflash_quant.quantize.rtn import rtn_quantize
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
@@ -34,10 +34,90 @@ def test_tau_map_is_a_least_squares_line_through_the_origin():
 
 
 def test_candidates_follow_the_widths():
-    assert mp.candidates_for([(256, 512), (512, 256)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 128)]
-    assert mp.candidates_for([(64, 64)]) == [Candidate(b, 32) for b in (2, 3, 4, 8)]
+    every = [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, 128, -1)]
+    assert mp.candidates_for([(256, 512), (512, 256)]) == every
+    assert mp.candidates_for([(64, 64)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, -1)]
+    assert mp.candidates_for([(96, 96)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, -1)]
     assert mp.candidates_for([(40, 40)]) == [Candidate(4, -1), Candidate(8, -1)]  # 40*2, 40*3 not whole words
-    assert mp.tau_points(mp.candidates_for([(256, 512)])) == [Candidate(b, 128) for b in (2, 3, 4, 8)]
+    # the tau map measures the default group, else the largest that fits, else per channel
+    assert mp.tau_points(every) == [Candidate(b, 128) for b in (2, 3, 4, 8)]
+    assert mp.tau_points(mp.candidates_for([(40, 40)])) == [Candidate(4, -1), Candidate(8, -1)]
+    assert mp.tau_points(mp.candidates_for([(64, 64)])) == [Candidate(b, 64) for b in (2, 3, 4, 8)]
+
+
+def _curve(per_setting: dict[str, tuple[float, list[float]]], base: list[float], steps: int = 100) -> dict:
+    """A tau map with per-prompt data: `base` and each setting's tau per prompt, `steps` steps per prompt."""
+
+    def per(taus):
+        return {"tokens": [round(t * steps) for t in taus], "steps": [steps] * len(taus)}
+
+    points = []
+    for setting, (loss, taus) in per_setting.items():
+        t, t0 = sum(taus) / len(taus), sum(base) / len(base)
+        points.append({"setting": setting, "loss": loss, "tau_loss": 1 - t / t0, "per_prompt": per(taus)})
+    return {"tau_bf16": sum(base) / len(base), "per_prompt": per(base), "points": points}
+
+
+def test_slope_bounds_bracket_the_fit_and_close_without_noise():
+    rng = random.Random(1)
+    base = [rng.randint(4, 10) / 2 for _ in range(40)]  # x 100 steps: whole token counts at 0.8 and 0.98
+    # every prompt loses the same fraction: resampling prompts cannot move the slope
+    exact = _curve({"2/128": (1.0, [t * 0.8 for t in base]), "4/128": (0.1, [t * 0.98 for t in base])}, base)
+    lo, hi = mp.slope_bounds(exact)
+    assert lo == pytest.approx(mp.slope(exact["points"]), abs=1e-9) == pytest.approx(hi, abs=1e-9)
+    # prompts lose different fractions: the bounds open around the fitted slope, wider with more spread
+    noisy = {s: (loss, [t * (1 - f + rng.gauss(0, 0.05)) for t in base]) for s, (loss, f) in
+             {"2/128": (1.0, 0.2), "4/128": (0.1, 0.02)}.items()}  # fmt: skip
+    curve = _curve(noisy, base)
+    lo, hi = mp.slope_bounds(curve)
+    assert lo < mp.slope(curve["points"]) < hi
+    wider = _curve({s: (loss, [t * (1 + 2 * (r / t - 1)) for t, r in zip(base, taus, strict=True)]) for s, (loss, taus) in
+                    noisy.items()}, base)  # fmt: skip
+    wlo, whi = mp.slope_bounds(wider)
+    assert whi - wlo > hi - lo
+    # a map cached without per-prompt data has no bounds
+    assert (
+        mp.slope_bounds({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in curve["points"]]})
+        is None
+    )
+
+
+def test_cached_tau_map_keeps_the_per_prompt_data_of_its_bounds(tmp_path):
+    from dflash_quant.quantize.mixed_table import load_curve, save_curve, save_table
+
+    rng = random.Random(2)
+    base = [rng.randint(4, 10) / 2 for _ in range(20)]
+    curve = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.05)) for t in base]) for s, (loss, f) in
+                    {"2/128": (1.0, 0.2), "4/128": (0.1, 0.02)}.items()}, base)  # fmt: skip
+    key, ckey = {"drafter": "x"}, {"dev_prompts": 20}
+    save_table(tmp_path, {"fc": {Candidate(4, 128): (10, 0.1)}}, key)
+    save_curve(tmp_path, key, ckey, curve)
+    cached = load_curve(tmp_path, key, ckey)
+    assert cached is not None and mp.slope_bounds(cached) == mp.slope_bounds(curve) is not None
+    assert load_curve(tmp_path, key, {"dev_prompts": 21}) is None
+
+
+def test_tau_goal_plans_on_the_upper_slope_above_the_bit_floor():
+    points = [{"setting": "2/128", "loss": 1.0, "tau_loss": 0.2}, {"setting": "3/128", "loss": 0.2, "tau_loss": 0.04},
+              {"setting": "4/128", "loss": 0.05, "tau_loss": 0.01}, {"setting": "8/128", "loss": 0.001, "tau_loss": 0.0}]  # fmt: skip
+    # at the lower slope 0.19, 3-bit (0.038) misses 0.01 and 4-bit (0.0095) keeps it: floor 4
+    assert mp.bits_floor(points, 0.01, 0.19) == 4
+    assert mp.bits_floor(points, 0.05, 0.19) == 3
+    assert mp.bits_floor(points, 1e-6, 0.19) == 8  # none keeps it: the widest
+    # two Linears; a 3-bit pick is the cheapest way under the loss budget, but it is below the floor
+    c = Candidate
+    table = {
+        "a": {c(3, 128): (30, 0.001), c(4, -1): (38, 0.02), c(4, 128): (40, 0.01), c(8, 128): (80, 0.0)},
+        "b": {c(3, 128): (30, 0.03), c(4, -1): (38, 0.025), c(4, 128): (41, 0.01), c(8, 128): (80, 0.0)},
+    }
+    choice, budget, floor = mp.plan_tau_loss(table, points, (0.19, 0.25), 0.01)
+    assert floor == 4 and budget == pytest.approx(0.01 / 0.25)  # the upper slope sets the budget
+    assert choice.picks == {"a": c(4, 128), "b": c(4, -1)}  # loss 0.035 <= 0.04 at 78 bytes
+    # without the floor the cheapest mix under that budget is all 3-bit
+    assert min_bytes(table, budget).picks == {"a": c(3, 128), "b": c(3, 128)}
+    # without bounds (an old cached map) the point slope plays both parts
+    _, budget, _ = mp.plan_tau_loss(table, points, None, 0.01)
+    assert budget == pytest.approx(0.01 / mp.slope(points))
 
 
 def test_goal_flags_are_exclusive_and_checked():
@@ -153,8 +233,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     assert prov["predicted_bytes"] == report["quantized_bytes"]  # the byte formula is the written size
     picked = {e["name"]: f"{e['bits']}/{e['group_size']}" for e in report["layers"]}
     assert picked == prov["picks"] and len(set(picked.values())) > 1
-    # the tau map: uniform 2/3/4/8 measured on the dev prompts (a random tiny drafter accepts ~nothing: tau ~1)
-    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/32", "3/32", "4/32", "8/32"]
+    # the tau map: uniform 2/3/4/8 at the largest group of the tiny widths (64) measured on the dev prompts
+    # (a random tiny drafter accepts ~nothing: tau ~1)
+    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/64", "3/64", "4/64", "8/64"]  # largest group
     assert all(p["tau"] >= 1 and p["tau_bf16"] >= 1 for p in prov["tau_calibration"])
     # GPTQ v1 `dynamic`: every Linear's setting read back with vLLM's first-match rule decodes its tensors
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
@@ -191,7 +272,9 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
         hits = [g for g in parsed.config_groups.values() if any(match_name(module, t) for t in g.targets)]
         assert len(hits) == 1, (module, [g.targets for g in hits])
         short = next(n for n in picked if module.endswith(n))
-        assert f"{hits[0].weights.num_bits}/{hits[0].weights.group_size}" == picked[short], module
+        w = hits[0].weights
+        group = -1 if str(getattr(w.strategy, "value", w.strategy)) == "channel" else w.group_size  # per channel
+        assert f"{w.num_bits}/{group}" == picked[short], module
     again = load_drafter(ct, device="cpu", dtype=torch.float32)
     for name in picked:
         torch.testing.assert_close(again.model.get_submodule(name).weight, loaded.model.get_submodule(name).weight)
@@ -203,3 +286,27 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     # the card names the picks and the engines that cannot load the mix
     card = (art / "README.md").read_text()
     assert "Mixed precision" in card and prov["nearest_uniform"] in card
+
+
+@pytest.mark.slow
+def test_gptq_max_tau_loss_plans_on_the_cached_maps_bounds(pair):
+    """--max-tau-loss after another goal on the same --calib-cache: the map comes from the cache with its
+    per-prompt data, so the plan has its bootstrap bounds, and the record is consistent with the picks."""
+    first = gptq(pair, "mix-first", "--max-bytes", "10MB", "--no-verify", "--no-card")
+    assert first.returncode == 0, first.stderr
+    cached = json.loads((pair["root"] / "calib" / "sensitivity.json").read_text())["tau_calibration"]
+    assert len(cached["per_prompt"]["tokens"]) == 4 and all(
+        len(p["per_prompt"]["steps"]) == 4 for p in cached["points"]
+    )
+    r = gptq(pair, "mix-tau", "--max-tau-loss", "0.05")  # reads that map
+    assert r.returncode == 0, r.stderr
+    art = pair["root"] / "mix-tau"
+    prov = json.loads((art / "provenance.json").read_text())["mixed"]
+    lo, hi = prov["slope_bounds"]
+    slope = prov["tau_calibration"][0]["slope"]
+    assert lo <= slope <= hi
+    assert prov["loss_budget"] >= prov["predicted_loss"]
+    assert all(int(s.split("/")[0]) >= prov["bits_floor"] for s in prov["picks"].values())
+    assert prov["predicted_tau_ratio_low"] <= prov["predicted_tau_ratio"]
+    card = (art / "README.md").read_text()
+    assert f"no Linear below {prov['bits_floor']} bits" in card and "with the slope's upper bound" in card

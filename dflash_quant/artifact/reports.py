@@ -137,6 +137,17 @@ class Mixed(Record):
     predicted_bytes: int | None = doc("GPTQ v1 bytes of the quantized Linears at the picks")
     predicted_loss: float | None = doc("summed relative output error at the picks (calibration rows)")
     predicted_tau_ratio: float | None = doc("tau ratio the tau calibration predicts for that loss")
+    predicted_tau_ratio_low: float | None = doc(
+        "the tau ratio predicted with the slope's upper bound (`slope_bounds`): the conservative prediction"
+    )
+    slope_bounds: list[float] | None = doc(
+        "one-sided 95 % lower and upper bounds of the tau map's slope, paired bootstrap over the dev prompts "
+        "(max_tau_loss's loss budget uses the upper one)"
+    )
+    bits_floor: int | None = doc(
+        "max_tau_loss: the smallest uniform bit width whose tau loss at the lower slope bound keeps the goal; "
+        "no Linear goes below it"
+    )
     tau_calibration: list[dict] | None = doc(
         "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"
     )

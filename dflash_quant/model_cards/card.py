@@ -1050,7 +1050,13 @@ def _section_mixed(ctx: dict) -> str:
         f"each candidate ({', '.join(mix.get('candidates') or [])}) on the calibration Hessians gives each Linear's "
         "relative output error; an exact knapsack search picks one setting per Linear; the summed error is tied "
         f"to tau by uniform settings measured on development prompts ({mix.get('dev_prompts')}, not the held-out "
-        "prompts of the parity check).",
+        "prompts of the parity check)."
+        + (
+            f" `max_tau_loss` planned on the map's slope bounds ({mix.get('slope_bounds')}, paired bootstrap over "
+            f"the dev prompts): the loss budget from the upper one, no Linear below {mix.get('bits_floor')} bits."
+            if mix.get("bits_floor") is not None
+            else ""
+        ),
         "",
         _table(
             ["", "bytes (quantized Linears)", "summed error", "tau ratio"],
@@ -1059,8 +1065,13 @@ def _section_mixed(ctx: dict) -> str:
                     "this mix",
                     fmt_bytes(mix.get("predicted_bytes")),
                     fmt_float(mix.get("predicted_loss"), 4),
-                    f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted; "
-                    f"{fmt_float(par.get('tau_ratio'), 4)} measured on {par.get('num_prompts', '-')} held-out prompts",
+                    f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted"
+                    + (
+                        f" ({fmt_float(mix.get('predicted_tau_ratio_low'), 4)} with the slope's upper bound)"
+                        if mix.get("predicted_tau_ratio_low") is not None
+                        else ""
+                    )
+                    + f"; {fmt_float(par.get('tau_ratio'), 4)} measured on {par.get('num_prompts', '-')} held-out prompts",
                 ],
                 *[
                     [

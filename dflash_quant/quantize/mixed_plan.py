@@ -3,8 +3,13 @@
 The search (mixed.py) minimises the summed relative output error of the Linears. That sum is tied to
 acceptance by measuring tau on development prompts (the first calibration prompts, never the held-out ones)
 for each uniform setting: the points (summed loss, 1 - tau_q / tau_bf16) are fitted by a line through the
-origin (tau loss ~= a * loss). `--max-tau-loss x` becomes the loss budget x / a; `--max-bytes` / `--fit` need
-only the ordering of the losses, and the map reports the tau ratio it predicts for the pick.
+origin (tau loss ~= a * loss). `--max-bytes` / `--fit` need only the ordering of the losses, and the map
+reports the tau ratio it predicts for the pick.
+`--max-tau-loss x` plans against a conservative map, not the point estimate: the loss budget comes from the
+slope's upper bound (paired bootstrap over the dev prompts; a few dozen prompts move tau by +-1 %), and no
+Linear goes below the smallest uniform bit width not shown to miss the goal (its tau loss at the slope's lower
+bound keeps x): the additive loss was validated on uniform drafters, and a mix reaching below that width
+(2/3-bit Linears in a 4-bit drafter) measured under its prediction on held-out prompts.
 """
 
 from __future__ import annotations
@@ -15,25 +20,34 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from dflash_quant.errors import UsageError
-from dflash_quant.quantize.mixed import Candidate
+from dflash_quant.quantize.mixed import Candidate, Choice, min_bytes
 
 BITS = (2, 3, 4, 8)
-GROUPS = (32, 128)
+# vLLM's Marlin kernels take groups 32/64/128 and per channel (-1); per channel drops the groups' scales and
+# zeros (~0.14 bit/weight at 4-bit g128), the cheap size a sensitive Linear's smaller group is paid with
+GROUPS = (32, 64, 128, -1)
+TAU_GROUP = 128  # the uniform settings of the tau map: the default group, as users' uniform drafters are made
+BOOT_DRAWS = 1000
+BOOT_LEVEL = 0.95  # one-sided: the slope's upper bound
 
 
 def candidates_for(shapes: Sequence[tuple[int, int]]) -> list[Candidate]:
-    """bits 2/3/4/8 x groups 32/128, keeping the groups every Linear's input width splits into (GPTQ v1 packs
-    whole int32 words: widths of drafters are multiples of 32); per channel when neither group fits."""
-    groups = [g for g in GROUPS if all(i % g == 0 for _, i in shapes)] or [-1]
+    """bits 2/3/4/8 x groups 32/64/128/per channel, keeping the groups every Linear's input width splits into
+    (GPTQ v1 packs whole int32 words: widths of drafters are multiples of 32)."""
+    groups = [g for g in GROUPS if g == -1 or all(i % g == 0 for _, i in shapes)]
     bits = [b for b in BITS if all((o * b) % 32 == 0 and (i * b) % 32 == 0 for o, i in shapes)]
     return [Candidate(b, g) for b in bits for g in groups]
 
 
 def tau_points(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The uniform settings measured for the tau map: each bit width at the widest searched group."""
-    widest = max({c.group_size for c in candidates}, key=lambda g: (g == -1, g))
-    return [c for c in candidates if c.group_size == widest]
+    """The uniform settings measured for the tau map: each bit width at group 128, else at the largest group
+    the widths allow (the nearest to the default), else per channel."""
+    groups = {c.group_size for c in candidates}
+    group = TAU_GROUP if TAU_GROUP in groups else max(groups)
+    return [c for c in candidates if c.group_size == group]
 
 
 @dataclass
@@ -94,18 +108,69 @@ def slope(points: Sequence[Mapping[str, Any]]) -> float:
     return sxy / sxx if sxx > 0 else 0.0
 
 
-def predict_tau_loss(points: Sequence[Mapping[str, Any]], loss: float) -> float:
-    """Tau loss the map predicts for a summed loss."""
-    return max(0.0, slope(points)) * loss
+def predict_tau_loss(points: Sequence[Mapping[str, Any]], loss: float, a: float | None = None) -> float:
+    """Tau loss the map (slope `a`, default the fitted one) predicts for a summed loss."""
+    return max(0.0, slope(points) if a is None else a) * loss
 
 
-def loss_budget(points: Sequence[Mapping[str, Any]], max_tau_loss: float) -> float:
-    """The largest summed loss whose predicted tau loss is <= max_tau_loss (every measured loss if the
-    measurements show no tau loss at all)."""
-    a = slope(points)
+def loss_budget(points: Sequence[Mapping[str, Any]], max_tau_loss: float, a: float | None = None) -> float:
+    """The largest summed loss whose predicted tau loss (slope `a`, default the fitted one) is <= max_tau_loss
+    (every measured loss if the measurements show no tau loss at all)."""
+    a = slope(points) if a is None else a
     if a <= 0:
         return max(float(p["loss"]) for p in points)
     return max_tau_loss / a
+
+
+def _tau(tokens: Sequence[int], steps: Sequence[int], idx: Sequence[int]) -> float:
+    return sum(tokens[i] for i in idx) / max(1, sum(steps[i] for i in idx))
+
+
+def slope_bounds(
+    curve: Mapping[str, Any], level: float = BOOT_LEVEL, draws: int = BOOT_DRAWS, seed: int = 0
+) -> tuple[float, float] | None:
+    """One-sided `level` bounds (lower, upper) of the map's slope: a paired bootstrap over the dev prompts (each
+    draw resamples prompts, recomputes bf16 and every uniform setting's tau on them, and refits). None without
+    per-prompt data."""
+    base = curve.get("per_prompt")
+    points = curve["points"]
+    if not base or any("per_prompt" not in p for p in points):
+        return None
+    n = len(base["tokens"])
+    gen = np.random.default_rng(seed)
+    slopes = []
+    for _ in range(draws):
+        idx = gen.integers(0, n, n).tolist()
+        t0 = _tau(base["tokens"], base["steps"], idx)
+        boot = [
+            {"loss": p["loss"], "tau_loss": 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0}
+            for p in points
+        ]
+        slopes.append(slope(boot))
+    return float(np.quantile(slopes, 1 - level)), float(np.quantile(slopes, level))
+
+
+def bits_floor(points: Sequence[Mapping[str, Any]], max_tau_loss: float, a_low: float) -> int:
+    """The smallest measured uniform bit width not shown to miss max_tau_loss: its predicted tau loss at the
+    slope's lower bound keeps the goal (the widest measured one when none does). Lower widths are outside the
+    region where the summed loss was validated against acceptance."""
+    ok = [int(str(p["setting"]).split("/")[0]) for p in points if max(0.0, a_low) * float(p["loss"]) <= max_tau_loss]
+    return min(ok) if ok else max(int(str(p["setting"]).split("/")[0]) for p in points)
+
+
+def plan_tau_loss(
+    table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
+    points: Sequence[Mapping[str, Any]],
+    bounds: tuple[float, float] | None,
+    max_tau_loss: float,
+) -> tuple[Choice, float, int]:
+    """`--max-tau-loss`: the fewest bytes whose loss keeps the goal at the slope's upper bound, searched over
+    the candidates at or above the bit floor. Returns the choice, the loss budget and the floor."""
+    a_low, a_high = bounds or (slope(points), slope(points))
+    budget = loss_budget(points, max_tau_loss, a_high)
+    floor = bits_floor(points, max_tau_loss, a_low)
+    allowed = {n: {c: v for c, v in cs.items() if c.bits >= floor} for n, cs in table.items()}
+    return min_bytes(allowed, budget), budget, floor
 
 
 def uniform_loss(table: Mapping[str, Mapping[Candidate, tuple[int, float]]], c: Candidate) -> tuple[int, float]:
@@ -121,22 +186,24 @@ def measure_points(
     check,
     table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
     progress: Callable[[str, int | None], Callable[[], None]],
-) -> tuple[float, list[dict[str, Any]]]:
-    """bf16 tau and, per uniform setting, (summed loss, tau, tau ratio, tau loss) on the dev prompts."""
+) -> tuple[float, dict[str, list[int]], list[dict[str, Any]]]:
+    """bf16 tau and its tokens/steps per prompt, and per uniform setting (summed loss, tau, tau ratio, tau
+    loss, tokens/steps per prompt) on the dev prompts."""
     from dflash_quant.quantize.drafter import quantize_drafter
     from dflash_quant.verify import spec_runs
 
-    def tau(m, label: str) -> float:
+    def tau(m, label: str) -> tuple[float, dict[str, list[int]]]:
         runs = spec_runs(m, target_model, dev_ids, check, progress(f"mix: tau map, {label}", len(dev_ids)))
-        lengths = [a for r in runs for a in r.acceptance_lengths]
-        return sum(lengths) / len(lengths)
+        # tokens and steps per prompt: the bootstrap of the map resamples prompts
+        per = {"tokens": [sum(r.acceptance_lengths) for r in runs], "steps": [len(r.acceptance_lengths) for r in runs]}
+        return sum(per["tokens"]) / max(1, sum(per["steps"])), per
 
-    tau_bf16 = tau(model, "bf16")
+    tau_bf16, base = tau(model, "bf16")
     points = []
     for c in tau_points(list(next(iter(table.values())))):
         q = copy.deepcopy(model)
         quantize_drafter(q, stats, replace(quant, bits=c.bits, group_size=c.group_size))
-        t = tau(q, f"uniform {c.bits}/{c.group_size}")
+        t, per = tau(q, f"uniform {c.bits}/{c.group_size}")
         del q
         b, loss = uniform_loss(table, c)
         points.append(
@@ -147,9 +214,10 @@ def measure_points(
                 "tau": round(t, 5),
                 "tau_ratio": round(t / tau_bf16, 5),
                 "tau_loss": round(1 - t / tau_bf16, 5),
+                "per_prompt": per,
             }
         )
-    return tau_bf16, points
+    return tau_bf16, base, points
 
 
 # ---------------------------------------------------------------------------------------------- --fit

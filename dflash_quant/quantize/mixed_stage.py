@@ -17,7 +17,7 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_dynamic import base_setting, vllm_fused_conflicts
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import select_linears
-from dflash_quant.quantize.mixed import Candidate, max_quality, min_bytes
+from dflash_quant.quantize.mixed import Candidate, max_quality
 from dflash_quant.quantize.mixed_table import build_table, load_curve, load_table, save_curve, save_table
 
 
@@ -83,25 +83,33 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     from dflash_quant.verify import CheckSettings
 
     dev_ids = calib_ids[: goal.dev_prompts]
-    ckey = {"dev_prompts": len(dev_ids), "dev_max_new_tokens": goal.dev_max_new_tokens, "seed": job.seed}
+    ckey = {
+        "dev_prompts": len(dev_ids),
+        "dev_max_new_tokens": goal.dev_max_new_tokens,
+        "seed": job.seed,
+        "per_prompt": True,  # maps cached before tokens/steps per prompt were kept are remeasured
+    }
     t = time.perf_counter()
     curve = load_curve(job.calib_cache, key, ckey) if job.calib_cache is not None else None
     if curve is None:
         check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
-        tau_bf16, points = mp.measure_points(
+        tau_bf16, per_prompt, points = mp.measure_points(
             drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress
         )
-        curve = {"tau_bf16": round(tau_bf16, 5), "points": points}
+        curve = {"tau_bf16": round(tau_bf16, 5), "per_prompt": per_prompt, "points": points}
         if job.calib_cache is not None:
             save_curve(job.calib_cache, key, ckey, curve)
     seconds["tau_map_s"] = round(time.perf_counter() - t, 3)
     points = curve["points"]
 
     t = time.perf_counter()
+    bounds = mp.slope_bounds(curve)
+    a_upper = None if bounds is None else bounds[1]
+    floor: int | None = None
     if goal.kind == "max_tau_loss":
         assert goal.max_tau_loss is not None
-        loss_budget = mp.loss_budget(points, goal.max_tau_loss)
-        choice = min_bytes(table, loss_budget)
+        # the budget from the slope's upper bound; no Linear below the widths the lower bound says can keep it
+        choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss)
     else:
         assert byte_budget is not None
         top = sum(max(b for b, _ in c.values()) for c in table.values())
@@ -119,7 +127,19 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         predicted_bytes=choice.total_bytes,
         predicted_loss=round(choice.total_loss, 6),
         predicted_tau_ratio=round(1 - mp.predict_tau_loss(points, choice.total_loss), 5),
-        tau_calibration=[{**p, "tau_bf16": curve["tau_bf16"], "slope": round(mp.slope(points), 6)} for p in points],
+        predicted_tau_ratio_low=None
+        if a_upper is None
+        else round(1 - mp.predict_tau_loss(points, choice.total_loss, a_upper), 5),
+        slope_bounds=None if bounds is None else [round(x, 6) for x in bounds],
+        bits_floor=floor,
+        tau_calibration=[
+            {
+                **{k: v for k, v in p.items() if k != "per_prompt"},
+                "tau_bf16": curve["tau_bf16"],
+                "slope": round(mp.slope(points), 6),
+            }
+            for p in points
+        ],
         dev_prompts=f"{calib_key.get('prompts')} first {len(dev_ids)} x {goal.dev_max_new_tokens} tokens",
         uniform=[
             {

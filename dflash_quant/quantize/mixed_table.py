@@ -81,4 +81,4 @@ def load_curve(directory: Path, key: dict[str, Any], curve_key: dict[str, Any]) 
     cal = data.get("tau_calibration")
     if data.get("key") != key or not cal or cal.get("key") != curve_key:
         return None
-    return {"tau_bf16": cal["tau_bf16"], "points": cal["points"]}
+    return {k: v for k, v in cal.items() if k != "key"}  # tau_bf16, per_prompt (the bootstrap's data), points

@@ -18,14 +18,18 @@ from .test_gptqmodel import _gptqmodel_linear  # noqa: E402
 
 pytestmark = pytest.mark.interop
 
-# a mix like the search's: base 4/128, overrides on some Linears, one kept in bf16
+# a mix like the search's: base 4/128, overrides on some Linears (every searched group: 32/64/128/per
+# channel), one kept in bf16
 PICKS = {
     "fc": (4, 128),
     "layers.0.self_attn.q_proj": (2, 128),
     "layers.0.self_attn.k_proj": (3, 32),
     "layers.0.self_attn.v_proj": (4, 128),
+    "layers.0.self_attn.o_proj": (4, -1),
+    "layers.0.mlp.gate_proj": (3, 64),
     "layers.0.mlp.down_proj": (8, 32),
     "layers.1.self_attn.q_proj": (3, 128),
+    "layers.1.mlp.up_proj": (2, -1),
 }
 KEPT = ["layers.1.self_attn.k_proj"]
 
