@@ -1,17 +1,66 @@
 #!/usr/bin/env bash
-# Issue #16 parts 1, 2, 4 on the lent H200 in one call (results under $OUT):
-#   GPTQ textbook vs batched (+ Triton kernel equality tests), prefill TTFT with/without drafter, main job on cuda.
+# Issue #16 on the lent GPU in one command (results under $OUT/r, bundled as $OUT/speed.tgz; then locally
+# `python benchmarks/speed_report.py --results DIR` writes speed_summary.json and speed_summary.png):
+#   1. GPTQ, textbook vs ours, Qwen3-8B-DFlash-b16 shapes, same run      -> bench_gptq_h200_batched.json
+#   2. one drafter step's GEMMs at 8/16 rows, bf16 vs our int4 kernel    -> int4_gemm_h200_triton_final.json
+#   3. prefill TTFT with/without the drafter at 1k/8k/32k tokens           -> prefill_h200.json
+#   4. the main job (`gptq --bits 4` on the reference pair) on cuda, empty caches, timed, then a re-run with
+#      other settings (caches kept)                                        -> gpu_main_job_h200.json
+# STEPS selects (default "gptq gemm prefill main"); each step is cut at its timeout, the whole at BUDGET s.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gptq_batched.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
-timeout 170 python3 benchmarks/bench_gptq.py --device cuda --repeats 1 --no-gptqmodel --out "$OUT/bench_gptq.json" 2>&1 | tail -8
-timeout 120 python3 benchmarks/bench_prefill.py --device cuda --lengths 1024,8192,32768 --repeats 3 --out "$OUT/prefill.json" 2>&1 | tail -4
-for run in "cold --bits 4" "rerun --bits 8"; do
-  set -- $run; name=$1; shift
-  /usr/bin/time -f "$name wall %e s" timeout 150 python3 -m dflash_quant.cli.app gptq "$@" --device cuda --output /tmp/ref-$name \
-    --overwrite --check-cache /tmp/check-cache --json > "$OUT/ref_cuda_$name.json" 2>> "$OUT/ref_cuda.log"
-  python3 -c "import json,sys; r=json.load(open('$OUT/ref_cuda_$name.json')); p=r['parity']; print('$name', 'tau', p['baseline']['tau'], p['quantized']['tau'], 'ratio', p['tau_ratio'], 'cache', p['cache'], 'timings', {k: round(v,1) for k,v in r['timings'].items()})"
-done
-tail -2 "$OUT/ref_cuda.log"
+PY=${PY:-python3}
+BUDGET=${BUDGET:-560}
+STEPS=${STEPS:-gptq gemm prefill main}
+R=$OUT/r; mkdir -p "$R"
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  if (( SECONDS + 20 > BUDGET )); then echo "skipped $name (budget)" | tee -a "$R/steps.log"; return; fi
+  local left=$((BUDGET - SECONDS)) t0=$SECONDS; (( limit > left )) && limit=$left
+  timeout "$limit" "$@"; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$R/steps.log"
+}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$R/gpu.txt"
+want gptq && step gptq 200 $PY benchmarks/bench_gptq.py --device cuda --repeats 1 --no-gptqmodel \
+  --out "$R/bench_gptq_h200_batched.json" > "$R/bench_gptq.log" 2>&1
+want gemm && step gemm 100 $PY benchmarks/gpu_int4.py gemm --group-size 128 --kernels triton+fused \
+  --out "$R/int4_gemm_h200_triton_final.json" > "$R/gemm.log" 2>&1
+want prefill && step prefill 120 $PY benchmarks/bench_prefill.py --device cuda --lengths 1024,8192,32768 --repeats 3 \
+  --out "$R/prefill_h200.json" > "$R/prefill.log" 2>&1
+if want main; then
+  export XDG_CACHE_HOME=/tmp/xdg-speed; rm -rf "$XDG_CACHE_HOME"
+  for run in "first --bits 4" "rerun --bits 8"; do
+    set -- $run; name=$1; shift
+    t0=$(date +%s.%N)
+    step "main_$name" 240 $PY -m dflash_quant.cli.app gptq reference "$@" --device cuda --output "/tmp/ref-$name" \
+      --overwrite --no-card --json > "$R/main_$name.json" 2> "$R/main_$name.log"
+    echo "$name $(python3 -c "import time; print(round(time.time() - $t0, 1))")" >> "$R/main_walls.txt"
+  done
+  $PY - "$R" <<'PY'
+import json, sys
+from pathlib import Path
+r = Path(sys.argv[1])
+walls = dict(line.split() for line in (r / "main_walls.txt").read_text().splitlines())
+out = {"command": "bash benchmarks/gpu_speed.sh (STEPS=main)", "gpu": (r / "gpu.txt").read_text().strip()}
+for name in ("first", "rerun"):
+    try:
+        j = json.loads((r / f"main_{name}.json").read_text())
+    except (OSError, ValueError):
+        out[name] = {"wall_s": float(walls.get(name, 0)), "error": "no JSON (timed out or failed)"}
+        continue
+    p = j["parity"]
+    out[name] = {
+        "wall_s": float(walls[name]),
+        "timings_s": {k: round(v, 2) for k, v in j.get("timings", {}).items()},
+        "tau_bf16": p["baseline"]["tau"], "tau_quant": p["quantized"]["tau"], "tau_ratio": p["tau_ratio"],
+        "lossless": p.get("lossless"), "passed": p.get("passed"),
+    }
+(r / "gpu_main_job_h200.json").write_text(json.dumps(out, indent=2) + "\n")
+print(json.dumps(out))
+PY
+fi
+cat "$R/steps.log"
+tar -czf "$OUT/speed.tgz" -C "$OUT" r && rm -rf "$R"
