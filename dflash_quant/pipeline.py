@@ -76,6 +76,7 @@ class GptqJob:
     seed: int = 0
     full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
+    check_batch: int = 16  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -463,7 +464,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
 
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
-    settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
+    settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target), batch=job.check_batch)
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity

@@ -186,6 +186,13 @@ def gptq(
         help="Decode every parity prompt target-only (default: check the bf16 run's tokens in one target "
         "forward per prompt and decode the first 4 for the speed baseline).",
     ),
+    check_batch: int = typer.Option(
+        16,
+        min=1,
+        help="Parity check: decode the speculative runs of up to N prompts as rows of one batch (same tokens and "
+        "acceptance as one by one; the first 4 prompts still run alone for the speed numbers). 1: one by one. "
+        "Pairs it does not cover (hybrid targets, --lookup's runs) run one by one.",
+    ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
     lookup: bool = typer.Option(
@@ -319,6 +326,7 @@ def gptq(
                 format=fmt,
                 check_cache=None if no_check_cache else (check_cache or default_dir()),
                 full_baseline=full_baseline,
+                check_batch=check_batch,
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,

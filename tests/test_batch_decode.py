@@ -1,0 +1,183 @@
+"""Batched greedy speculative decoding (batch_decode) gives each prompt exactly the sequential loop's run."""
+
+import pytest
+import torch
+from tiny import dflash2_raw_config, drafter_raw_config, hybrid_target_config, target_config
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
+from dflash_quant.config import parse_draft_config
+from dflash_quant.decode import speculative_generate
+from dflash_quant.lookup import LookupSettings
+from dflash_quant.model2 import build_drafter
+from dflash_quant.verify import CheckSettings, spec_runs, summarize
+
+FIELDS = (
+    "tokens",
+    "accepted",
+    "drafted",
+    "acceptance_lengths",
+    "drafter_drafts",
+    "verify_rows",
+    "row_accepted",
+    "row_drafts",
+    "target_forwards",
+    "drafter_forwards",
+    "verified_tokens",
+)
+
+
+def _run(r):
+    return {f: getattr(r, f) for f in FIELDS}
+
+
+def _sequential(drafter, target, prompts, max_new, stops=None, block=None):
+    return [
+        speculative_generate(drafter, target, torch.tensor([p]), max_new, stop_token_ids=stops, block_size=block)
+        for p in prompts
+    ]
+
+
+def _assert_same(drafter, target, prompts, max_new, stops=None, block=None, batch=None):
+    seq = _sequential(drafter, target, prompts, max_new, stops, block)
+    batch = batch or len(prompts)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += batched_speculative_generate(drafter, target, prompts[i : i + batch], max_new, stops, block)
+    assert [_run(r) for r in got] == [_run(r) for r in seq]
+    assert all(r.batch_rows == min(batch, len(prompts)) for r in got[:batch])
+    return seq
+
+
+def _prompts(n, seed=0, lo=3, hi=14):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, 120, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(target_config()).eval()
+
+
+def _drafter(seed=1, **over):
+    torch.manual_seed(seed)
+    raw = dflash2_raw_config(**over) if over.pop("v2", False) else drafter_raw_config(**over)
+    return build_drafter(parse_draft_config(raw)).eval()
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        {},  # full attention, non-causal block
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6, "use_sliding_window": True},
+        {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5, "is_causal": True},
+    ],
+)
+@pytest.mark.parametrize("block", [2, 4])
+def test_tiny_pair_same_runs_as_sequential(tiny_target, layers, block):
+    drafter = _drafter(**layers)
+    assert unbatchable(drafter, tiny_target, 0.0, None) is None
+    prompts = _prompts(5, seed=block)  # lengths differ: left padding in the prefill
+    _assert_same(drafter, tiny_target, prompts, 21, block=block)
+
+
+def test_tiny_dflash2_same_runs_as_sequential(tiny_target):
+    drafter = _drafter(v2=True)
+    _assert_same(drafter, tiny_target, _prompts(4, seed=3), 19)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5, 9])
+def test_max_new_tokens_edges(tiny_target, max_new):
+    drafter = _drafter()
+    seq = _assert_same(drafter, tiny_target, _prompts(3, seed=max_new), max_new)
+    assert all(len(r.tokens) == max_new for r in seq)
+
+
+def test_stop_tokens_end_rows_at_different_steps(tiny_target):
+    drafter = _drafter()
+    prompts = _prompts(6, seed=7)
+    free = _sequential(drafter, tiny_target, prompts, 24)
+    # stop on a token some rows produce early and others late or never
+    stops = [free[0].tokens[3], free[2].tokens[10]]
+    seq = _assert_same(drafter, tiny_target, prompts, 24, stops=stops, batch=4)
+    ends = {len(r.tokens) for r in seq}
+    assert len(ends) > 1 and min(ends) < 24  # rows did finish at different steps
+    # batch size 1 and batches that split the prompts unevenly give the same runs
+    _assert_same(drafter, tiny_target, prompts, 24, stops=stops, batch=1)
+
+
+def test_first_token_a_stop_token(tiny_target):
+    drafter = _drafter()
+    prompts = _prompts(3, seed=11)
+    first = _sequential(drafter, tiny_target, prompts[:1], 8)[0].tokens[0]
+    seq = _assert_same(drafter, tiny_target, prompts, 8, stops=[first])
+    assert seq[0].tokens == [first] and seq[0].target_forwards == 1
+
+
+def test_unbatchable_reasons(tiny_target):
+    drafter = _drafter()
+    assert "temperature" in unbatchable(drafter, tiny_target, 0.7, None)
+    assert "lookup" in unbatchable(drafter, tiny_target, 0.0, LookupSettings())
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
+    assert "plain attention" in unbatchable(drafter, hybrid, 0.0, None)
+    windowed = Qwen3ForCausalLM(
+        target_config(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 4)
+    ).eval()
+    assert "plain attention" in unbatchable(drafter, windowed, 0.0, None)
+
+
+def test_spec_runs_falls_back_for_hybrid_target():
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
+    drafter = _drafter()
+    prompts = _prompts(6, seed=2)
+    one = spec_runs(drafter, hybrid, prompts, CheckSettings(max_new_tokens=12))
+    many = spec_runs(drafter, hybrid, prompts, CheckSettings(max_new_tokens=12, batch=4))
+    assert [_run(r) for r in many] == [_run(r) for r in one]
+    assert all(r.batch_rows == 1 for r in many)
+
+
+def test_spec_runs_batched_record(tiny_target):
+    drafter = _drafter()
+    prompts = _prompts(11, seed=4)
+    settings = CheckSettings(max_new_tokens=10, batch=4)
+    one = spec_runs(drafter, tiny_target, prompts, CheckSettings(max_new_tokens=10))
+    many = spec_runs(drafter, tiny_target, prompts, settings, timed=3)
+    assert [_run(r) for r in many] == [_run(r) for r in one]
+    assert [r.batch_rows for r in many] == [1] * 3 + [4] * 4 + [4] * 4
+    rec = summarize("d", many, None, settings, 4)
+    assert rec == {**rec, "spec_timed_prompts": 3, "spec_batch": 4, "spec_batched_prompts": 8}
+    alone_tokens = sum(len(r.tokens) for r in many[:3])
+    assert rec["spec_tokens_per_s"] == round(alone_tokens / sum(r.seconds for r in many[:3]), 2)
+    assert rec["spec_batched_seconds"] == pytest.approx(sum(r.seconds for r in many[3:]), abs=1e-3)
+    plain = summarize("d", one, None, CheckSettings(max_new_tokens=10), 4)
+    assert "spec_batch" not in plain
+    for key in ("tau", "per_position_acceptance", "acceptance_histogram", "steps", "target_forwards"):
+        assert rec[key] == plain[key]
+
+
+def _reference(name):
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import default_prompt_spec, encode_prompts, stop_tokens
+
+    target = load_target("reference:target")  # float32
+    prompts = encode_prompts(target, default_prompt_spec(target, "heldout"), 12, True, 48, "a", "b")
+    return load_drafter(name).model, target.model, prompts, stop_tokens(target)
+
+
+def test_reference_pair_fp32_same_runs():
+    drafter, target, prompts, stops = _reference("reference")
+    seq = _assert_same(drafter, target, prompts, 48, stops=stops, batch=5)
+    steps = {len(r.acceptance_lengths) for r in seq}
+    assert len(steps) > 1  # prompts finished at different steps
+    assert len({a for r in seq for a in r.accepted}) > 3  # rows accepted different numbers of drafts
+
+
+def test_reference_dflash2_drafter_on_qwen3_target_same_runs():
+    # The DFlash2 reference pair's own target is hybrid (falls back, tested above); its drafter (selector, conv)
+    # runs batched against the Qwen3 reference target, which has the same width, vocabulary and layer count.
+    drafter, target, prompts, stops = _reference("reference-dflash2")
+    _assert_same(drafter, target, prompts[:6], 32, stops=stops)
