@@ -19,6 +19,7 @@ anything else falls back to the sequential loop.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -94,11 +95,16 @@ def batched_speculative_generate(
     max_new_tokens: int,
     stop_token_ids: list[int] | None = None,
     block_size: int | None = None,
+    on_draft: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> list[SpecResult]:
     """speculative_generate at temperature 0 for every prompt, decoded as rows of one batch.
 
     Each result's tokens and per-step lists are the sequential loop's; its `seconds` is the batch's time
     split evenly over its rows and `batch_rows` says how many rows shared it. Call `unbatchable` first.
+    on_draft(context_rows, block_rows) is called before each drafter forward with boolean [rows, c] and
+    [rows, q] masks of the real rows of its context and block inputs (calibration keeps only those).
+    Each cache is compacted (rejected slots dropped) once it outgrows the longest prompt + max_new_tokens,
+    so it never holds more slots than the sequential loop's longest run plus one block.
     """
     device = next(drafter.parameters()).device
     block = drafter.block_size if block_size is None else block_size
@@ -160,6 +166,7 @@ def batched_speculative_generate(
         ctx, ctx_pos, slot_pos = ctx.index_select(0, keep.to(device)), ctx_pos[keep], slot_pos[keep]
     d_cache = _SlotCache()
     d_pos = torch.zeros(len(active), 0, dtype=torch.long)  # positions of the drafter's cached context slots
+    limit = max(lens) + max_new_tokens
 
     while active:
         rows = len(active)
@@ -180,6 +187,8 @@ def batched_speculative_generate(
         keys = torch.cat([d_pos, ctx_pos, block_pos.where(real, torch.full_like(block_pos, INVALID))], dim=1)
         masks = {(c, w): _visible(q_pos, keys, c, w).to(device) for c, w in kinds}
         noise = embed(blk.to(device)) * scale
+        if on_draft is not None:
+            on_draft((ctx_pos != INVALID).to(device), real.to(device))
         hidden = drafter(noise, ctx.to(noise.dtype), positions, cache=d_cache, attention_mask=masks)[:, 1:]
         d_pos = torch.cat([d_pos, ctx_pos], dim=1)
         logits = drafter.compute_logits(hidden, head)
@@ -245,8 +254,10 @@ def batched_speculative_generate(
             _select_target(t_cache, keep.to(device))
             d_cache.select(keep.to(device))
             ctx, ctx_pos, slot_pos, d_pos = ctx.index_select(0, keep.to(device)), ctx_pos[keep], slot_pos[keep], d_pos[keep]
-        # Slots no row can see any more at the end of the caches are dropped (a full crop, no gather).
-        slot_pos, d_pos = _trim(t_cache, slot_pos), _trim_draft(d_cache, d_pos)
+        if slot_pos.shape[1] > limit:
+            slot_pos = _compact(slot_pos, _target_tensors(t_cache))
+        if d_pos.shape[1] + ctx_pos.shape[1] > limit:
+            d_pos = _compact(d_pos, _draft_tensors(d_cache))
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -258,23 +269,27 @@ def batched_speculative_generate(
     return results
 
 
-def _trim(cache, slot_pos: torch.Tensor) -> torch.Tensor:
-    valid = (slot_pos != INVALID).any(0).nonzero()
-    end = int(valid.max()) + 1 if valid.numel() else 0
-    if end < slot_pos.shape[1]:
-        for layer in cache.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
-        slot_pos = slot_pos[:, :end]
-    return slot_pos
+def _target_tensors(cache) -> list[tuple[object, str]]:
+    return [(layer, name) for layer in cache.layers if layer.is_initialized for name in ("keys", "values")]
 
 
-def _trim_draft(cache: _SlotCache, d_pos: torch.Tensor) -> torch.Tensor:
-    valid = (d_pos != INVALID).any(0).nonzero()
-    end = int(valid.max()) + 1 if valid.numel() else 0
-    if end < d_pos.shape[1]:
-        for store in (cache.keys, cache.values):
-            for layer, t in store.items():
-                store[layer] = t[:, :, :end]
-        d_pos = d_pos[:, :end]
-    return d_pos
+def _draft_tensors(cache: _SlotCache) -> list[tuple[object, str]]:
+    return [(store, layer) for store in (cache.keys, cache.values) for layer in store]
+
+
+def _compact(slot_pos: torch.Tensor, tensors: list[tuple[object, str]]) -> torch.Tensor:
+    """Keep each row's valid slots (in order), dropping slots invalid in every row at the end.
+
+    tensors: (owner, key) of the [rows, heads, slots, dim] caches to gather (attributes or dict entries)."""
+    valid = slot_pos != INVALID
+    keep = int(valid.sum(1).max())
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)[:, :keep]  # valid slots first
+    for owner, key in tensors:
+        t = owner[key] if isinstance(owner, dict) else getattr(owner, key)
+        index = order.to(t.device)[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+        packed = t.gather(2, index)
+        if isinstance(owner, dict):
+            owner[key] = packed
+        else:
+            setattr(owner, key, packed)
+    return slot_pos.gather(1, order)

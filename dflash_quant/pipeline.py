@@ -77,6 +77,7 @@ class GptqJob:
     full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     check_batch: int = 16  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
+    calib_batch: int | None = None  # calibration: the same for capture; None = 16 on CPU, 1 on GPUs
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -144,7 +145,27 @@ def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafte
     extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
+    rows = calib_rows(job, drafter, target, len(prompts))
+    if rows > 1:  # the same rows summed in another order: keyed apart, batch-1 entries stay valid
+        key["calib_batch"] = rows
     return key
+
+
+# Default rows per batch while capturing on CPU: per-call overhead dominates there (chosen on the calibration
+# prompts, benchmarks/results/check_batch_dev.json). GPUs keep 1: the memory predictions (`memory`, --fit) and
+# their budgets are for one request at a time.
+CPU_CALIB_BATCH = 16
+
+
+def calib_rows(job, drafter, target, prompts: int) -> int:
+    """Prompts capture decodes as rows of one batch: --calib-batch (default by device), 1 where it cannot."""
+    from dflash_quant.calibration.capture import capture_unbatchable
+
+    device = next(drafter.model.parameters()).device
+    rows = job.calib_batch if job.calib_batch is not None else (CPU_CALIB_BATCH if device.type == "cpu" else 1)
+    if rows > 1 and (job.quant.sequential or capture_unbatchable(drafter.model, target.model) is not None):
+        return 1  # sequential GPTQ replays per-prompt drafter calls; other pairs decode one by one
+    return max(1, min(rows, prompts))
 
 
 def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info):
@@ -195,6 +216,7 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
         checkpoint=lambda state: ckpt.save(ckdir, ckey, state),
         checkpoint_every=job.calib_checkpoint_every,
         measure=True,
+        batch=key.get("calib_batch", 1),
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
@@ -205,7 +227,9 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
         ckdir.rmdir()
     info["resumed_prompts"] = stats.resumed_prompts
     info["hessian_device"] = str(hdev)
-    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev)
+    if key.get("calib_batch", 1) > 1:
+        info["batch_rows"] = key["calib_batch"]
+    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, key.get("calib_batch", 1))
     return stats, info
 
 
@@ -222,7 +246,7 @@ def checkpoint_dir(job: GptqJob) -> Path:
     return job.output.parent / f".{job.output.name}.calib-checkpoint"
 
 
-def _calib_memory(job, drafter, target, prompts, stats, device, hdev) -> dict[str, Any] | None:
+def _calib_memory(job, drafter, target, prompts, stats, device, hdev, rows: int = 1) -> dict[str, Any] | None:
     """Predicted (memory.calibration) and measured (calibration.peak) peak of the capture just run."""
     from dflash_quant.calibration.peak import predict_run
 
@@ -231,6 +255,7 @@ def _calib_memory(job, drafter, target, prompts, stats, device, hdev) -> dict[st
     pred, comparable = predict_run(
         target.model, drafter.model, target.source.path, drafter.raw_config,
         prompts, job.calib_max_new_tokens, next(drafter.model.parameters()).dtype, job.kv_hessian, device, hdev,
+        rows=rows,
     )  # fmt: skip
     measured = stats.memory["measured_bytes"]
     return {

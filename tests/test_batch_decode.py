@@ -181,3 +181,99 @@ def test_reference_dflash2_drafter_on_qwen3_target_same_runs():
     # runs batched against the Qwen3 reference target, which has the same width, vocabulary and layer count.
     drafter, target, prompts, stops = _reference("reference-dflash2")
     _assert_same(drafter, target, prompts[:6], 32, stops=stops)
+
+
+def test_caches_are_compacted_and_runs_unchanged(tiny_target, monkeypatch):
+    import dflash_quant.batch_decode as bd
+
+    calls = []
+    real = bd._compact
+
+    def spy(slot_pos, tensors):
+        out = real(slot_pos, tensors)
+        calls.append((slot_pos.shape[1], out.shape[1]))
+        return out
+
+    monkeypatch.setattr(bd, "_compact", spy)
+    _assert_same(_drafter(), tiny_target, _prompts(5, seed=9), 30)
+    assert calls and all(after < before for before, after in calls)  # rejected slots were dropped
+
+
+# ------------------------------------------------------------------------------------------ calibration
+
+
+def _capture(drafter, target, prompts, batch, **kw):
+    from dflash_quant.calibration.capture import capture
+
+    return capture(drafter, target, prompts, kw.pop("max_new", 20), stop_token_ids=kw.pop("stops", None), batch=batch, **kw)
+
+
+def _same_hessians(a, b):
+    assert a.steps == b.steps and a.mean_tau == b.mean_tau and a.prompts == b.prompts
+    assert a.rows() == b.rows()  # padding rows excluded: exactly the sequential rows
+    for key, acc in a.hessians.items():
+        # the same rows summed in another order (and batched matmuls): equal up to fp32 rounding
+        scale = float(acc.xtx.abs().max())
+        torch.testing.assert_close(b.hessians[key].xtx, acc.xtx, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("kv_hessian", ["block", "block+context"])
+def test_batched_capture_same_hessian_rows(tiny_target, kv_hessian):
+    drafter = _drafter()
+    prompts = _prompts(7, seed=5)
+    stops = [_sequential(drafter, tiny_target, prompts[:1], 20)[0].tokens[6]]
+    one = _capture(drafter, tiny_target, prompts, 1, kv_hessian=kv_hessian, stops=stops)
+    many = _capture(drafter, tiny_target, prompts, 4, kv_hessian=kv_hessian, stops=stops)
+    _same_hessians(one, many)
+
+
+def test_batched_capture_dflash2_extras(tiny_target):
+    drafter = _drafter(v2=True)
+    extra = ("layers.0.attention_conv.kernel_projection", "candidate_selector.hidden_projection")
+    prompts = _prompts(5, seed=6)
+    one = _capture(drafter, tiny_target, prompts, 1, extra=extra)
+    many = _capture(drafter, tiny_target, prompts, 5, extra=extra)
+    assert set(extra) <= set(many.hessians)
+    _same_hessians(one, many)
+
+
+def test_batched_capture_checkpoints_where_sequential_does(tiny_target):
+    drafter = _drafter()
+    prompts = _prompts(8, seed=8)
+    seen = {1: [], 3: []}
+    for batch in seen:
+        _capture(
+            drafter, tiny_target, prompts, batch, checkpoint=lambda s, b=batch: seen[b].append(s.done), checkpoint_every=3
+        )
+    assert seen[3] == seen[1] == [3, 6]
+
+
+def test_batched_capture_replay_and_hybrid_fall_back(tiny_target):
+    drafter = _drafter()
+    prompts = _prompts(3, seed=1)
+    kept = _capture(drafter, tiny_target, prompts, 3, keep_replay=True)
+    assert kept.replay is not None and [len(r) for r in kept.replay] == [
+        len(r.acceptance_lengths) for r in _sequential(drafter, tiny_target, prompts, 20)
+    ]
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
+    _same_hessians(_capture(drafter, hybrid, prompts, 1), _capture(drafter, hybrid, prompts, 3))
+
+
+def test_batched_capture_reference_pair_and_predicted_peak():
+    from dflash_quant.calibration.peak import predict_run
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import encode_prompts, stop_tokens
+
+    d, t = load_drafter("reference"), load_target("reference:target")
+    ids = encode_prompts(t, "reference:calib", 6, True)
+    one = _capture(d.model, t.model, ids, 1, max_new=48, stops=stop_tokens(t), kv_hessian="block+context")
+    many = _capture(
+        d.model, t.model, ids, 6, max_new=48, stops=stop_tokens(t), kv_hessian="block+context", measure=True
+    )
+    _same_hessians(one, many)
+    cpu = torch.device("cpu")
+    pred, comparable = predict_run(
+        t.model, d.model, t.source.path, d.raw_config, ids, 48, torch.float32, "block+context", cpu, cpu, rows=6
+    )
+    assert abs(many.memory["measured_bytes"] / comparable - 1) < 0.05, (many.memory, pred.terms)

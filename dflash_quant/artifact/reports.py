@@ -103,6 +103,10 @@ class Calibration(Record):
         omit_none=True,
     )
     hessian_device: str | None = doc("device the Hessians were accumulated on (--hessian-device)", omit_none=True)
+    batch_rows: int | None = doc(
+        "prompts decoded as rows of one batch while capturing (--calib-batch; padding rows never reach a Hessian)",
+        omit_none=True,
+    )
     target_placement: TargetPlacement | None = doc("the target's --device-map split, if any", omit_none=True)
     memory: CalibrationMemory | None = doc("calibration peak memory, predicted and measured", omit_none=True)
     extra: E = doc("", factory=dict)

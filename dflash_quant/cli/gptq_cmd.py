@@ -170,6 +170,14 @@ def gptq(
         min=0,
         help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
     ),
+    calib_batch: int | None = typer.Option(
+        None,
+        "--calib-batch",
+        min=1,
+        help="Calibration: decode up to N prompts as rows of one batch (same Hessian rows; padding excluded). "
+        "Default 16 on CPU, 1 on GPUs (the memory predictions assume one request). Hybrid targets and "
+        "--sequential decode one by one.",
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     int4_kernel: str = int4_kernel_option(),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
@@ -327,6 +335,7 @@ def gptq(
                 check_cache=None if no_check_cache else (check_cache or default_dir()),
                 full_baseline=full_baseline,
                 check_batch=check_batch,
+                calib_batch=calib_batch,
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,
