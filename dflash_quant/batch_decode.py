@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,9 +67,7 @@ class _SlotCache(DraftCache):
                 store[layer] = t.index_select(0, rows)
 
 
-def _visible(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool, window: int | None
-) -> torch.Tensor:
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, is_causal: bool, window: int | None) -> torch.Tensor:
     """Boolean [B, 1, q, k] mask from per-row positions (as model.visibility_mask, per row; INVALID keys hidden)."""
     q, k = q_pos[:, :, None], k_pos[:, None, :]
     visible = (k != INVALID).expand(-1, q.shape[1], -1)
@@ -253,7 +252,12 @@ def batched_speculative_generate(
             keep = torch.tensor(left, dtype=torch.long)
             _select_target(t_cache, keep.to(device))
             d_cache.select(keep.to(device))
-            ctx, ctx_pos, slot_pos, d_pos = ctx.index_select(0, keep.to(device)), ctx_pos[keep], slot_pos[keep], d_pos[keep]
+            ctx, ctx_pos, slot_pos, d_pos = (
+                ctx.index_select(0, keep.to(device)),
+                ctx_pos[keep],
+                slot_pos[keep],
+                d_pos[keep],
+            )
         if slot_pos.shape[1] > limit:
             slot_pos = _compact(slot_pos, _target_tensors(t_cache))
         if d_pos.shape[1] + ctx_pos.shape[1] > limit:
@@ -269,15 +273,15 @@ def batched_speculative_generate(
     return results
 
 
-def _target_tensors(cache) -> list[tuple[object, str]]:
+def _target_tensors(cache) -> list[tuple[Any, Any]]:
     return [(layer, name) for layer in cache.layers if layer.is_initialized for name in ("keys", "values")]
 
 
-def _draft_tensors(cache: _SlotCache) -> list[tuple[object, str]]:
+def _draft_tensors(cache: _SlotCache) -> list[tuple[Any, Any]]:
     return [(store, layer) for store in (cache.keys, cache.values) for layer in store]
 
 
-def _compact(slot_pos: torch.Tensor, tensors: list[tuple[object, str]]) -> torch.Tensor:
+def _compact(slot_pos: torch.Tensor, tensors: list[tuple[Any, Any]]) -> torch.Tensor:
     """Keep each row's valid slots (in order), dropping slots invalid in every row at the end.
 
     tensors: (owner, key) of the [rows, heads, slots, dim] caches to gather (attributes or dict entries)."""

@@ -76,8 +76,8 @@ class GptqJob:
     seed: int = 0
     full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
-    check_batch: int = 16  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
-    calib_batch: int | None = None  # calibration: the same for capture; None = 16 on CPU, 1 on GPUs
+    check_batch: int | None = None  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
+    calib_batch: int | None = None  # calibration: the same for capture; None (both): CPU_BATCH on CPU, 1 on GPUs
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -151,10 +151,16 @@ def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafte
     return key
 
 
-# Default rows per batch while capturing on CPU: per-call overhead dominates there (chosen on the calibration
-# prompts, benchmarks/results/check_batch_dev.json). GPUs keep 1: the memory predictions (`memory`, --fit) and
-# their budgets are for one request at a time.
-CPU_CALIB_BATCH = 16
+# Default rows per batch (check and capture) on CPU, where per-call overhead dominates: measured on the
+# calibration prompts (benchmarks/results/check_batch_dev.json: CPU time 0.55x of one by one at 4 rows, 0.40x at
+# 8, 0.33x at 16, 0.28x at 32, 0.26x at 64); 16 keeps most of the gain while activations (which grow with the
+# rows, the prefill's hidden states most) stay 16 requests' worth. GPUs keep 1 until measured there: the
+# memory predictions (`memory`, --fit) and their budgets are for one request at a time.
+CPU_BATCH = 16
+
+
+def default_batch(requested: int | None, device: torch.device) -> int:
+    return requested if requested is not None else (CPU_BATCH if device.type == "cpu" else 1)
 
 
 def calib_rows(job, drafter, target, prompts: int) -> int:
@@ -162,7 +168,7 @@ def calib_rows(job, drafter, target, prompts: int) -> int:
     from dflash_quant.calibration.capture import capture_unbatchable
 
     device = next(drafter.model.parameters()).device
-    rows = job.calib_batch if job.calib_batch is not None else (CPU_CALIB_BATCH if device.type == "cpu" else 1)
+    rows = default_batch(job.calib_batch, device)
     if rows > 1 and (job.quant.sequential or capture_unbatchable(drafter.model, target.model) is not None):
         return 1  # sequential GPTQ replays per-prompt drafter calls; other pairs decode one by one
     return max(1, min(rows, prompts))
@@ -489,7 +495,9 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
 
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
-    settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target), batch=job.check_batch)
+    settings = CheckSettings(
+        job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target), batch=default_batch(job.check_batch, device)
+    )
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity

@@ -205,7 +205,9 @@ def test_caches_are_compacted_and_runs_unchanged(tiny_target, monkeypatch):
 def _capture(drafter, target, prompts, batch, **kw):
     from dflash_quant.calibration.capture import capture
 
-    return capture(drafter, target, prompts, kw.pop("max_new", 20), stop_token_ids=kw.pop("stops", None), batch=batch, **kw)
+    return capture(
+        drafter, target, prompts, kw.pop("max_new", 20), stop_token_ids=kw.pop("stops", None), batch=batch, **kw
+    )
 
 
 def _same_hessians(a, b):
@@ -243,7 +245,12 @@ def test_batched_capture_checkpoints_where_sequential_does(tiny_target):
     seen = {1: [], 3: []}
     for batch in seen:
         _capture(
-            drafter, tiny_target, prompts, batch, checkpoint=lambda s, b=batch: seen[b].append(s.done), checkpoint_every=3
+            drafter,
+            tiny_target,
+            prompts,
+            batch,
+            checkpoint=lambda s, b=batch: seen[b].append(s.done),
+            checkpoint_every=3,
         )
     assert seen[3] == seen[1] == [3, 6]
 
