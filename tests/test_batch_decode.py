@@ -284,3 +284,65 @@ def test_batched_capture_reference_pair_and_predicted_peak():
         t.model, d.model, t.source.path, d.raw_config, ids, 48, torch.float32, "block+context", cpu, cpu, rows=6
     )
     assert abs(many.memory["measured_bytes"] / comparable - 1) < 0.05, (many.memory, pred.terms)
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+
+
+def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
+    """A whole `gptq` on the reference pair with batches (the CPU default) and one by one: same calibration
+    rows and bf16 check, the record says what ran batched, and the check cache keys the two apart."""
+    import json
+
+    from dflash_quant.pipeline import GptqJob, run_gptq
+
+    def run(name, check_batch, calib_batch):
+        out = tmp_path / name
+        job = GptqJob(
+            output=out,
+            calib_num_prompts=7,
+            calib_max_new_tokens=24,
+            eval_num_prompts=9,
+            eval_max_new_tokens=32,
+            device="cpu",
+            check_cache=tmp_path / "check",
+            check_batch=check_batch,
+            calib_batch=calib_batch,
+        )
+        run_gptq(job)
+        parity = json.loads((out / "parity.json").read_text())
+        calibration = json.loads((out / "provenance.json").read_text())["calibration"]
+        return parity, calibration
+
+    one, cal_one = run("one", 1, 1)
+    many, cal_many = run("many", None, None)  # CPU default: 16 rows (here all 7 calibration / 5 checked prompts)
+    assert cal_many["batch_rows"] == 7 and "batch_rows" not in cal_one
+    assert cal_many["rows"] == cal_one["rows"] and cal_many["steps"] == cal_one["steps"]
+    assert cal_many["mean_tau_bf16"] == cal_one["mean_tau_bf16"]
+    assert 0.95 < cal_many["memory"]["ratio"] < 1.05  # the predicted peak counts the rows
+    b1, b16 = one["baseline"], many["baseline"]
+    assert many["cache"]["bf16_drafter"] == "miss"  # a batched bf16 run is not the one-by-one run's entry
+    for key in ("tau", "per_position_acceptance", "acceptance_histogram", "lossless", "steps", "per_prompt"):
+        assert b16[key] == b1[key], key
+    assert b16["lossless"] is True and many["quantized"]["lossless"] is True
+    assert (b16["spec_timed_prompts"], b16["spec_batch"], b16["spec_batched_prompts"]) == (4, 5, 5)
+    assert "spec_batch" not in b1
+
+
+def test_batch_defaults_and_fallbacks(tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_quant.pipeline import CPU_BATCH, calib_rows, default_batch
+
+    assert default_batch(None, torch.device("cpu")) == CPU_BATCH == 16
+    assert default_batch(None, torch.device("cuda")) == 1 and default_batch(3, torch.device("cuda")) == 3
+    drafter = SimpleNamespace(model=_drafter())
+    job = SimpleNamespace(calib_batch=None, quant=SimpleNamespace(sequential=False))
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 40) == 16
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 5) == 5
+    job.quant.sequential = True  # replays per-prompt drafter calls: one by one
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 40) == 1
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
+    job.quant.sequential = False
+    assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), 40) == 1
