@@ -70,6 +70,8 @@ def check_key(
         key.update(
             drafter=drafter, temperature=settings.temperature, block_size=settings.block_size, seed=settings.seed
         )
+        if getattr(settings, "batch", 1) > 1:  # same tokens, but only the first prompts are timed
+            key["batch"] = settings.batch
     return key
 
 

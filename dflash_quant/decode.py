@@ -46,6 +46,9 @@ class SpecResult:
     # `both`: per step, the drafter's tokens at the head of row 0 on the steps with row_accepted (the rest of
     # that row is lookup tokens, when the lookup row is longer than the block), else 0
     row_drafts: list[int] = field(default_factory=list)
+    # prompts decoded together as rows of one batch (batch_decode); > 1: `seconds` is this run's even share of
+    # the batch's time, not a batch-1 decode time
+    batch_rows: int = 1
 
     @property
     def tau(self) -> float:

@@ -94,9 +94,11 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,
         positions: torch.Tensor,
         cache: DraftCache | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | dict[tuple[bool, int | None], torch.Tensor] | None,
     ) -> torch.Tensor:
         q_len, c_len = h.shape[1], ctx.shape[1]
+        if isinstance(attention_mask, dict):  # one mask per layer kind (batched decoding: per-row masks)
+            attention_mask = attention_mask[(self.is_causal, self.sliding_window)]
         q = self.q_norm(self._heads(self.q_proj(h), self.n_heads))
         kv_in = torch.cat([ctx, h], dim=1)
         k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
@@ -176,14 +178,14 @@ class DFlashDrafter(PreTrainedModel):
         target_hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: DraftCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[tuple[bool, int | None], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Post-norm hidden states of the block rows.
 
         noise_embedding [b, q, H]: target embeddings of [anchor, MASK, ...]; target_hidden [b, c, taps*H]:
         raw target taps of the new context rows; position_ids [b, c+q]: context positions then block
         positions. attention_mask (bool [b|1, 1, q, keys], True = visible) overrides the built-in mask,
-        e.g. to train many blocks in one pass.
+        e.g. to train many blocks in one pass; a dict gives one mask per layer kind (is_causal, window).
         """
         ctx = self.hidden_norm(self.fc(target_hidden))
         h = noise_embedding

@@ -76,6 +76,8 @@ class GptqJob:
     seed: int = 0
     full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
+    check_batch: int | None = None  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
+    calib_batch: int | None = None  # calibration: the same for capture; None (both): CPU_BATCH on CPU, 1 on GPUs
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -143,7 +145,33 @@ def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafte
     extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
+    rows = calib_rows(job, drafter, target, len(prompts))
+    if rows > 1:  # the same rows summed in another order: keyed apart, batch-1 entries stay valid
+        key["calib_batch"] = rows
     return key
+
+
+# Default rows per batch (check and capture) on CPU, where per-call overhead dominates: measured on the
+# calibration prompts (benchmarks/results/check_batch_dev.json: CPU time 0.55x of one by one at 4 rows, 0.40x at
+# 8, 0.33x at 16, 0.28x at 32, 0.26x at 64); 16 keeps most of the gain while activations (which grow with the
+# rows, the prefill's hidden states most) stay 16 requests' worth. GPUs keep 1 until measured there: the
+# memory predictions (`memory`, --fit) and their budgets are for one request at a time.
+CPU_BATCH = 16
+
+
+def default_batch(requested: int | None, device: torch.device) -> int:
+    return requested if requested is not None else (CPU_BATCH if device.type == "cpu" else 1)
+
+
+def calib_rows(job, drafter, target, prompts: int) -> int:
+    """Prompts capture decodes as rows of one batch: --calib-batch (default by device), 1 where it cannot."""
+    from dflash_quant.calibration.capture import capture_unbatchable
+
+    device = next(drafter.model.parameters()).device
+    rows = default_batch(job.calib_batch, device)
+    if rows > 1 and (job.quant.sequential or capture_unbatchable(drafter.model, target.model) is not None):
+        return 1  # sequential GPTQ replays per-prompt drafter calls; other pairs decode one by one
+    return max(1, min(rows, prompts))
 
 
 def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info):
@@ -194,6 +222,7 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
         checkpoint=lambda state: ckpt.save(ckdir, ckey, state),
         checkpoint_every=job.calib_checkpoint_every,
         measure=True,
+        batch=key.get("calib_batch", 1),
     )
     if job.calib_cache is not None:
         calib_cache.save(job.calib_cache, stats, key)
@@ -204,7 +233,9 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
         ckdir.rmdir()
     info["resumed_prompts"] = stats.resumed_prompts
     info["hessian_device"] = str(hdev)
-    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev)
+    if key.get("calib_batch", 1) > 1:
+        info["batch_rows"] = key["calib_batch"]
+    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, key.get("calib_batch", 1))
     return stats, info
 
 
@@ -221,7 +252,7 @@ def checkpoint_dir(job: GptqJob) -> Path:
     return job.output.parent / f".{job.output.name}.calib-checkpoint"
 
 
-def _calib_memory(job, drafter, target, prompts, stats, device, hdev) -> dict[str, Any] | None:
+def _calib_memory(job, drafter, target, prompts, stats, device, hdev, rows: int = 1) -> dict[str, Any] | None:
     """Predicted (memory.calibration) and measured (calibration.peak) peak of the capture just run."""
     from dflash_quant.calibration.peak import predict_run
 
@@ -230,6 +261,7 @@ def _calib_memory(job, drafter, target, prompts, stats, device, hdev) -> dict[st
     pred, comparable = predict_run(
         target.model, drafter.model, target.source.path, drafter.raw_config,
         prompts, job.calib_max_new_tokens, next(drafter.model.parameters()).dtype, job.kv_hessian, device, hdev,
+        rows=rows,
     )  # fmt: skip
     measured = stats.memory["measured_bytes"]
     return {
@@ -463,7 +495,9 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
 
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
-    settings = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target))
+    settings = CheckSettings(
+        job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target), batch=default_batch(job.check_batch, device)
+    )
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity

@@ -22,6 +22,8 @@ class CheckSettings:
     seed: int = 0
     stop_token_ids: list[int] | None = None
     lookup: LookupSettings | None = None  # also propose from each request's history (dflash_quant.lookup)
+    # speculative runs decoded as rows of one batch (batch_decode) where the pair allows it; 1 = one by one
+    batch: int = 1
 
 
 def baseline_runs(
@@ -85,6 +87,35 @@ def spec_runs(
     prompts: Sequence[list[int]],
     settings: CheckSettings,
     progress: Callable[[], None] | None = None,
+    timed: int = TIMED_PROMPTS,
+) -> list[SpecResult]:
+    """The speculative run of every prompt. With settings.batch > 1 (and a pair batch_decode takes), the first
+    `timed` prompts still run one by one (their times are the speed measurement, as comparable with the
+    target-only baseline's as before) and the others as batches of settings.batch rows (same results)."""
+    from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
+
+    batched = settings.batch > 1 and unbatchable(drafter, target, settings.temperature, settings.lookup) is None
+    alone = prompts[:timed] if batched else prompts
+    runs = _one_by_one(drafter, target, alone, settings, progress)
+    if batched:
+        rest = list(prompts[len(alone) :])
+        for i in range(0, len(rest), settings.batch):
+            chunk = rest[i : i + settings.batch]
+            runs += batched_speculative_generate(
+                drafter, target, chunk, settings.max_new_tokens, settings.stop_token_ids, settings.block_size
+            )
+            for _ in chunk:
+                if progress:
+                    progress()
+    return runs
+
+
+def _one_by_one(
+    drafter: DFlashDrafter,
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    settings: CheckSettings,
+    progress: Callable[[], None] | None,
 ) -> list[SpecResult]:
     device = next(drafter.parameters()).device  # a split target takes its inputs from the drafter's device
     generator = torch.Generator(device=device).manual_seed(settings.seed)
@@ -186,7 +217,10 @@ def summarize(
             entry["lossless"] = r.tokens == baseline[i].tokens
         per_prompt.append(entry)
     new_tokens = sum(len(r.tokens) for r in runs)
-    spec_s = sum(r.seconds for r in runs)
+    # speed from the runs decoded one by one; batched runs (batch_rows > 1) only share a batch's time
+    alone = [r for r in runs if r.batch_rows == 1]
+    spec_s = sum(r.seconds for r in alone)
+    spec_tokens = sum(len(r.tokens) for r in alone)
     out: dict[str, Any] = {
         "drafter": name,
         "tau": round(sum(lengths) / max(len(lengths), 1), 4),
@@ -203,9 +237,15 @@ def summarize(
         "replay_seconds": round(sum(r.replay_seconds for r in runs), 4),
         "new_tokens": new_tokens,
         "spec_seconds": round(spec_s, 4),
-        "spec_tokens_per_s": round(new_tokens / spec_s, 2) if spec_s > 0 else None,
+        "spec_tokens_per_s": round(spec_tokens / spec_s, 2) if spec_s > 0 else None,
         "per_prompt": per_prompt,
     }
+    if len(alone) < len(runs):
+        batched = [r for r in runs if r.batch_rows > 1]
+        out["spec_timed_prompts"] = len(alone)
+        out["spec_batch"] = max(r.batch_rows for r in batched)
+        out["spec_batched_prompts"] = len(batched)
+        out["spec_batched_seconds"] = round(sum(r.seconds for r in batched), 4)
     if greedy and baseline is not None:
         rate, found = divergences(runs, baseline)
         out["token_match_rate"] = round(rate, 6)

@@ -567,6 +567,20 @@ ROWS = [
         2,
         r"--eval-num-prompts must be at least 1",
     ),
+    R(
+        "gptq-check-batch-0",
+        "arguments",
+        lambda c: c.gptq("--check-batch", "0"),
+        2,
+        r"--check-batch must be at least 1",
+    ),
+    R(
+        "gptq-calib-batch-0",
+        "arguments",
+        lambda c: c.gptq("--calib-batch", "0"),
+        2,
+        r"--calib-batch must be at least 1",
+    ),
     R("gptq-tolerance-1", "arguments", lambda c: c.gptq("--tolerance", "1.0"), 2, r"--tolerance must be in \[0, 1\)"),
     R(
         "gptq-tolerance-negative",

@@ -103,6 +103,10 @@ class Calibration(Record):
         omit_none=True,
     )
     hessian_device: str | None = doc("device the Hessians were accumulated on (--hessian-device)", omit_none=True)
+    batch_rows: int | None = doc(
+        "prompts decoded as rows of one batch while capturing (--calib-batch; padding rows never reach a Hessian)",
+        omit_none=True,
+    )
     target_placement: TargetPlacement | None = doc("the target's --device-map split, if any", omit_none=True)
     memory: CalibrationMemory | None = doc("calibration peak memory, predicted and measured", omit_none=True)
     extra: E = doc("", factory=dict)
@@ -340,8 +344,18 @@ class Check(Record):
     replayed_tokens: int | None = doc("hybrid targets: tokens replayed in those forwards")
     replay_seconds: float | None = doc("hybrid targets: time of those forwards (inside spec_seconds)")
     new_tokens: int | None = doc("tokens generated")
-    spec_seconds: float | None = doc("wall time of speculative decoding")
-    spec_tokens_per_s: float | None = doc("new_tokens / spec_seconds")
+    spec_seconds: float | None = doc("wall time of speculative decoding (of the prompts decoded one by one)")
+    spec_tokens_per_s: float | None = doc("their new tokens / spec_seconds")
+    spec_timed_prompts: int | None = doc(
+        "with `--check-batch` > 1: prompts decoded one by one, whose time gives spec_seconds (the others ran as "
+        "rows of a batch: same tokens and steps, timed only as batches)",
+        omit_none=True,
+    )
+    spec_batch: int | None = doc("with `--check-batch` > 1: the most prompts decoded as one batch", omit_none=True)
+    spec_batched_prompts: int | None = doc("with `--check-batch` > 1: prompts decoded in batches", omit_none=True)
+    spec_batched_seconds: float | None = doc(
+        "with `--check-batch` > 1: wall time of those batches (not in spec_seconds)", omit_none=True
+    )
     baseline_seconds: float | None = doc("wall time of target-only decoding (of the timed prompts)")
     baseline_tokens_per_s: float | None = doc("target-only tokens per second (of the timed prompts)")
     baseline_timed_prompts: int | None = doc(

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 
+from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.decode import speculative_generate
 from dflash_quant.errors import UsageError
 from dflash_quant.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
@@ -88,6 +89,16 @@ class _Hooks:
     ] = ()  # DFlash2 Linears outside the backbone to collect (kernel_projection, hidden_projection)
     hessians: dict[str, HessianAccumulator] = field(default_factory=dict)
     handles: list = field(default_factory=list)
+    # batched capture: boolean [rows, c] / [rows, q] masks of the real context / block rows of the coming drafter
+    # forward (batch_decode's on_draft); padding and finished rows never reach a Hessian. None: every row is real
+    context_rows: torch.Tensor | None = None
+    block_rows: torch.Tensor | None = None
+
+    def rows(self, context: torch.Tensor | None, block: torch.Tensor | None) -> None:
+        self.context_rows, self.block_rows = context, block
+
+    def _real(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return x if mask is None else x[mask]
 
     def _acc(self, key: str, width: int) -> HessianAccumulator:
         if key not in self.hessians:
@@ -100,19 +111,20 @@ class _Hooks:
     def attach(self) -> _Hooks:
         m = self.model
 
-        def add(key: str):
+        def add(key: str, context: bool = False):
             def hook(module, args):
                 if self._wanted(key):
-                    self._acc(key, args[0].shape[-1]).add(args[0])
+                    rows = self._real(args[0], self.context_rows if context else self.block_rows)
+                    self._acc(key, args[0].shape[-1]).add(rows)
 
             return hook
 
-        self.handles.append(m.fc.register_forward_pre_hook(add("fc")))
+        self.handles.append(m.fc.register_forward_pre_hook(add("fc", context=True)))
         for i, layer in enumerate(cast(Sequence[DFlashDecoderLayer], m.layers)):
             p = f"layers.{i}"
 
             def attn_hook(module, args, p=p):
-                h, ctx = args[0], args[1]
+                h, ctx = self._real(args[0], self.block_rows), self._real(args[1], self.context_rows)
                 if self._wanted(f"{p}.self_attn.qkv"):
                     self._acc(f"{p}.self_attn.qkv", h.shape[-1]).add(h)
                 if self.kv_hessian == "block+context" and self._wanted(f"{p}.self_attn.kv"):
@@ -130,7 +142,8 @@ class _Hooks:
                 # (hooked on the forward so that replay, which never proposes, sees them too)
                 def rows_hook(module, args, output, key=name):
                     if self._wanted(key):
-                        self._acc(key, output.shape[-1]).add(output[:, 1:])
+                        mask = None if self.block_rows is None else self.block_rows[:, 1:]
+                        self._acc(key, output.shape[-1]).add(self._real(output[:, 1:], mask))
 
                 self.handles.append(m.register_forward_hook(rows_hook))
             elif name.endswith(".kernel_projection"):
@@ -145,6 +158,11 @@ class _Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+
+
+def capture_unbatchable(drafter: torch.nn.Module, target: torch.nn.Module) -> str | None:
+    """None when calibration can decode its prompts as rows of one batch (greedy, no lookup), else why not."""
+    return unbatchable(drafter, target, 0.0, None)
 
 
 def capture(
@@ -163,6 +181,7 @@ def capture(
     checkpoint: Callable[[CaptureState], object] | None = None,
     checkpoint_every: int = 0,
     measure: bool = False,
+    batch: int = 1,
 ) -> CalibrationStats:
     """Greedy speculative decoding over the prompts with hooks on the drafter's Linears (and `extra` ones).
 
@@ -170,6 +189,8 @@ def capture(
     chunks no larger than the Hessian. resume: a checkpoint's state; its prompts are skipped. checkpoint is
     called with the state every `checkpoint_every` prompts. Only the current prompt's taps are alive at once.
     measure: record the peak memory (calibration.peak) in stats.memory.
+    batch: decode up to this many prompts as rows of one batch (batch_decode; the same steps and Hessian rows,
+    padding excluded) where the pair allows it and no replay is kept; 1 = one by one.
     """
     if kv_hessian not in KV_MODES:
         raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")
@@ -199,28 +220,39 @@ def capture(
     try:
         if probe is not None:
             probe.__enter__()
-        for i in range(done, len(prompts)):
+        batched = batch > 1 and not keep_replay and capture_unbatchable(drafter, target) is None
+        i = done
+        while i < len(prompts):
+            # a chunk ends at the next checkpoint, so checkpoints fall where they do one by one
+            end = min(i + (batch if batched else 1), len(prompts))
+            if checkpoint_every > 0:
+                end = min(end, (i // checkpoint_every + 1) * checkpoint_every)
             record = []
-            run = speculative_generate(
-                drafter,
-                target,
-                torch.tensor([prompts[i]], device=device),
-                max_new_tokens,
-                stop_token_ids=stop_token_ids,
-            )
-            lengths.extend(run.acceptance_lengths)
+            if batched:
+                runs = batched_speculative_generate(
+                    drafter, target, list(prompts[i:end]), max_new_tokens, stop_token_ids, on_draft=hooks.rows
+                )
+                hooks.rows(None, None)
+            else:
+                runs = [
+                    speculative_generate(
+                        drafter,
+                        target,
+                        torch.tensor([prompts[i]], device=device),
+                        max_new_tokens,
+                        stop_token_ids=stop_token_ids,
+                    )
+                ]
+            for run in runs:
+                lengths.extend(run.acceptance_lengths)
+                if progress:
+                    progress()
             if keep_replay:
                 replay.append(record)
-            if progress:
-                progress()
-            if (
-                checkpoint is not None
-                and checkpoint_every > 0
-                and (i + 1) % checkpoint_every == 0
-                and i + 1 < len(prompts)
-            ):
+            i = end
+            if checkpoint is not None and checkpoint_every > 0 and i % checkpoint_every == 0 and i < len(prompts):
                 # the Hessians are the live accumulators (no copy of a 2.6 GB fc Hessian): valid during the call
-                checkpoint(CaptureState(i + 1, hooks.hessians, list(lengths), list(replay) if keep_replay else None))
+                checkpoint(CaptureState(i, hooks.hessians, list(lengths), list(replay) if keep_replay else None))
     finally:
         hooks.detach()
         if rec_handle is not None:

@@ -130,11 +130,13 @@ def predict_run(
     kv_hessian: str,
     compute: torch.device,
     hessian_device: torch.device,
+    rows: int = 1,
 ) -> tuple[Any, int]:
     """(CalibrationPrediction, predicted bytes comparable with PeakProbe.result on this run's devices).
 
     Weights are counted as numel x the run's element size (what the configs imply), not read from the
-    allocator; a target module offloaded by --device-map counts once, as the largest one streamed in."""
+    allocator; a target module offloaded by --device-map counts once, as the largest one streamed in.
+    rows: prompts decoded as rows of one batch (batched capture)."""
     from dflash_quant.memory.calibration import predict_calibration
     from dflash_quant.memory.kv import parse_shape
 
@@ -156,6 +158,7 @@ def predict_run(
         attention_scores=compute.type == "cpu",
         offloaded_weight_bytes=offloaded,
         cublas_workspace_bytes=cublas_workspace_bytes(compute),
+        rows=rows,
     )
     if compute.type == "cuda":  # the GPU's share: everything but Hessians kept elsewhere
         hess_on_gpu = hessian_device.type == "cuda"

@@ -170,6 +170,13 @@ def gptq(
         min=0,
         help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
     ),
+    calib_batch: int | None = typer.Option(
+        None,
+        "--calib-batch",
+        help="Calibration: decode up to N prompts as rows of one batch (same Hessian rows; padding excluded). "
+        "Default 16 on CPU, 1 on GPUs (unmeasured there; activations grow with N). Hybrid targets and "
+        "--sequential decode one by one.",
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     int4_kernel: str = int4_kernel_option(),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
@@ -185,6 +192,13 @@ def gptq(
         "--full-baseline",
         help="Decode every parity prompt target-only (default: check the bf16 run's tokens in one target "
         "forward per prompt and decode the first 4 for the speed baseline).",
+    ),
+    check_batch: int | None = typer.Option(
+        None,
+        "--check-batch",
+        help="Parity check: decode the speculative runs of up to N prompts as rows of one batch (same tokens and "
+        "acceptance as one by one; the first 4 prompts still run alone for the speed numbers). Default 16 on CPU, "
+        "1 on GPUs. Hybrid targets and --lookup's runs decode one by one.",
     ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
@@ -241,9 +255,11 @@ def gptq(
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
     from dflash_quant.export.atomic import Terminated
-    from dflash_quant.preflight import check_gptq_args, guard_run
+    from dflash_quant.preflight import check_count, check_gptq_args, guard_run
 
     check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
+    check_count(check_batch, "--check-batch")
+    check_count(calib_batch, "--calib-batch")
     check_int4_kernel(int4_kernel)
     from dflash_quant.devmap import check_hessian_device, make_placement
 
@@ -319,6 +335,8 @@ def gptq(
                 format=fmt,
                 check_cache=None if no_check_cache else (check_cache or default_dir()),
                 full_baseline=full_baseline,
+                check_batch=check_batch,
+                calib_batch=calib_batch,
                 command=["dflash-quant", *sys.argv[1:]],
                 lookup=look,
                 gguf_type=gguf_type,

@@ -76,6 +76,7 @@ def predict_calibration(
     attention_scores: bool = False,
     offloaded_weight_bytes: int = 0,
     cublas_workspace_bytes: int = 0,
+    rows: int = 1,
 ) -> CalibrationPrediction:
     """Peak calibration memory for the longest prompt (prompt_tokens) generating max_new_tokens.
 
@@ -83,6 +84,8 @@ def predict_calibration(
     attention_scores: count SDPA's [heads, P, P] scores (CPU math path; CUDA's fused kernels keep none).
     offloaded_weight_bytes: the largest module streamed in from cpu/disk offload (it is resident while it runs).
     cublas_workspace_bytes: on CUDA, the cuBLAS workspace torch takes from its caching allocator (0 on CPU).
+    rows: prompts decoded as rows of one batch (batch_decode: every row padded to the longest prompt, caches
+    compacted to at most prompt + new tokens + one block): every per-request term times rows.
     """
     a = dtype_bytes(dtype)
     p, n = prompt_tokens, max_new_tokens
@@ -91,14 +94,14 @@ def predict_calibration(
     kv = kv_per_token(target, dtype)
     state = recurrent_state_bytes(target, 0, conv_dtype=dtype)  # hybrid targets: fixed-size per request
     prefill = {
-        "target_kv": kv.bytes_for(p) + state,
-        "hidden_states": (layers + 1) * p * h * a,
-        "logits": target.vocab_size * a,
+        "target_kv": rows * (kv.bytes_for(p) + state),
+        "hidden_states": rows * (layers + 1) * p * h * a,
+        "logits": rows * target.vocab_size * a,
     }
     last = {
-        "target_kv": kv.bytes_for(p + n + b) + state,
-        "hidden_states": (layers + 1) * b * h * a,
-        "logits": b * target.vocab_size * a,
+        "target_kv": rows * (kv.bytes_for(p + n + b) + state),
+        "hidden_states": rows * (layers + 1) * b * h * a,
+        "logits": rows * b * target.vocab_size * a,
     }
     phase, acts = ("prefill", prefill) if sum(prefill.values()) >= sum(last.values()) else ("last_step", last)
     terms = {
@@ -111,12 +114,12 @@ def predict_calibration(
         terms["cublas_workspace"] = cublas_workspace_bytes
     dkv = 2 * drafter.num_kv_heads * drafter.head_dim * a * drafter.num_layers * (p + n)
     transient = {
-        "drafter_kv": dkv,
-        "drafter_logits": b * drafter.vocab_size * a,
-        "layer_mlp": 3 * p * target.intermediate_size * a,
+        "drafter_kv": rows * dkv,
+        "drafter_logits": rows * b * drafter.vocab_size * a,
+        "layer_mlp": rows * 3 * p * target.intermediate_size * a,
     }
     if attention_scores:
-        transient["attention_scores"] = 2 * target.num_attention_heads * p * p * a
+        transient["attention_scores"] = rows * 2 * target.num_attention_heads * p * p * a
     if offloaded_weight_bytes:
         transient["offloaded_module"] = offloaded_weight_bytes
     return CalibrationPrediction(terms, transient, phase)
