@@ -13,6 +13,7 @@ OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
 BUDGET=${BUDGET:-560}
 STEPS=${STEPS:-gptq gemm prefill main}
+MAIN_FLAGS=${MAIN_FLAGS:-}  # e.g. "--check-batch 16 --calib-batch 16"
 R=$OUT/r; mkdir -p "$R"
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
@@ -36,7 +37,7 @@ if want main; then
     set -- $run; name=$1; shift
     t0=$(date +%s.%N)
     step "main_$name" 240 $PY -m dflash_quant.cli.app gptq reference "$@" --device cuda --output "/tmp/ref-$name" \
-      --overwrite --no-card --json > "$R/main_$name.json" 2> "$R/main_$name.log"
+      --overwrite --no-card $MAIN_FLAGS --json > "$R/main_$name.json" 2> "$R/main_$name.log"
     echo "$name $(python3 -c "import time; print(round(time.time() - $t0, 1))")" >> "$R/main_walls.txt"
   done
   $PY - "$R" <<'PY'
@@ -44,7 +45,8 @@ import json, sys
 from pathlib import Path
 r = Path(sys.argv[1])
 walls = dict(line.split() for line in (r / "main_walls.txt").read_text().splitlines())
-out = {"command": "bash benchmarks/gpu_speed.sh (STEPS=main)", "gpu": (r / "gpu.txt").read_text().strip()}
+import os
+out = {"command": "bash benchmarks/gpu_speed.sh", "main_flags": os.environ.get("MAIN_FLAGS", ""), "gpu": (r / "gpu.txt").read_text().strip()}
 for name in ("first", "rerun"):
     try:
         j = json.loads((r / f"main_{name}.json").read_text())
