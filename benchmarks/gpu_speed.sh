@@ -17,10 +17,10 @@ MAIN_FLAGS=${MAIN_FLAGS:-}  # e.g. "--check-batch 16 --calib-batch 16"
 R=$OUT/r; mkdir -p "$R"
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
-  if (( SECONDS + 20 > BUDGET )); then echo "skipped $name (budget)" | tee -a "$R/steps.log"; return; fi
+  if (( SECONDS + 20 > BUDGET )); then echo "skipped $name (budget)" >> "$R/steps.log"; return; fi
   local left=$((BUDGET - SECONDS)) t0=$SECONDS; (( limit > left )) && limit=$left
   timeout "$limit" "$@"; local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$R/steps.log"
+  echo "$name rc=$rc $((SECONDS - t0))s" >> "$R/steps.log"  # not to stdout: a step's stdout may be its JSON
 }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
