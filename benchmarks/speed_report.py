@@ -149,7 +149,7 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--quickstart", default="quickstart_speed_store.json", help="bench_quickstart.py result file")
+    ap.add_argument("--quickstart", default="quickstart_speed_batched.json", help="bench_quickstart.py result file")
     ap.add_argument("--out-json", type=Path, default=RESULTS / "speed_summary.json")
     ap.add_argument("--out-png", type=Path, default=RESULTS / "speed_summary.png")
     args = ap.parse_args(argv)
