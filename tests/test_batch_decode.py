@@ -333,6 +333,9 @@ def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
     assert b16["lossless"] is True and many["quantized"]["lossless"] is True
     assert (b16["spec_timed_prompts"], b16["spec_batch"], b16["spec_batched_prompts"]) == (4, 5, 5)
     assert "spec_batch" not in b1
+    card = (tmp_path / "many" / "README.md").read_text()
+    assert "timed on the first 4 prompts" in card and "batches of up to 5 prompts" in card
+    assert "timed on the first" not in (tmp_path / "one" / "README.md").read_text()
 
 
 def test_batch_defaults_and_fallbacks(tiny_target):
