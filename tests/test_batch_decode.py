@@ -168,6 +168,7 @@ def _reference(name):
     return load_drafter(name).model, target.model, prompts, stop_tokens(target)
 
 
+@pytest.mark.slow
 def test_reference_pair_fp32_same_runs():
     drafter, target, prompts, stops = _reference("reference")
     seq = _assert_same(drafter, target, prompts, 48, stops=stops, batch=5)
@@ -176,6 +177,7 @@ def test_reference_pair_fp32_same_runs():
     assert len({a for r in seq for a in r.accepted}) > 3  # rows accepted different numbers of drafts
 
 
+@pytest.mark.slow
 def test_reference_dflash2_drafter_on_qwen3_target_same_runs():
     # The DFlash2 reference pair's own target is hybrid (falls back, tested above); its drafter (selector, conv)
     # runs batched against the Qwen3 reference target, which has the same width, vocabulary and layer count.
@@ -292,6 +294,7 @@ def test_batched_capture_reference_pair_and_predicted_peak():
 # ------------------------------------------------------------------------------------------ pipeline
 
 
+@pytest.mark.slow
 def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
     """A whole `gptq` on the reference pair with batches (the CPU default) and one by one: same calibration
     rows and bf16 check, the record says what ran batched, and the check cache keys the two apart."""
@@ -330,6 +333,9 @@ def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
     assert b16["lossless"] is True and many["quantized"]["lossless"] is True
     assert (b16["spec_timed_prompts"], b16["spec_batch"], b16["spec_batched_prompts"]) == (4, 5, 5)
     assert "spec_batch" not in b1
+    card = (tmp_path / "many" / "README.md").read_text()
+    assert "timed on the first 4 prompts" in card and "batches of up to 5 prompts" in card
+    assert "timed on the first" not in (tmp_path / "one" / "README.md").read_text()
 
 
 def test_batch_defaults_and_fallbacks(tiny_target):

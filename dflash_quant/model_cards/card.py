@@ -536,6 +536,15 @@ def _section_parity(ctx: dict) -> str:
             _table(["drafter", "spec tok/s", "target-only tok/s", "speed-up", "steps", "new tokens"], speed_rows)
         )
         out += ["", _drafter_kernel_line(parity)]
+        timed = base.get("spec_timed_prompts")
+        if isinstance(timed, int):
+            out += [
+                "",
+                f"spec tok/s is timed on the first {timed} prompts, decoded one by one as the target-only baseline "
+                f"is; the other {base.get('spec_batched_prompts')} ran as rows of batches of up to "
+                f"{base.get('spec_batch')} prompts (the same tokens and acceptance, timed only per batch; "
+                "steps and new tokens count every prompt).",
+            ]
     return "\n".join(out)
 
 
