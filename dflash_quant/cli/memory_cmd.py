@@ -117,7 +117,7 @@ def _print_mtp_comparison(rep: dict) -> None:
     table.add_column("term")
     for n in names:
         table.add_column(methods[n]["label"], justify="right")
-    table.add_row("state slots (1 + K)", *[str(methods[n]["state_slots"]) for n in names])
+    table.add_row("state slots (1 or 2 + K)", *[str(methods[n]["state_slots"]) for n in names])
     for term in methods[names[0]]["components"]:
         table.add_row(term.replace("_", " "), *[fmt_bytes(methods[n]["components"][term]) for n in names])
     table.add_section()

@@ -136,6 +136,9 @@ class BudgetSettings:
     activation_bytes: int | None = None  # override the estimate
     new_tokens: int = 0  # reference engine: tokens generated after a prompt of (context - new_tokens)
     cublas_workspace_bytes: int = DEFAULT_CUBLAS_WORKSPACE  # reference engine on CUDA; 0 on CPU
+    # vllm, hybrid targets: prefix caching (on by default since vLLM PR #50991, `align` mode) keeps one more
+    # state page per request than `--no-enable-prefix-caching` (see memory/hybrid.py)
+    prefix_caching: bool = True
 
     @property
     def utilization(self) -> float:
@@ -277,12 +280,45 @@ def _round_up(n: int, block: int) -> int:
 
 def cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
     """Per-request caches at `context` tokens (target KV, target recurrent state, drafter context KV)."""
+    if s.engine == "vllm" and target.shape.recurrent is not None:
+        return _hybrid_cache_bytes(target, drafter, s, context)
     tokens = _round_up(context, s.block_size) if s.engine == "vllm" else context
     t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
     d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
     slots_k = s.spec_tokens if s.engine == "vllm" else 0
     state = recurrent_state_bytes(target.shape, slots_k, ssm_dtype=s.state_dtype)
     return {"target_kv": t_kv, "target_state": state, "drafter_kv": d_kv}
+
+
+def _hybrid_cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
+    """vLLM's one page pool for a hybrid target: large blocks, padded state pages, 1 or 2 + K state slots
+    (memory/hybrid.py has the rules and their sources; group padding is `kv_group_padding`)."""
+    lay = layout(target, s)
+    r = target.shape.recurrent
+    assert r is not None
+    tokens = _round_up(context, lay.block_tokens)
+    t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
+    d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
+    return {"target_kv": t_kv, "target_state": r.num_layers * lay.state_bytes_per_layer, "drafter_kv": d_kv}
+
+
+def layout(target: ModelSpec, s: BudgetSettings):
+    from dflash_quant.memory.hybrid import hybrid_layout
+
+    return hybrid_layout(
+        target.shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=s.spec_tokens,
+        prefix_caching=s.prefix_caching,
+    )  # fmt: skip
+
+
+def group_padding_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> int:
+    """Per-request bytes of vLLM's padding layers (memory/mtp.py: buckets by KV spec, groups of one size)."""
+    from dflash_quant.memory.mtp import drafter_layer_keys, kv_buckets, padding_bytes
+
+    if target.shape.recurrent is None:
+        return 0  # one attention spec per model: vLLM pads only the hybrid pool's buckets here
+    buckets = kv_buckets(target.shape, drafter_layer_keys(drafter.shape) if drafter.shape.num_layers else [])
+    return padding_bytes(target.shape, buckets, s, context, s.spec_tokens)
 
 
 # --------------------------------------------------------------------------------------- activations
@@ -432,6 +468,7 @@ def required_bytes(
             "target_kv": concurrency * caches["target_kv"],
             "target_state": concurrency * caches["target_state"],
             "drafter_kv": concurrency * caches["drafter_kv"],
+            "kv_group_padding": concurrency * group_padding_bytes(target, drafter, s, context),
             "activation": activation_bytes(target, drafter, replace(s, concurrency=concurrency)),
         }
     comps["runtime_overhead"] = s.runtime_overhead_bytes
@@ -539,7 +576,7 @@ def kv_summary(target: ModelSpec, drafter: ModelSpec | DrafterSpec, s: BudgetSet
         "target_sliding_bytes_per_token": tk.sliding_bytes,
         "target_sliding_window": tk.window,
         "target_state_bytes_per_request": recurrent_state_bytes(target.shape, k, ssm_dtype=s.state_dtype),
-        "target_state_slots": (1 + k) if r else 0,
+        "target_state_slots": ((2 if s.prefix_caching and s.engine == "vllm" else 1) + k) if r else 0,
         "target_state_dtype": (s.state_dtype or (r.ssm_dtype if r else None) or target.shape.dtype) if r else None,
         "drafter_kv_bytes_per_token": dk.uncapped_bytes,
         "drafter_sliding_window": dk.window,

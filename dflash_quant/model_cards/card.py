@@ -669,7 +669,7 @@ def _section_mtp_comparison(ctx: dict) -> str:
            ""]  # fmt: skip
     first = methods[names[0]]
     terms = list(first.get("components", {}))
-    rows = [["state slots (1 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
+    rows = [["state slots (1 or 2 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
     rows += [[t.replace("_", " "), *[fmt_bytes(methods[n]["components"].get(t)) for n in names]] for t in terms]
     rows += [["headroom", *[fmt_bytes(methods[n].get("headroom_bytes")) for n in names]],
              ["fits", *[{True: "yes", False: "no"}.get(methods[n].get("fits"), "?") for n in names]],
@@ -680,7 +680,7 @@ def _section_mtp_comparison(ctx: dict) -> str:
     out += [
         "",
         "The per-request speculation cost is what each concurrent request adds over no speculation: "
-        "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model.",
+        "mostly the 1 + K copies of the linear-attention state (2 + K with prefix caching). Estimates from dflash-quant's memory model.",
     ]
     return "\n".join(out)
 
