@@ -328,6 +328,12 @@ def register(app: typer.Typer) -> None:
         ),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
+        prefix_caching: bool = typer.Option(
+            True,
+            "--prefix-caching/--no-prefix-caching",
+            help="vllm, hybrid targets: prefix caching (vLLM's default) keeps 2 + K state pages per request, "
+            "--no-prefix-caching (vllm serve --no-enable-prefix-caching) 1 + K.",
+        ),
         compare_mtp: bool = typer.Option(
             False,
             "--compare-mtp",
@@ -366,7 +372,7 @@ def register(app: typer.Typer) -> None:
         t, d, settings = _budget_objects(
             target, drafter, gpu, context, concurrency, spec_tokens, target_weights, kv_dtype, drafter_kv_dtype,
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,
-            activation, new_tokens, group_size,
+            activation, new_tokens, group_size, prefix_caching=prefix_caching,
         )  # fmt: skip
         if compare_mtp or mtp_tokens is not None or mtp_weights is not None:
             if not compare_mtp:

@@ -526,7 +526,9 @@ def compute_budget(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, dra
         limited = "max_position_embeddings" if model_max else "search limit"
     notes = []
     if s.engine == "vllm" and target.shape.recurrent is not None:
-        notes.append(f"linear-attention state kept in {1 + s.spec_tokens} slots per request (1 + K)")
+        slots = layout(target, s).state_slots
+        why = "2 + K: prefix caching on, vLLM's default" if s.prefix_caching else "1 + K: --no-enable-prefix-caching"
+        notes.append(f"linear-attention state kept in {slots} slots per request ({why})")
     if s.engine == "reference":
         phase = peak_phase(reference_phases(target, drafter, s, s.context))
         notes.append(f"reference loop: peak in the {phase.replace('_', ' ')} phase")
@@ -575,7 +577,11 @@ def kv_summary(target: ModelSpec, drafter: ModelSpec | DrafterSpec, s: BudgetSet
         "target_full_attention_bytes_per_token": tk.full_bytes,
         "target_sliding_bytes_per_token": tk.sliding_bytes,
         "target_sliding_window": tk.window,
-        "target_state_bytes_per_request": recurrent_state_bytes(target.shape, k, ssm_dtype=s.state_dtype),
+        "target_state_bytes_per_request": (
+            cache_bytes(
+                target, ModelSpec("none", replace(drafter.shape, layer_types=(), num_layers=0), 0, "bf16", "-"), s, 0
+            )["target_state"]
+        ),  # fmt: skip
         "target_state_slots": ((2 if s.prefix_caching and s.engine == "vllm" else 1) + k) if r else 0,
         "target_state_dtype": (s.state_dtype or (r.ssm_dtype if r else None) or target.shape.dtype) if r else None,
         "drafter_kv_bytes_per_token": dk.uncapped_bytes,
