@@ -260,3 +260,23 @@ def tau_at_k(lengths_hist: dict, k: int) -> float:
     if n == 0:
         return float("nan")
     return sum(min(int(a), k + 1) * int(c) for a, c in lengths_hist.items()) / n
+
+
+def hist_from_positions(per_position: Sequence[float], steps: int = 10_000) -> dict[str, int]:
+    """Acceptance-length counts from a parity report's per-position acceptance (P(accept >= i), i = 1..),
+    for `tau_at_k` when only that report exists."""
+    ge = [1.0, *per_position, 0.0]
+    return {str(n + 1): round(steps * (ge[n] - ge[n + 1])) for n in range(len(per_position) + 1)}
+
+
+def drafter_linear_shapes(shape) -> dict[str, tuple[int, int]]:
+    """(out, in) of every Linear a DFlash drafter config implies (fc, attention, MLP), for budgets without
+    weights (the presets)."""
+    h, m = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    out = {"fc": (h, h * shape.num_taps)}
+    for i in range(shape.num_layers):
+        for leaf, shp in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q)),
+                          ("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):  # fmt: skip
+            out[f"layers.{i}.{leaf}"] = shp
+    return out
