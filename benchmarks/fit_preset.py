@@ -80,7 +80,9 @@ def main() -> None:
           f"{best.changed}: room {best.room / 2**20:.1f} MiB, drafter {drafter_bytes / 2**20:.1f} MiB, "
           f"headroom {b.headroom_bytes / 2**20:.1f} MiB; flags: {' '.join(rec.engine_flags)}")  # fmt: skip
     for o, p in scored:
-        print(f"  K={o.settings.spec_tokens:2d} room {o.room / 2**20:8.1f} MiB  {', '.join(o.changed)}")
+        print(
+            f"  K={o.settings.spec_tokens:2d} room {o.room / 2**20:8.1f} MiB  tau (stand-in) {p:.3f}  {', '.join(o.changed)}"
+        )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ def test_fit_on_the_27b_preset_picks_settings_the_budget_says_fit():
     top = sum(max(b for b, _ in c.values()) for c in table.values())
     four = [c for c in mp.tau_points(cands) if c.bits == 4][0]
     want = rest + mp.uniform_loss(table, four)[0]
-    options, given_room = mf.fit_options("qwen3.5-27b", "qwen3.5-27b-dflash", "rtx4090", 32768, "int4", mf.ServingKnobs())
+    options, given_room = mf.fit_options(
+        "qwen3.5-27b", "qwen3.5-27b-dflash", "rtx4090", 32768, "int4", mf.ServingKnobs()
+    )
     assert given_room < -3 * 2**30  # -3.26 GiB: nothing fits as given
     # tau side: the reference pair's measured uniform ratios (4-bit 0.9962, 3-bit 0.9573, README) placed at this
     # drafter's stand-in losses, and its measured acceptance lengths
