@@ -16,8 +16,9 @@ The model (all numbers in bytes)::
 Two engines are modelled:
 
 ``vllm`` (default; a serving engine with a paged cache and chunked prefill)
-    - caches: context rounded up to the block size (16); full-attention KV for every token, sliding-window
-      layers capped at their window, Gated DeltaNet / Mamba state with (1 + K) slots (see kv.py);
+    - caches: context rounded up to the block size (16; hybrid targets: vLLM's larger block); full-attention
+      KV for every token, sliding-window layers capped at their window, Gated DeltaNet / Mamba state with
+      (1 + K) slots, (2 + K) with prefix caching (see kv.py, hybrid.py);
       the drafter's own context KV in the same cache dtype;
     - drafter weights: the packed bytes (an int4 kernel keeps them packed);
     - activation: the peak of one forward over a prefill chunk of ``prefill_chunk`` tokens (vLLM's
@@ -28,7 +29,14 @@ Two engines are modelled:
     - runtime overhead (default 0.75 GiB): CUDA context, cuBLAS/NCCL workspaces and other non-torch memory
       that the utilisation fraction must also cover; CUDA-graph reserve (default 0.5 GiB, 0 with
       ``enforce_eager``). Both are typical values from engine logs on 24 GB cards, not measured here:
-      override them with what your engine logs;
+      override them with what your engine logs. Both sit inside ``total x gpu_memory_utilization``: vLLM
+      logs "model weights take X; non_torch_memory takes Y; PyTorch activation peak memory takes Z; the rest
+      ... for KV Cache" summing to total x utilisation, and it subtracts its CUDA-graph estimate from the KV
+      budget by default since v0.21.0 ("CUDA graph memory profiling is enabled (default since v0.21.0)",
+      added by vLLM PR #30515; logged estimates 0.17-0.52 GiB on single GPUs, more with spec decoding;
+      issue #50780: over-charged on hybrid GDN models since v0.26.0);
+    - hybrid (Gated DeltaNet / Mamba) targets: vLLM's single page pool, its block size, 2 + K state pages
+      with prefix caching (vLLM's default for hybrids) and group padding: memory/hybrid.py;
     - gpu_memory_utilization: vLLM's default 0.90.
     This engine's activation/overhead terms are *not* validated by this project (no vLLM on the test GPU).
 
