@@ -6,6 +6,7 @@ from dflash_quant.memory.budget import BudgetSettings, cache_bytes, compute_budg
 from dflash_quant.memory.gpus import GiB
 from dflash_quant.memory.hybrid import hybrid_layout, state_page_bytes
 from dflash_quant.memory.kv import parse_shape
+from dflash_quant.memory.mtp import padding_layers
 from dflash_quant.memory.mtp import vllm_group_size as group_size
 from dflash_quant.memory.presets import load_preset
 
@@ -27,7 +28,8 @@ def test_block_size_reproduces_vllms_log_for_qwen36_27b():
 def test_group_padding_matches_vllms_mtp_warning():
     # a 27B hybrid target with a 1-layer MTP drafter: buckets 17 (16 + 1 full attention) and 48 (state); vLLM
     # warns "Add 3 padding layers, may waste at most 6.25% KV cache memory": groups of 17, 48 -> 51
-    assert group_size([17, 48]) == 17 and 3 * 17 - 48 == 3
+    assert group_size([17, 48]) == 17
+    assert padding_layers({("full",): 17, ("state",): 48}) == {("full",): 0, ("state",): 3}
     # DFlash: the drafter's 5 layers are their own bucket, so groups of 5: 16 -> 20, 48 -> 50
     assert group_size([16, 48, 5]) == 5
     assert group_size([30, 40]) == 40  # close buckets: one group size, the larger
