@@ -493,6 +493,9 @@ class BudgetForm(Record):
     allocator_peak_bytes: int | None = doc("weights + caches + activation")
     required_bytes: int | None = doc("allocator peak + overhead + CUDA graphs")
     headroom_bytes: int | None = doc("usable - required (negative: does not fit)")
+    drafter_room_bytes: int | None = doc(
+        "usable - everything but the drafter's weights: the most its weights may take (what `gptq --fit` sizes to)"
+    )
     fits: bool | None = doc("headroom >= 0")
     max_context: int | None = doc("largest context that fits (null: none)")
     max_context_limited_by: str | None = doc("memory or max_position_embeddings")

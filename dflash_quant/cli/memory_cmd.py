@@ -49,6 +49,7 @@ def _print_budget(rep) -> None:
     table.add_row("required", *[fmt_bytes(x.required_bytes) for x in b])
     table.add_row(f"usable (x{b[0].utilization:.2f})", *[fmt_bytes(x.usable_bytes) for x in b])
     table.add_row("headroom", *[fmt_bytes(x.headroom_bytes) for x in b])
+    table.add_row("room for drafter weights", *[fmt_bytes(x.drafter_room_bytes) for x in b])
     table.add_row("fits", *["yes" if x.fits else "NO" for x in b])
     table.add_row(
         f"max context (C={s.concurrency})", *[str(x.max_context) if x.max_context is not None else "none" for x in b]

@@ -430,6 +430,7 @@ class Budget:
     required_bytes: int
     headroom_bytes: int
     fits: bool
+    drafter_room_bytes: int  # usable - required + the drafter's weights: what `gptq --fit` sizes the drafter to
     max_context: int | None
     max_context_limited_by: str
     max_concurrency: int
@@ -557,6 +558,7 @@ def compute_budget(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, dra
         required_bytes=req,
         headroom_bytes=usable - req,
         fits=req <= usable,
+        drafter_room_bytes=usable - req + comps["drafter_weights"],
         max_context=mc,
         max_context_limited_by=limited if mc is not None else "weights and fixed costs exceed the GPU",
         max_concurrency=_max_concurrency(target, drafter, s, usable),
