@@ -258,6 +258,10 @@ def mtp_method(t: ModelSpec, head: MTPHead, weights: MTPWeights, s: BudgetSettin
 
     def per_request(tokens: int) -> dict[str, int]:
         c = cache_bytes(t, _no_drafter(shape), replace(s, spec_tokens=k), tokens)
+        if shape.recurrent is not None:  # the head's pages live in the hybrid pool: whole blocks of vLLM's size
+            lay = hybrid_layout(shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=k,
+                                prefix_caching=s.prefix_caching)  # fmt: skip
+            tokens = _round_up(tokens, lay.block_tokens)
         return {"target_kv": c["target_kv"], "target_state": c["target_state"], "draft_kv": kv_tok * tokens,
                 "kv_group_padding": padding_bytes(shape, buckets, s, tokens, k)}  # fmt: skip
 
