@@ -150,7 +150,7 @@ def pair(tmp_path_factory):
 def test_gptq_fit_cli_changes_the_kv_dtype_and_budget_agrees(pair):
     """A card sized so that the defaults leave no room for the drafter and fp8 KV does: `gptq --fit` picks
     fp8 KV, says so in provenance, the card and on stderr, and `budget` on the artifact fits with
-    --kv-dtype fp8 and not without."""
+    --kv-dtype fp8 (and the same K) and not without."""
     d, t, root = str(pair["drafter"]), str(pair["target"]), pair["root"]
     tt, dd, s = mf.budget_for(t, d, "24GiB", 4096, None, mf.ServingKnobs())
     req = required_bytes(tt, replace(dd.as_model("bf16"), weight_bytes=0), s, 4096, 1)[0]
@@ -162,21 +162,26 @@ def test_gptq_fit_cli_changes_the_kv_dtype_and_budget_agrees(pair):
         "gptq", d, "--target", t, "--calib-prompts", str(root / "calib.txt"), "--eval-prompts", str(root / "eval.txt"),
         "--max-new-tokens", "16", "--eval-max-new-tokens", "12", "--mix-dev-prompts", "4", "--mix-dev-new-tokens",
         "12", "--no-check-cache", "-o", str(out), "--calib-cache", str(root / "calib"), "--json",
-        "--fit", gpu, "--context", "4096",
+        "--fit", gpu, "--context", "4096", "--spec-tokens", "2",
     ]  # fmt: skip
     run = subprocess.run([*CLI, *args], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     fit = json.loads((out / "provenance.json").read_text())["mixed"]["serving"]
+    # K given (2, below the drafter's block - 1 = 3): kept; only the KV dtype was free to change
     assert fit["changed"] == ["kv_fp8"] and fit["given_room"] < 0 < fit["drafter_room"]
-    assert fit["settings"]["kv_dtype"] == "fp8" and fit["settings"]["spec_tokens"] == 3
-    assert "--kv-cache-dtype fp8" in fit["engine_flags"]
-    assert "fit: K=3, changed: kv_fp8" in run.stderr and "--kv-cache-dtype fp8" in run.stderr
+    assert fit["settings"]["kv_dtype"] == "fp8" and fit["settings"]["spec_tokens"] == 2
+    assert "--kv-cache-dtype fp8" in fit["engine_flags"] and '"num_speculative_tokens": 2' in fit["engine_flags"][0]
+    assert [o["spec_tokens"] for o in fit["options"]] == [2]
+    # tau at K=2 estimated from the full block and measured with a 3-token block (one more decode)
+    assert isinstance(fit["tau_bf16_at_k_measured"], float) and fit["tau_bf16_at_k"] <= fit["tau_bf16_full"]
+    assert "fit: K=2, changed: kv_fp8" in run.stderr and "--kv-cache-dtype fp8" in run.stderr
     card = (out / "README.md").read_text()
     assert "**Sized for serving**" in card and "--kv-cache-dtype fp8" in card
     json.loads(run.stdout)  # stdout stays one JSON document
 
     def budget(*extra):
-        cmd = ["budget", "--target", t, "--drafter", str(out), "--gpu", gpu, "--context", "4096", "--json", *extra]
+        cmd = ["budget", "--target", t, "--drafter", str(out), "--gpu", gpu, "--context", "4096", "--spec-tokens", "2",
+               "--json", *extra]  # fmt: skip
         rep = json.loads(subprocess.run([*CLI, *cmd], capture_output=True, text=True, check=True).stdout)
         return rep["budgets"][rep["drafter"]["quantized_format"]]
 

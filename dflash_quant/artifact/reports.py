@@ -146,6 +146,9 @@ class FitServing(Record):
     tried: int | None = doc("candidate settings evaluated")
     notes: list[str] | None = doc("caveats")
     tau_bf16_at_k: float | None = doc("tau of the bf16 drafter capped at this K, from dev-prompt acceptance lengths")
+    tau_bf16_at_k_measured: float | None = doc(
+        "tau of the bf16 drafter decoding the dev prompts with K drafted tokens (a K + 1 block), measured"
+    )
     tau_bf16_full: float | None = doc("tau of the bf16 drafter at its full block on the same prompts")
     predicted_tau: float | None = doc("tau_bf16_at_k x the mix's predicted tau ratio")
     options: list[dict] | None = doc("per K: the settings considered, room and predicted tau")

@@ -12,7 +12,9 @@ candidates, least costly first:
 2. fewer speculative tokens K (each K frees a state slot and a conv row), with the settings of step 1 again
    at each K. Capping K caps acceptance: at temperature 0 a step's acceptance length becomes min(L, K + 1),
    so ``tau_K = 1 + sum_{i<=K} P(accept >= i)``, computed from the bf16 drafter's acceptance lengths
-   measured on the development prompts (`tau_at_k`).
+   measured on the development prompts (`tau_at_k`). That is an estimate: vLLM drafts ``[bonus, K masks]``
+   (a shorter block) and DFlash's in-block attention is non-causal, so gptq also decodes the dev prompts at
+   the chosen K and records the measured tau beside it.
 
 Per K the least costly step-1 setting that leaves room for the uniform 4-bit drafter is taken (else the one
 with the most room). Across K, fewer tokens buy room for more bits, so the choice is the K with the highest
@@ -94,6 +96,7 @@ class FitChoice:
     notes: list[str] = field(default_factory=list)
     # from the tau side (gptq): tau the bf16 drafter keeps at this K on the dev prompts, and the prediction
     tau_bf16_at_k: float | None = None
+    tau_bf16_at_k_measured: float | None = None
     tau_bf16_full: float | None = None
     predicted_tau: float | None = None
     options: list[dict] = field(default_factory=list)  # per K: settings changed, room, predicted tau

@@ -1120,7 +1120,9 @@ def _fit_lines(fit: dict | None) -> list[str]:
         f"{fmt_bytes(fit.get('drafter_room'))}: K={st.get('spec_tokens')}, KV `{st.get('kv_dtype')}`, recurrent "
         f"state `{st.get('state_dtype')}`, prefix caching {'on' if st.get('prefix_caching') else 'off'}. The bf16 "
         f"drafter keeps tau {fmt_float(fit.get('tau_bf16_at_k'), 3)} of {fmt_float(fit.get('tau_bf16_full'), 3)} "
-        f"at this K on the development prompts; predicted tau with this mix {fmt_float(fit.get('predicted_tau'), 3)}. "
+        f"at this K on the development prompts (estimated from the full block's acceptance; measured drafting K "
+        f"tokens: {fmt_float(fit.get('tau_bf16_at_k_measured'), 3)}); predicted tau with this mix "
+        f"{fmt_float(fit.get('predicted_tau'), 3)}. "
         "Serve with exactly these flags (TARGET: the target model, DRAFTER: this drafter), or the budget does not hold:",
         "",
         "```bash",

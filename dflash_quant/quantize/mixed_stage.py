@@ -97,7 +97,25 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         choice = min_bytes(table, loss_budget)
     else:
         if fit_opts is not None:
-            serving, byte_budget = _fit_choice(goal, fit_opts, table, points, curve["bf16_lengths"], rest, top)
+
+            def measure_k(k: int) -> float:
+                """bf16 tau on the dev prompts drafting K tokens ([bonus, K masks], as vLLM does), cached."""
+                from dflash_quant.verify import spec_runs
+
+                got = curve.setdefault("bf16_tau_by_block", {})
+                if str(k + 1) not in got:
+                    check_k = CheckSettings(goal.dev_max_new_tokens, 0.0, k + 1, job.seed, stop_tokens(target))
+                    runs = spec_runs(drafter.model, target.model, dev_ids, check_k,
+                                     progress(f"fit: bf16 tau at K={k}", len(dev_ids)))  # fmt: skip
+                    lengths = [a for r in runs for a in r.acceptance_lengths]
+                    got[str(k + 1)] = round(sum(lengths) / len(lengths), 5)
+                    if job.calib_cache is not None:
+                        save_curve(job.calib_cache, key, ckey, curve)
+                return float(got[str(k + 1)])
+
+            serving, byte_budget = _fit_choice(
+                goal, fit_opts, table, points, curve["bf16_lengths"], rest, top, measure_k
+            )
             progress(f"fit: {fit_line(serving)}", None)
         assert byte_budget is not None
         choice = max_quality(table, min(byte_budget, top))
@@ -170,9 +188,14 @@ def _fit_options(goal, target, drafter, table, candidates, rest: int, least: int
     return _FitOpts(options, given_room, want, rest + least)
 
 
-def _fit_choice(goal, fo: _FitOpts, table, points, hist: dict, rest: int, top: int) -> tuple[FitServing, int]:
+def _fit_choice(
+    goal, fo: _FitOpts, table, points, hist: dict, rest: int, top: int, measure_k
+) -> tuple[FitServing, int]:
     """Per K the least costly setting with room (memory/fit.per_k); the K whose predicted tau (tau_K of the bf16
-    drafter x the mix's predicted ratio in that room) is highest. Returns the record and the Linears' budget."""
+    drafter x the mix's predicted ratio in that room) is highest. tau_K is estimated from the full block's
+    acceptance lengths; vLLM drafts a shorter block for a smaller K and DFlash's block attention is non-causal,
+    so the chosen K is also measured (`measure_k`, one decode of the dev prompts) and recorded beside the
+    estimate. Returns the record and the Linears' budget."""
     from dflash_quant.memory import fit as mf
 
     assert goal.fit_gpu is not None and goal.context is not None
@@ -187,10 +210,13 @@ def _fit_choice(goal, fo: _FitOpts, table, points, hist: dict, rest: int, top: i
         return mf.tau_at_k(hist, o.settings.spec_tokens) * ratio(o.room - rest)
 
     best, scored = mf.choose(fo.options, fo.want, fo.least, predict, goal.fit_gpu, goal.context)
-    full = mf.tau_at_k(hist, max(int(a) for a in hist))
+    full_k = max(int(a) for a in hist) - 1  # the block the tau map decoded: K = block - 1
+    full = mf.tau_at_k(hist, full_k + 1)
+    k = best.settings.spec_tokens
+    measured = measure_k(k) if k < full_k else round(full, 5)
     rec = mf.choice_record(
         goal.fit_gpu, goal.context, goal.target_weights, best, fo.given_room, len(fo.options),
-        tau_bf16_at_k=round(mf.tau_at_k(hist, best.settings.spec_tokens), 5), tau_bf16_full=round(full, 5),
+        tau_bf16_at_k=round(mf.tau_at_k(hist, k), 5), tau_bf16_full=round(full, 5), tau_bf16_at_k_measured=measured,
         predicted_tau=round(predict(best), 5),
         options=[
             {"spec_tokens": o.settings.spec_tokens, "changed": o.changed, "drafter_room": o.room,
@@ -206,6 +232,7 @@ def fit_line(f: FitServing) -> str:
     changed = ", ".join(f.changed or []) or "none (the given settings fit)"
     return (
         f"K={(f.settings or {}).get('spec_tokens')}, changed: {changed}; drafter room {f.drafter_room} bytes; "
-        f"predicted tau {f.predicted_tau} (bf16 drafter at this K {f.tau_bf16_at_k} of {f.tau_bf16_full}); "
+        f"predicted tau {f.predicted_tau} (bf16 drafter at this K {f.tau_bf16_at_k} estimated, "
+        f"{f.tau_bf16_at_k_measured} measured, {f.tau_bf16_full} at the full block); "
         f"serve with: vllm serve TARGET {' '.join(f.engine_flags or [])}"
     )
