@@ -1148,6 +1148,13 @@ ROWS = [
         r"--gpu-memory-utilization must be in \(0, 1\] \(got 1.5\)",
     ),
     R(
+        "mix-fit-spec-tokens-above-block",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--spec-tokens", "9"),
+        2,
+        r"--spec-tokens 9 is more than this drafter drafts per step \(block_size 4: at most 3\)",
+    ),
+    R(
         "mix-fit-cuda-graphs-word",
         "arguments",
         lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--cuda-graphs", "some"),

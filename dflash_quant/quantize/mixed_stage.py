@@ -177,6 +177,12 @@ def _fit_options(goal, target, drafter, table, candidates, rest: int, least: int
     from dflash_quant.memory import fit as mf
 
     assert goal.fit_gpu is not None and goal.context is not None
+    block = drafter.config.block_size
+    if goal.serving.spec_tokens is not None and block and goal.serving.spec_tokens > block - 1:
+        raise UsageError(
+            f"--spec-tokens {goal.serving.spec_tokens} is more than this drafter drafts per step (block_size {block}: "
+            f"at most {block - 1}); give K <= {block - 1} or leave --spec-tokens to the search"
+        )
     options, given_room = mf.fit_options(
         str(target.source.path), str(drafter.source.path), goal.fit_gpu, goal.context, goal.target_weights,
         goal.serving,
