@@ -153,10 +153,8 @@ def engine_flags(s: BudgetSettings, drafter_repo: str = "DRAFTER") -> list[str]:
     """`vllm serve` flags for these settings (vLLM's defaults left out, K always given)."""
     spec = f'{{"method": "dflash", "model": "{drafter_repo}", "num_speculative_tokens": {s.spec_tokens}}}'
     flags = [f"--speculative-config '{spec}'"]
-    if s.kv_dtype == "fp8":
-        flags.append("--kv-cache-dtype fp8")
-    elif s.kv_dtype:
-        flags.append(f"--kv-cache-dtype {s.kv_dtype}")
+    if s.kv_dtype:
+        flags.append(f"--kv-cache-dtype {_vllm_dtype(s.kv_dtype)}")
     if s.state_dtype:
         flags.append(f"--mamba-ssm-cache-dtype {_vllm_dtype(s.state_dtype)}")
     if not s.prefix_caching:
