@@ -1130,7 +1130,50 @@ ROWS = [
         "arguments",
         lambda c: c.gptq("--fit", "64MiB", "--context", "16"),
         2,
-        r"--fit 64MiB --context 16: the target, its caches and the runtime leave -?\d+ bytes for the drafter",
+        r"--fit 64MiB --context 16: no serving setting leaves room for the drafter \(the smallest mix needs .*\); "
+        r"the most permissive \(kv_fp8; K=3, --kv-cache-dtype fp8\) leaves -.* lower --context, quantize the target",
+    ),
+    R(
+        "mix-serving-knob-without-fit",
+        "arguments",
+        lambda c: c.gptq("--max-bytes", "1MB", "--spec-tokens", "4", "--no-prefix-caching"),
+        2,
+        r"--spec-tokens, --prefix-caching only apply with --fit GPU \(the serving settings of the budget\)",
+    ),
+    R(
+        "mix-fit-bad-kv-dtype",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--kv-dtype", "fp4"),
+        2,
+        r"unknown --kv-dtype 'fp4'; use one of bf16, fp16, fp32, fp8",
+    ),
+    R(
+        "mix-fit-zero-spec-tokens",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--spec-tokens", "0"),
+        2,
+        r"--spec-tokens must be at least 1 \(got 0\)",
+    ),
+    R(
+        "mix-fit-utilization-range",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--gpu-memory-utilization", "1.5"),
+        2,
+        r"--gpu-memory-utilization must be in \(0, 1\] \(got 1.5\)",
+    ),
+    R(
+        "mix-fit-spec-tokens-above-block",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--spec-tokens", "9"),
+        2,
+        r"--spec-tokens 9 is more than this drafter drafts per step \(block_size 4: at most 3\)",
+    ),
+    R(
+        "mix-fit-cuda-graphs-word",
+        "arguments",
+        lambda c: c.gptq("--fit", "rtx4090", "--context", "4096", "--cuda-graphs", "some"),
+        2,
+        r"cannot read --cuda-graphs 'some'",
     ),
 ]
 

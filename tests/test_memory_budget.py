@@ -11,6 +11,7 @@ from dflash_quant.memory.budget import (
     resolve_target,
 )
 from dflash_quant.memory.gpus import GiB, parse_bytes, resolve_gpu
+from dflash_quant.memory.kv import recurrent_state_bytes
 
 
 def _settings(**kw):
@@ -44,7 +45,11 @@ def test_budget_identities_and_drafter_comparison():
         assert b.required_bytes == sum(b.components.values())
         assert b.headroom_bytes == b.usable_bytes - b.required_bytes
         assert b.fits == (b.headroom_bytes >= 0)
-        assert b.components["target_state"] == 1_491_075_072  # 1.39 GiB at K=15, bf16
+        # K=15, bf16: 1.39 GiB of raw state (16 slots x 48 layers x 1,941,504 B) as vLLM lays it out: pages padded
+        # to 480-token attention blocks (1,966,080 B), 17 slots with prefix caching (align mode; memory/hybrid.py)
+        assert recurrent_state_bytes(t.shape, 15, ssm_dtype="bf16") == 16 * 48 * 1_941_504 == 1_491_075_072
+        assert b.components["target_state"] == 17 * 48 * 1_966_080
+        assert b.components["kv_group_padding"] == 0  # the 3.6 drafter's 4 sliding + 1 full: groups of 1
     assert int4.headroom_bytes - bf16.headroom_bytes == d.bf16_bytes - d.quantized_bytes
     assert int4.fits and not bf16.fits
     assert int4.max_context is not None and int4.max_context >= 8192

@@ -55,7 +55,9 @@ def test_budget_json_from_presets():
     assert r.exit_code == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["caches"]["target_kv_bytes_per_token"] == 64 * KiB
-    assert rep["caches"]["target_state_bytes_per_request"] == 1_491_075_072
+    # 17 slots (prefix caching) x 48 layers x the state page padded to a 480-token, 4 KiB/token block
+    assert rep["caches"]["target_state_bytes_per_request"] == 17 * 48 * 480 * 4096
+    assert rep["caches"]["target_state_slots"] == 17 and rep["settings"]["prefix_caching"] is True
     assert set(rep["budgets"]) == {"bf16", "int4"}
     b, q = rep["budgets"]["bf16"], rep["budgets"]["int4"]
     assert q["headroom_bytes"] - b["headroom_bytes"] == rep["drafter"]["bf16_bytes"] - rep["drafter"]["quantized_bytes"]

@@ -57,29 +57,36 @@ def test_every_term_matches_hand_calculation(ctx):
     assert list(m) == ["none", "mtp-k1", "mtp-k2", "mtp-k3", "dflash-bf16", "dflash-int4"]
     conv_dim, state = 2 * 16 * 128 + 48 * 128, 48 * 128 * 128
     slot = lambda k: (3 + k) * conv_dim * 2 + state * 2  # noqa: E731  one GDN layer, one slot, bf16
+    # vLLM pads a state page to a whole attention block of 16-token multiples at 4 KiB/token (memory/hybrid.py)
+    block = lambda k: 16 * -(-slot(k) // (16 * 4096))  # noqa: E731
+    page = lambda k: block(k) * 4096  # noqa: E731
+    tokens = lambda k: -(-ctx // block(k)) * block(k)  # noqa: E731
     for k in (1, 2, 3):
         c = m[f"mtp-k{k}"]["components"]
-        assert c["target_state"] == (1 + k) * 48 * slot(k)  # 1 + K slots, widened conv state
-        assert c["draft_kv"] == 2 * 4 * 256 * 2 * ctx  # the MTP layer: 4 kv heads x 256, 4 KiB/token
-        assert c["kv_group_padding"] == 3 * (1 + k) * slot(k)  # 17 full + 48 GDN -> groups of 17, 3 pads
+        assert c["target_state"] == (2 + k) * 48 * page(k)  # 2 + K slots (prefix caching on), widened conv
+        assert c["draft_kv"] == 2 * 4 * 256 * 2 * tokens(k)  # the MTP layer: 4 kv heads x 256, 4 KiB/token
+        assert c["kv_group_padding"] == 3 * (2 + k) * page(k)  # 17 full + 48 GDN -> groups of 17, 3 pads
+        assert c["target_kv"] == 64 * KiB * tokens(k)
         assert c["draft_weights"] == 849_398_784
-        assert m[f"mtp-k{k}"]["state_slots"] == 1 + k
-    assert m["mtp-k1"]["components"]["target_state"] == 158_859_264  # 151.50 MiB
+        assert m[f"mtp-k{k}"]["state_slots"] == 2 + k
+    assert slot(1) == 1_654_784 and block(1) == 416  # 158,859,264 B raw for 2 slots: 151.50 MiB
     none = m["none"]["components"]
-    assert none["target_state"] == 48 * slot(0) == 78_446_592 and none["kv_group_padding"] == 0
+    assert none["target_state"] == 2 * 48 * page(0) and none["kv_group_padding"] == 0
     for name in ("dflash-bf16", "dflash-int4"):
         c = m[name]["components"]
-        assert c["target_state"] == 1_491_075_072  # 16 slots, bf16 (field notes: 1.39 GiB)
+        assert c["target_state"] == 17 * 48 * page(15)  # 17 slots, bf16 (raw 1.39 GiB for 16: field notes)
         assert c["kv_group_padding"] == 0  # drafter layers (8 kv heads x 128) are buckets of their own
+        assert c["target_kv"] == 64 * KiB * tokens(15)
     for b in m.values():
         c = b["components"]
-        assert c["target_kv"] == 64 * KiB * ctx
         assert b["required_bytes"] == sum(c.values())
         assert b["headroom_bytes"] == b["usable_bytes"] - b["required_bytes"]
         assert b["per_request_speculation_bytes"] == b["per_request_bytes"] - m["none"]["per_request_bytes"]
-    # DFlash's per-request speculation cost is its 15 extra state slots and its context KV
+    # DFlash's per-request speculation cost is its 15 extra state slots, its context KV and the target KV's
+    # larger block rounding at K=15
     spec = m["dflash-int4"]["per_request_speculation_bytes"]
-    assert spec == 1_491_075_072 - 78_446_592 + m["dflash-int4"]["components"]["draft_kv"]
+    extra_kv = 64 * KiB * (tokens(15) - tokens(0))
+    assert spec == 17 * 48 * page(15) - 2 * 48 * page(0) + m["dflash-int4"]["components"]["draft_kv"] + extra_kv
 
 
 def test_dflash_columns_equal_plain_budget():
@@ -96,12 +103,13 @@ def test_dflash_columns_equal_plain_budget():
 def test_max_concurrency_and_crossover_are_the_largest_that_fit():
     rep = _compare()
     m = rep["methods"]
-    assert (m["mtp-k1"]["max_concurrency"], m["dflash-int4"]["max_concurrency"]) == (5, 1)
+    # 4 since prefix caching (vLLM's default for hybrids) keeps a third state page per request at K=1
+    assert (m["mtp-k1"]["max_concurrency"], m["dflash-int4"]["max_concurrency"]) == (4, 1)
     assert not m["dflash-bf16"]["fits"] and m["dflash-int4"]["fits"]
     x = rep["crossover"]["mtp-k1 vs dflash-int4"]
-    assert x["only_first_fits"] == [2, 5] and x["order_changes_at"] is None and x["cheaper_at_1"] == "mtp-k1"
-    at = _compare(concurrency=5)["methods"]["mtp-k1"]
-    above = _compare(concurrency=6)["methods"]["mtp-k1"]
+    assert x["only_first_fits"] == [2, 4] and x["order_changes_at"] is None and x["cheaper_at_1"] == "mtp-k1"
+    at = _compare(concurrency=4)["methods"]["mtp-k1"]
+    above = _compare(concurrency=5)["methods"]["mtp-k1"]
     assert at["fits"] and not above["fits"]
 
 
@@ -260,10 +268,11 @@ def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
 
     with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
     cmp = with_head.compare_mtp
-    assert cmp["methods"]["mtp-k1"]["components"]["draft_kv"] == 4 * KiB * 8192
+    # the head's KV in whole hybrid blocks: K=1, fp32 state -> 800-token blocks, 8192 -> 8800 tokens
+    assert cmp["methods"]["mtp-k1"]["components"]["draft_kv"] == 4 * KiB * 8800
     ctx = {"memory": MemoryReport.from_dict({"budget_24gb": with_head.to_dict()})}
     text = _section_mtp_comparison(ctx)
-    assert "MTP or DFlash" in text and "| state slots (1 + K) | 1 | 2 | 3 | 4 | 16 | 16 |" in text
+    assert "MTP or DFlash" in text and "| state slots (1 or 2 + K) | 2 | 3 | 4 | 5 | 17 | 17 |" in text
     assert "810.05 MiB" in text and "kv group padding" in text
     without = embedded_budget("qwen3-8b", "qwen3-8b-dflash-b16")
     assert without.compare_mtp is None and "compare_mtp" not in without.to_dict()

@@ -1,5 +1,5 @@
 """Mixed precision end to end (#12): the tau map, per-Linear GPTQ, the `dynamic` export read back by verify,
-compressed-tensors config groups, the --fit budget, and `gptq --max-bytes/--max-tau-loss` on a tiny pair."""
+compressed-tensors config groups, and `gptq --max-bytes/--max-tau-loss` on a tiny pair."""
 
 import json
 import random
@@ -150,47 +150,6 @@ def test_layer_setting_reads_dynamic_first_match():
     assert layer_setting(qcfg, "a.q") == (2, 128)
     assert layer_setting(qcfg, "a.k") == (4, 32)
     assert layer_setting(qcfg, "b.k") == (4, 128)
-
-
-def test_fit_budget_on_the_27b_preset():
-    """The budget model (vLLM, batch 1, K=15) with an int4 Qwen3.5-27B: on a 24 GiB card at 32768 tokens the
-    target, its caches (recurrent state in 16 slots) and the runtime already exceed the usable bytes, so no
-    drafter fits; on a 28 GiB card there is room for part of a bf16 drafter, and the search's pick over the
-    preset drafter's real Linear shapes fits by the same budget."""
-    from dataclasses import replace
-
-    from dflash_quant.memory.budget import compute_budget
-    from dflash_quant.memory.plan import budget_objects
-    from dflash_quant.quantize.mixed import max_quality, packed_bytes
-
-    tight = mp.fit_drafter_bytes("qwen3.5-27b", "qwen3.5-27b-dflash", "rtx4090", 32768, "int4")
-    assert tight["drafter_room"] < 0
-    room = mp.fit_drafter_bytes("qwen3.5-27b", "qwen3.5-27b-dflash", "28GiB", 32768, "int4")["drafter_room"]
-    t, d, s = budget_objects(
-        "qwen3.5-27b", "qwen3.5-27b-dflash", "28GiB", 32768, 1, None, "int4", None, None, None, "vllm", None,
-        None, None, 2048, 256, None, 0, 128,
-    )  # fmt: skip
-    assert 0 < room < d.bf16_bytes
-    h, m, layers = d.shape.hidden_size, d.shape.intermediate_size, d.shape.num_layers
-    q, kv = d.shape.num_attention_heads * d.shape.head_dim, d.shape.num_kv_heads * d.shape.head_dim
-    shapes = {"fc": (h, h * d.shape.num_taps)}
-    for i in range(layers):
-        for leaf, shp in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q)),
-                          ("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):  # fmt: skip
-            shapes[f"layers.{i}.{leaf}"] = shp
-    cands = mp.candidates_for(list(shapes.values()))
-    # loss proxy: a size-weighted 4^-bits (no weights here, so no measured error; the budget is what is tested)
-    table = {n: {c: (packed_bytes(o, i, c), o * i * 4.0**-c.bits) for c in cands} for n, (o, i) in shapes.items()}
-    linear_bf16 = sum(2 * o * i for o, i in shapes.values())
-    rest = d.bf16_bytes - linear_bf16
-    choice = max_quality(table, room - rest)
-    drafter_bytes = choice.total_bytes + rest
-    assert drafter_bytes <= room
-    budget = compute_budget(t, replace(d.as_model("bf16"), weight_bytes=drafter_bytes), s)
-    assert budget.fits
-    # and the search used the room: not every Linear at its smallest setting
-    assert choice.total_bytes > sum(min(b for b, _ in c.values()) for c in table.values())
-    assert choice.total_bytes < sum(max(b for b, _ in c.values()) for c in table.values())
 
 
 @pytest.fixture(scope="module")

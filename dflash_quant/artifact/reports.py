@@ -131,6 +131,35 @@ class Quantization(Record):
 
 
 @dataclass
+class FitServing(Record):
+    """`gptq --fit`: the serving settings the drafter was sized for (dflash_quant/memory/fit.py)."""
+
+    gpu: str | None = doc("card name")
+    context: int | None = doc("tokens per request")
+    target_weights: str | None = doc("the target's weight form in the budget")
+    settings: dict[str, Any] | None = doc(
+        "spec_tokens, kv_dtype, drafter_kv_dtype, state_dtype, prefix_caching, gpu_memory_utilization, "
+        "cuda_graph_bytes the budget was computed with (`dflash-quant budget` with the same flags agrees)"
+    )
+    changed: list[str] | None = doc("what the search changed from the given settings; empty: they fit as given")
+    drafter_room: int | None = doc("bytes the drafter's weights may take at these settings")
+    usable_bytes: int | None = doc("GPU bytes x gpu_memory_utilization")
+    required_without_drafter: int | None = doc("what the budget requires with a weightless drafter")
+    given_room: int | None = doc("room at the settings as given (negative: they leave none)")
+    engine_flags: list[str] | None = doc("`vllm serve` flags to serve with these settings")
+    tried: int | None = doc("candidate settings evaluated")
+    notes: list[str] | None = doc("caveats")
+    tau_bf16_at_k: float | None = doc("tau of the bf16 drafter capped at this K, from dev-prompt acceptance lengths")
+    tau_bf16_at_k_measured: float | None = doc(
+        "tau of the bf16 drafter decoding the dev prompts with K drafted tokens (a K + 1 block), measured"
+    )
+    tau_bf16_full: float | None = doc("tau of the bf16 drafter at its full block on the same prompts")
+    predicted_tau: float | None = doc("tau_bf16_at_k x the mix's predicted tau ratio")
+    options: list[dict] | None = doc("per K: the settings considered, room and predicted tau")
+    extra: E = doc("", factory=dict)
+
+
+@dataclass
 class Mixed(Record):
     goal: str | None = doc("`max_tau_loss`, `max_bytes` or `fit` (the gptq flag that asked for the mix)")
     goal_value: str | None = doc("the flag's value (tau loss, bytes, or GPU and context for `fit`)")
@@ -160,6 +189,7 @@ class Mixed(Record):
     nearest_uniform: str | None = doc("the smallest uniform setting at least as large as the mix (`bits/group_size`)")
     vllm_fused_conflicts: list[str] | None = doc("vLLM fused modules (qkv_proj, gate_up_proj) whose parts differ")
     seconds: dict[str, float] | None = doc("table, tau calibration and search time")
+    serving: FitServing | None = doc("`fit` only: the serving settings and engine flags the drafter was sized for")
     extra: E = doc("", factory=dict)
 
 
@@ -433,6 +463,7 @@ class BudgetSettingsRecord(Record):
     max_num_seqs: int | None = doc("vLLM max_num_seqs")
     activation_override_bytes: int | None = doc("activation override, if given")
     new_tokens: int | None = doc("reference engine: generated tokens")
+    prefix_caching: bool | None = doc("vllm, hybrid targets: prefix caching on (2 + K state pages, else 1 + K)")
     extra: E = doc("", factory=dict)
 
 
@@ -490,6 +521,9 @@ class BudgetForm(Record):
     allocator_peak_bytes: int | None = doc("weights + caches + activation")
     required_bytes: int | None = doc("allocator peak + overhead + CUDA graphs")
     headroom_bytes: int | None = doc("usable - required (negative: does not fit)")
+    drafter_room_bytes: int | None = doc(
+        "usable - everything but the drafter's weights: the most its weights may take (what `gptq --fit` sizes to)"
+    )
     fits: bool | None = doc("headroom >= 0")
     max_context: int | None = doc("largest context that fits (null: none)")
     max_context_limited_by: str | None = doc("memory or max_position_embeddings")

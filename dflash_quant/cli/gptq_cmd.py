@@ -250,6 +250,28 @@ def gptq(
         None,
         help="With --fit: the target's weight form in the budget (bf16|fp8|int8|int4 or a size); default from files.",
     ),
+    spec_tokens: int | None = typer.Option(
+        None, help="With --fit: K drafted tokens per step to budget for; default: searched from block_size - 1 down."
+    ),
+    kv_dtype: str | None = typer.Option(
+        None, help="With --fit: KV cache dtype auto|bf16|fp16|fp8 (vLLM --kv-cache-dtype); default: searched."
+    ),
+    drafter_kv_dtype: str | None = typer.Option(None, help="With --fit: the drafter's KV dtype (default: --kv-dtype)."),
+    state_dtype: str | None = typer.Option(
+        None,
+        help="With --fit: recurrent state dtype auto|bf16|fp32 (vLLM --mamba-ssm-cache-dtype); default: searched.",
+    ),
+    prefix_caching: bool | None = typer.Option(
+        None,
+        "--prefix-caching/--no-prefix-caching",
+        help="With --fit: vLLM prefix caching (2 + K state pages per request, else 1 + K); default: searched.",
+    ),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, help="With --fit: vLLM --gpu-memory-utilization (default 0.90; never raised by the search)."
+    ),
+    cuda_graphs: str | None = typer.Option(
+        None, help="With --fit: CUDA-graph reserve (default 0.5GiB; 0 = --enforce-eager; never dropped by the search)."
+    ),
     mix_dev_prompts: int = typer.Option(32, help="Mixed precision: calibration prompts measured for the tau map."),
     mix_dev_new_tokens: int = typer.Option(64, help="Mixed precision: tokens per prompt for the tau map."),
 ) -> None:
@@ -266,7 +288,15 @@ def gptq(
     placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
     check_hessian_device(hessian_device)
     goal = None
-    if max_tau_loss is not None or max_bytes is not None or fit is not None or context is not None or target_weights:
+    from dflash_quant.memory.fit import ServingKnobs
+
+    serving = ServingKnobs(
+        spec_tokens, kv_dtype, drafter_kv_dtype, state_dtype, prefix_caching, gpu_memory_utilization, cuda_graphs
+    )
+    if (
+        max_tau_loss is not None or max_bytes is not None or fit is not None or context is not None or target_weights
+        or serving.given()
+    ):  # fmt: skip
         from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
         from dflash_quant.quantize.mixed_plan import MixedGoal
 
@@ -278,6 +308,7 @@ def gptq(
             target_weights=target_weights,
             dev_prompts=mix_dev_prompts,
             dev_max_new_tokens=mix_dev_new_tokens,
+            serving=serving,
         )
         goal.check()
         if fit is not None:
@@ -375,6 +406,13 @@ def gptq(
         out_console.print(f"artifact: {result.output}")
     for note in (result.parity or {}).get("notes", []):
         err_console.print(f"[yellow]note:[/] {note}")
+    if goal is not None and goal.kind == "fit":  # the serving settings the drafter was sized for, on stderr
+        from dflash_quant.artifact.reports import Provenance
+        from dflash_quant.quantize.mixed_stage import fit_line
+
+        prov = Provenance.read(result.output, optional=True)
+        if prov is not None and prov.mixed is not None and prov.mixed.serving is not None:
+            err_console.print("fit: " + fit_line(prov.mixed.serving), markup=False, highlight=False, soft_wrap=True)
     if result.passed is False:
         err_console.print(f"[red]parity gate failed:[/] {'; '.join(result.reasons)} (artifact kept for inspection)")
         raise typer.Exit(1)

@@ -49,6 +49,7 @@ def _print_budget(rep) -> None:
     table.add_row("required", *[fmt_bytes(x.required_bytes) for x in b])
     table.add_row(f"usable (x{b[0].utilization:.2f})", *[fmt_bytes(x.usable_bytes) for x in b])
     table.add_row("headroom", *[fmt_bytes(x.headroom_bytes) for x in b])
+    table.add_row("room for drafter weights", *[fmt_bytes(x.drafter_room_bytes) for x in b])
     table.add_row("fits", *["yes" if x.fits else "NO" for x in b])
     table.add_row(
         f"max context (C={s.concurrency})", *[str(x.max_context) if x.max_context is not None else "none" for x in b]
@@ -117,7 +118,7 @@ def _print_mtp_comparison(rep: dict) -> None:
     table.add_column("term")
     for n in names:
         table.add_column(methods[n]["label"], justify="right")
-    table.add_row("state slots (1 + K)", *[str(methods[n]["state_slots"]) for n in names])
+    table.add_row("state slots (1 or 2 + K)", *[str(methods[n]["state_slots"]) for n in names])
     for term in methods[names[0]]["components"]:
         table.add_row(term.replace("_", " "), *[fmt_bytes(methods[n]["components"][term]) for n in names])
     table.add_section()
@@ -328,6 +329,12 @@ def register(app: typer.Typer) -> None:
         ),
         new_tokens: int = typer.Option(0, "--new-tokens", help="reference engine: generated tokens within --context."),
         group_size: int = typer.Option(128, "--group-size", help="GPTQ group size for int4 estimates."),
+        prefix_caching: bool = typer.Option(
+            True,
+            "--prefix-caching/--no-prefix-caching",
+            help="vllm, hybrid targets: prefix caching (vLLM's default) keeps 2 + K state pages per request, "
+            "--no-prefix-caching (vllm serve --no-enable-prefix-caching) 1 + K.",
+        ),
         compare_mtp: bool = typer.Option(
             False,
             "--compare-mtp",
@@ -366,7 +373,7 @@ def register(app: typer.Typer) -> None:
         t, d, settings = _budget_objects(
             target, drafter, gpu, context, concurrency, spec_tokens, target_weights, kv_dtype, drafter_kv_dtype,
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,
-            activation, new_tokens, group_size,
+            activation, new_tokens, group_size, prefix_caching=prefix_caching,
         )  # fmt: skip
         if compare_mtp or mtp_tokens is not None or mtp_weights is not None:
             if not compare_mtp:

@@ -16,8 +16,9 @@ The model (all numbers in bytes)::
 Two engines are modelled:
 
 ``vllm`` (default; a serving engine with a paged cache and chunked prefill)
-    - caches: context rounded up to the block size (16); full-attention KV for every token, sliding-window
-      layers capped at their window, Gated DeltaNet / Mamba state with (1 + K) slots (see kv.py);
+    - caches: context rounded up to the block size (16; hybrid targets: vLLM's larger block); full-attention
+      KV for every token, sliding-window layers capped at their window, Gated DeltaNet / Mamba state with
+      (1 + K) slots, (2 + K) with prefix caching (see kv.py, hybrid.py);
       the drafter's own context KV in the same cache dtype;
     - drafter weights: the packed bytes (an int4 kernel keeps them packed);
     - activation: the peak of one forward over a prefill chunk of ``prefill_chunk`` tokens (vLLM's
@@ -28,7 +29,14 @@ Two engines are modelled:
     - runtime overhead (default 0.75 GiB): CUDA context, cuBLAS/NCCL workspaces and other non-torch memory
       that the utilisation fraction must also cover; CUDA-graph reserve (default 0.5 GiB, 0 with
       ``enforce_eager``). Both are typical values from engine logs on 24 GB cards, not measured here:
-      override them with what your engine logs;
+      override them with what your engine logs. Both sit inside ``total x gpu_memory_utilization``: vLLM
+      logs "model weights take X; non_torch_memory takes Y; PyTorch activation peak memory takes Z; the rest
+      ... for KV Cache" summing to total x utilisation, and it subtracts its CUDA-graph estimate from the KV
+      budget by default since v0.21.0 ("CUDA graph memory profiling is enabled (default since v0.21.0)",
+      added by vLLM PR #30515; logged estimates 0.17-0.52 GiB on single GPUs, more with spec decoding;
+      issue #50780: over-charged on hybrid GDN models since v0.26.0);
+    - hybrid (Gated DeltaNet / Mamba) targets: vLLM's single page pool, its block size, 2 + K state pages
+      with prefix caching (vLLM's default for hybrids) and group padding: memory/hybrid.py;
     - gpu_memory_utilization: vLLM's default 0.90.
     This engine's activation/overhead terms are *not* validated by this project (no vLLM on the test GPU).
 
@@ -136,6 +144,9 @@ class BudgetSettings:
     activation_bytes: int | None = None  # override the estimate
     new_tokens: int = 0  # reference engine: tokens generated after a prompt of (context - new_tokens)
     cublas_workspace_bytes: int = DEFAULT_CUBLAS_WORKSPACE  # reference engine on CUDA; 0 on CPU
+    # vllm, hybrid targets: prefix caching (on by default since vLLM PR #50991, `align` mode) keeps one more
+    # state page per request than `--no-enable-prefix-caching` (see memory/hybrid.py)
+    prefix_caching: bool = True
 
     @property
     def utilization(self) -> float:
@@ -277,12 +288,45 @@ def _round_up(n: int, block: int) -> int:
 
 def cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
     """Per-request caches at `context` tokens (target KV, target recurrent state, drafter context KV)."""
+    if s.engine == "vllm" and target.shape.recurrent is not None:
+        return _hybrid_cache_bytes(target, drafter, s, context)
     tokens = _round_up(context, s.block_size) if s.engine == "vllm" else context
     t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
     d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
     slots_k = s.spec_tokens if s.engine == "vllm" else 0
     state = recurrent_state_bytes(target.shape, slots_k, ssm_dtype=s.state_dtype)
     return {"target_kv": t_kv, "target_state": state, "drafter_kv": d_kv}
+
+
+def _hybrid_cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
+    """vLLM's one page pool for a hybrid target: large blocks, padded state pages, 1 or 2 + K state slots
+    (memory/hybrid.py has the rules and their sources; group padding is `kv_group_padding`)."""
+    lay = layout(target, s)
+    r = target.shape.recurrent
+    assert r is not None
+    tokens = _round_up(context, lay.block_tokens)
+    t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
+    d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
+    return {"target_kv": t_kv, "target_state": r.num_layers * lay.state_bytes_per_layer, "drafter_kv": d_kv}
+
+
+def layout(target: ModelSpec, s: BudgetSettings):
+    from dflash_quant.memory.hybrid import hybrid_layout
+
+    return hybrid_layout(
+        target.shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=s.spec_tokens,
+        prefix_caching=s.prefix_caching,
+    )  # fmt: skip
+
+
+def group_padding_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> int:
+    """Per-request bytes of vLLM's padding layers (memory/mtp.py: buckets by KV spec, groups of one size)."""
+    from dflash_quant.memory.mtp import drafter_layer_keys, kv_buckets, padding_bytes
+
+    if target.shape.recurrent is None:
+        return 0  # one attention spec per model: vLLM pads only the hybrid pool's buckets here
+    buckets = kv_buckets(target.shape, drafter_layer_keys(drafter.shape) if drafter.shape.num_layers else [])
+    return padding_bytes(target.shape, buckets, s, context, s.spec_tokens)
 
 
 # --------------------------------------------------------------------------------------- activations
@@ -386,6 +430,7 @@ class Budget:
     required_bytes: int
     headroom_bytes: int
     fits: bool
+    drafter_room_bytes: int  # usable - required + the drafter's weights: what `gptq --fit` sizes the drafter to
     max_context: int | None
     max_context_limited_by: str
     max_concurrency: int
@@ -432,6 +477,7 @@ def required_bytes(
             "target_kv": concurrency * caches["target_kv"],
             "target_state": concurrency * caches["target_state"],
             "drafter_kv": concurrency * caches["drafter_kv"],
+            "kv_group_padding": concurrency * group_padding_bytes(target, drafter, s, context),
             "activation": activation_bytes(target, drafter, replace(s, concurrency=concurrency)),
         }
     comps["runtime_overhead"] = s.runtime_overhead_bytes
@@ -489,7 +535,9 @@ def compute_budget(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, dra
         limited = "max_position_embeddings" if model_max else "search limit"
     notes = []
     if s.engine == "vllm" and target.shape.recurrent is not None:
-        notes.append(f"linear-attention state kept in {1 + s.spec_tokens} slots per request (1 + K)")
+        slots = layout(target, s).state_slots
+        why = "2 + K: prefix caching on, vLLM's default" if s.prefix_caching else "1 + K: --no-enable-prefix-caching"
+        notes.append(f"linear-attention state kept in {slots} slots per request ({why})")
     if s.engine == "reference":
         phase = peak_phase(reference_phases(target, drafter, s, s.context))
         notes.append(f"reference loop: peak in the {phase.replace('_', ' ')} phase")
@@ -510,6 +558,7 @@ def compute_budget(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, dra
         required_bytes=req,
         headroom_bytes=usable - req,
         fits=req <= usable,
+        drafter_room_bytes=usable - req + comps["drafter_weights"],
         max_context=mc,
         max_context_limited_by=limited if mc is not None else "weights and fixed costs exceed the GPU",
         max_concurrency=_max_concurrency(target, drafter, s, usable),
@@ -538,8 +587,12 @@ def kv_summary(target: ModelSpec, drafter: ModelSpec | DrafterSpec, s: BudgetSet
         "target_full_attention_bytes_per_token": tk.full_bytes,
         "target_sliding_bytes_per_token": tk.sliding_bytes,
         "target_sliding_window": tk.window,
-        "target_state_bytes_per_request": recurrent_state_bytes(target.shape, k, ssm_dtype=s.state_dtype),
-        "target_state_slots": (1 + k) if r else 0,
+        "target_state_bytes_per_request": (
+            cache_bytes(
+                target, ModelSpec("none", replace(drafter.shape, layer_types=(), num_layers=0), 0, "bf16", "-"), s, 0
+            )["target_state"]
+        ),  # fmt: skip
+        "target_state_slots": ((2 if s.prefix_caching and s.engine == "vllm" else 1) + k) if r else 0,
         "target_state_dtype": (s.state_dtype or (r.ssm_dtype if r else None) or target.shape.dtype) if r else None,
         "drafter_kv_bytes_per_token": dk.uncapped_bytes,
         "drafter_sliding_window": dk.window,

@@ -10,7 +10,7 @@ Everything here is the vLLM engine (the reference loop of this project has no MT
 
     required(C, ctx) = target_weights + draft_weights + activation(C) + overhead + cuda_graphs
                        + C * per_request(ctx)
-    per_request(ctx) = target_kv(ctx) + target_state(1 + K slots) + draft_kv(ctx) + kv_group_padding(ctx)
+    per_request(ctx) = target_kv(ctx) + target_state(1 or 2 + K slots) + draft_kv(ctx) + kv_group_padding(ctx)
 
 `kv_group_padding` is what vLLM's hybrid KV-cache grouping allocates for padding layers: it splits layers
 into buckets of one KV spec, cuts every bucket into groups of one size (the smallest bucket, or the largest
@@ -37,6 +37,7 @@ from dflash_quant.memory.budget import (
     cache_bytes,
     validate_settings,
 )
+from dflash_quant.memory.hybrid import hybrid_layout
 from dflash_quant.memory.kv import (
     FULL,
     LINEAR,
@@ -182,12 +183,20 @@ def padding_bytes(target: ModelShape, buckets: dict[tuple, int], s: BudgetSettin
     b_kv = dtype_bytes(s.kv_dtype or target.dtype, what="KV dtype")
     total = 0
     r = target.recurrent
+    lay = None
+    if r is not None and s.engine == "vllm":  # the hybrid pool's pages and blocks (memory/hybrid.py)
+        lay = hybrid_layout(target, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=k,
+                            prefix_caching=s.prefix_caching)  # fmt: skip
+        tokens = _round_up(tokens, lay.block_tokens)
     for key, n in pads.items():
         if not n:
             continue
         if key == ("state",):
             assert r is not None  # a state bucket exists only for a target with recurrent layers
-            per_layer = recurrent_state_bytes(target, k, ssm_dtype=s.state_dtype) // r.num_layers
+            if lay is not None:
+                per_layer = lay.state_bytes_per_layer
+            else:
+                per_layer = recurrent_state_bytes(target, k, ssm_dtype=s.state_dtype) // r.num_layers
         else:
             _, heads, hd, window = key
             held = min(tokens, window) if window else tokens
@@ -233,7 +242,7 @@ def no_spec_method(t: ModelSpec, s: BudgetSettings) -> Method:
         rows = max(s.max_num_seqs, conc)
         return _layer_peak(shape, s.prefill_chunk) + rows * shape.vocab_size * 4 * LOGITS_COPIES
 
-    return Method("none", "none", 0, 0, "-", act, per_request, 1 if shape.recurrent else 0,
+    return Method("none", "none", 0, 0, "-", act, per_request, _slots(shape, s, 0),
                   padding_layers(buckets))  # fmt: skip
 
 
@@ -249,6 +258,10 @@ def mtp_method(t: ModelSpec, head: MTPHead, weights: MTPWeights, s: BudgetSettin
 
     def per_request(tokens: int) -> dict[str, int]:
         c = cache_bytes(t, _no_drafter(shape), replace(s, spec_tokens=k), tokens)
+        if shape.recurrent is not None:  # the head's pages live in the hybrid pool: whole blocks of vLLM's size
+            lay = hybrid_layout(shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=k,
+                                prefix_caching=s.prefix_caching)  # fmt: skip
+            tokens = _round_up(tokens, lay.block_tokens)
         return {"target_kv": c["target_kv"], "target_state": c["target_state"], "draft_kv": kv_tok * tokens,
                 "kv_group_padding": padding_bytes(shape, buckets, s, tokens, k)}  # fmt: skip
 
@@ -256,7 +269,14 @@ def mtp_method(t: ModelSpec, head: MTPHead, weights: MTPWeights, s: BudgetSettin
         return mtp_activation_bytes(shape, s, k, conc)
 
     return Method(f"mtp-k{k}", f"mtp-k{k}", k, weights.bytes, weights.source, act, per_request,
-                  (1 + k) if shape.recurrent else 0, padding_layers(buckets))  # fmt: skip
+                  _slots(shape, s, k), padding_layers(buckets))  # fmt: skip
+
+
+def _slots(shape: ModelShape, s: BudgetSettings, k: int) -> int:
+    """State pages per request and linear layer: 1 + K, one more with prefix caching (memory/hybrid.py)."""
+    if shape.recurrent is None:
+        return 0
+    return (2 if s.prefix_caching else 1) + k
 
 
 def mtp_activation_bytes(shape: ModelShape, s: BudgetSettings, k: int, concurrency: int) -> int:
@@ -297,7 +317,7 @@ def dflash_method(t: ModelSpec, d: DrafterSpec, form: str, s: BudgetSettings) ->
     name = "dflash-bf16" if form == "bf16" else f"dflash-{d.quantized_format}"
     label = name + (" (artifact)" if form != "bf16" and d.is_quantized_artifact else "")
     src = d.source if form != "bf16" or not d.is_quantized_artifact else "dequantized size of the artifact"
-    return Method(name, label, k, dm.weight_bytes, src, act, per_request, (1 + k) if shape.recurrent else 0,
+    return Method(name, label, k, dm.weight_bytes, src, act, per_request, _slots(shape, s, k),
                   padding_layers(buckets))  # fmt: skip
 
 

@@ -30,6 +30,8 @@ def budget_objects(
     activation: str | None,
     new_tokens: int,
     group_size: int,
+    *,
+    prefix_caching: bool = True,
 ):
     from dflash_quant.memory.budget import (
         DEFAULT_RUNTIME_OVERHEAD,
@@ -75,6 +77,7 @@ def budget_objects(
         max_num_seqs=max_num_seqs,
         activation_bytes=None if activation is None else parse_bytes(activation, what="--activation"),
         new_tokens=new_tokens,
+        prefix_caching=prefix_caching,
     )
     return t, d, settings
 
@@ -102,6 +105,7 @@ def budget_report(t, d, settings, *, target_label: str | None = None, drafter_la
                 "max_num_seqs": settings.max_num_seqs,
                 "activation_override_bytes": settings.activation_bytes,
                 "new_tokens": settings.new_tokens,
+                "prefix_caching": settings.prefix_caching,
             },
             "target": {
                 "source": target_label or t.label,

@@ -678,7 +678,7 @@ def _section_mtp_comparison(ctx: dict) -> str:
            ""]  # fmt: skip
     first = methods[names[0]]
     terms = list(first.get("components", {}))
-    rows = [["state slots (1 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
+    rows = [["state slots (1 or 2 + K)", *[_fmt_any(methods[n].get("state_slots")) for n in names]]]
     rows += [[t.replace("_", " "), *[fmt_bytes(methods[n]["components"].get(t)) for n in names]] for t in terms]
     rows += [["headroom", *[fmt_bytes(methods[n].get("headroom_bytes")) for n in names]],
              ["fits", *[{True: "yes", False: "no"}.get(methods[n].get("fits"), "?") for n in names]],
@@ -689,7 +689,7 @@ def _section_mtp_comparison(ctx: dict) -> str:
     out += [
         "",
         "The per-request speculation cost is what each concurrent request adds over no speculation: "
-        "mostly the 1 + K copies of the linear-attention state. Estimates from dflash-quant's memory model.",
+        "mostly the 1 + K copies of the linear-attention state (2 + K with prefix caching). Estimates from dflash-quant's memory model.",
     ]
     return "\n".join(out)
 
@@ -1099,6 +1099,7 @@ def _section_mixed(ctx: dict) -> str:
     picks = mix.get("picks") or {}
     lines += ["", "Chosen setting per Linear (`bits/group_size`):", "",
               _table(["Linear", "setting"], [[f"`{n}`", s] for n, s in picks.items()])]  # fmt: skip
+    lines += _fit_lines(mix.get("serving"))
     conflicts = mix.get("vllm_fused_conflicts") or []
     near = mix.get("nearest_uniform")
     lines += [
@@ -1118,6 +1119,40 @@ def _section_mixed(ctx: dict) -> str:
             "setting above."
         )
     return "\n".join(lines)
+
+
+def _fit_lines(fit: dict | None) -> list[str]:
+    """`--fit`: the serving settings the drafter was sized for, what the search changed, the flags to serve with."""
+    if not fit:
+        return []
+    st = fit.get("settings") or {}
+    changed = ", ".join(f"`{c}`" for c in fit.get("changed") or []) or "nothing (the given settings fit)"
+    rows = [
+        [f"K={o.get('spec_tokens')}", ", ".join(o.get("changed") or []) or "-", fmt_bytes(o.get("drafter_room")),
+         fmt_float(o.get("tau_bf16_at_k"), 3), fmt_float(o.get("predicted_tau"), 3)]
+        for o in fit.get("options") or []
+    ]  # fmt: skip
+    out = [
+        "",
+        f"**Sized for serving** on {fit.get('gpu')} at {fit.get('context')} tokens (target weights "
+        f"{fit.get('target_weights') or 'from files'}; dflash-quant's vLLM budget, batch 1). The settings as given "
+        f"left {fmt_bytes(fit.get('given_room'))} for the drafter; the search changed {changed} and leaves "
+        f"{fmt_bytes(fit.get('drafter_room'))}: K={st.get('spec_tokens')}, KV `{st.get('kv_dtype')}`, recurrent "
+        f"state `{st.get('state_dtype')}`, prefix caching {'on' if st.get('prefix_caching') else 'off'}. The bf16 "
+        f"drafter keeps tau {fmt_float(fit.get('tau_bf16_at_k'), 3)} of {fmt_float(fit.get('tau_bf16_full'), 3)} "
+        f"at this K on the development prompts (estimated from the full block's acceptance; measured drafting K "
+        f"tokens: {fmt_float(fit.get('tau_bf16_at_k_measured'), 3)}); predicted tau with this mix "
+        f"{fmt_float(fit.get('predicted_tau'), 3)}. "
+        "Serve with exactly these flags (TARGET: the target model, DRAFTER: this drafter), or the budget does not hold:",
+        "",
+        "```bash",
+        "vllm serve TARGET " + " \\\n  ".join(fit.get("engine_flags") or []),
+        "```",
+    ]
+    if rows:
+        out += ["", _table(["K", "changed", "drafter room", "bf16 tau at K", "predicted tau"], rows)]
+    out += [f"- {n}" for n in fit.get("notes") or []]
+    return out
 
 
 def _write_mix_chart(artifact_dir: Path, parity) -> bool:

@@ -1,4 +1,5 @@
-"""Mixed precision chosen from measurement: the goal flags, the loss -> tau map and the budget for `--fit`.
+"""Mixed precision chosen from measurement: the goal flags, the loss -> tau map (`--fit`'s budget and serving
+settings: memory/fit.py).
 
 The search (mixed.py) minimises the summed relative output error of the Linears. That sum is tied to
 acceptance by measuring tau on development prompts (the first calibration prompts, never the held-out ones)
@@ -17,12 +18,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from dflash_quant.errors import UsageError
+from dflash_quant.memory.fit import ServingKnobs
 from dflash_quant.quantize.mixed import Candidate, Choice, min_bytes
 
 BITS = (2, 3, 4, 8)
@@ -59,6 +61,7 @@ class MixedGoal:
     target_weights: str | None = None
     dev_prompts: int = 32  # first N calibration prompts measured for the tau map
     dev_max_new_tokens: int = 64
+    serving: ServingKnobs = field(default_factory=ServingKnobs)  # --fit: the serving settings given
 
     @property
     def kind(self) -> str:
@@ -72,7 +75,8 @@ class MixedGoal:
             return str(self.max_tau_loss)
         if self.kind == "max_bytes":
             return str(self.max_bytes)
-        return f"{self.fit_gpu} context {self.context} target weights {self.target_weights or 'from files'}"
+        given = "".join(f" {k} {v}" for k, v in self.serving.given().items())
+        return f"{self.fit_gpu} context {self.context} target weights {self.target_weights or 'from files'}{given}"
 
     def check(self) -> None:
         given = [
@@ -81,6 +85,10 @@ class MixedGoal:
         ]  # fmt: skip
         if self.fit_gpu is None and (self.context is not None or self.target_weights is not None):
             raise UsageError("--context and --target-weights only apply with --fit GPU; add --fit or drop them")
+        if self.fit_gpu is None and self.serving.given():
+            flags = ", ".join("--" + k.replace("_", "-") for k in self.serving.given())
+            raise UsageError(f"{flags} only apply with --fit GPU (the serving settings of the budget); add --fit")
+        self.serving.check()
         if len(given) > 1:
             raise UsageError(f"{' and '.join(given)} are exclusive; pick one goal for the mixed-precision search")
         if not given:
@@ -186,14 +194,18 @@ def measure_points(
     check,
     table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
     progress: Callable[[str, int | None], Callable[[], None]],
+    lengths_out: list[int] | None = None,
 ) -> tuple[float, dict[str, list[int]], list[dict[str, Any]]]:
     """bf16 tau and its tokens/steps per prompt, and per uniform setting (summed loss, tau, tau ratio, tau
-    loss, tokens/steps per prompt) on the dev prompts."""
+    loss, tokens/steps per prompt) on the dev prompts; `lengths_out` receives the bf16 drafter's acceptance
+    lengths (for tau at fewer tokens, `--fit`)."""
     from dflash_quant.quantize.drafter import quantize_drafter
     from dflash_quant.verify import spec_runs
 
     def tau(m, label: str) -> tuple[float, dict[str, list[int]]]:
         runs = spec_runs(m, target_model, dev_ids, check, progress(f"mix: tau map, {label}", len(dev_ids)))
+        if label == "bf16" and lengths_out is not None:
+            lengths_out.extend(a for r in runs for a in r.acceptance_lengths)
         # tokens and steps per prompt: the bootstrap of the map resamples prompts
         per = {"tokens": [sum(r.acceptance_lengths) for r in runs], "steps": [len(r.acceptance_lengths) for r in runs]}
         return sum(per["tokens"]) / max(1, sum(per["steps"])), per
@@ -221,24 +233,6 @@ def measure_points(
 
 
 # ---------------------------------------------------------------------------------------------- --fit
-
-
-def fit_drafter_bytes(target: str, drafter: str, gpu: str, context: int, target_weights: str | None) -> dict[str, int]:
-    """Bytes left for the drafter's weights once the target, its caches at `context` and the runtime fit
-    (vLLM budget model, batch 1): usable GPU bytes minus what is required with a weightless drafter."""
-    from dflash_quant.memory.budget import DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFILL_CHUNK, required_bytes
-    from dflash_quant.memory.plan import budget_objects
-
-    t, d, s = budget_objects(
-        target, drafter, gpu, context, concurrency=1, spec_tokens=None, target_weights=target_weights,
-        kv_dtype=None, drafter_kv_dtype=None, state_dtype=None, engine="vllm", utilization=None,
-        runtime_overhead=None, cuda_graphs=None, prefill_chunk=DEFAULT_PREFILL_CHUNK,
-        max_num_seqs=DEFAULT_MAX_NUM_SEQS, activation=None, new_tokens=0, group_size=128,
-    )  # fmt: skip
-    usable = int(s.gpu_bytes * s.utilization)
-    weightless = replace(d.as_model("bf16"), weight_bytes=0)
-    need, _ = required_bytes(t, weightless, s, s.context, s.concurrency)
-    return {"usable_bytes": usable, "required_without_drafter": need, "drafter_room": usable - need}
 
 
 def nearest_uniform(

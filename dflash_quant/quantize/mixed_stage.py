@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from dflash_quant.artifact.reports import Mixed
+from dflash_quant.artifact.reports import FitServing, Mixed
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_dynamic import base_setting, vllm_fused_conflicts
 from dflash_quant.quantize import mixed_plan as mp
@@ -53,31 +53,19 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     rest = _other_bytes(drafter.model, chosen)
     byte_budget: int | None = None
     loss_budget: float | None = None
-    if goal.kind != "max_tau_loss":  # budget checked before the tau map is measured
-        if goal.kind == "max_bytes":
-            assert goal.max_bytes is not None
-            room = goal.max_bytes
-            what = f"--max-bytes {goal.max_bytes}"
-        else:
-            assert goal.fit_gpu is not None and goal.context is not None
-            fit = mp.fit_drafter_bytes(
-                str(target.source.path), str(drafter.source.path), goal.fit_gpu, goal.context, goal.target_weights
-            )
-            room = fit["drafter_room"]
-            what = f"--fit {goal.fit_gpu} --context {goal.context}"
-            if room <= rest:
-                raise UsageError(
-                    f"{what}: the target, its caches and the runtime leave {room} bytes for the drafter, less than "
-                    f"its unquantized parts ({rest} bytes); lower --context or quantize the target (--target-weights int4)"
-                )
-        byte_budget = room - rest
-        least = sum(min(b for b, _ in c.values()) for c in table.values())
+    least = sum(min(b for b, _ in c.values()) for c in table.values())
+    top = sum(max(b for b, _ in c.values()) for c in table.values())
+    fit_opts = None
+    if goal.kind == "max_bytes":  # budget checked before the tau map is measured
+        assert goal.max_bytes is not None
+        byte_budget = goal.max_bytes - rest
         if byte_budget < least:
             raise UsageError(
-                f"{what} leaves {byte_budget} bytes for the quantized Linears after the drafter's {rest} bf16 bytes; "
-                f"the smallest mix takes {least}: raise the budget"
+                f"--max-bytes {goal.max_bytes} leaves {byte_budget} bytes for the quantized Linears after the "
+                f"drafter's {rest} bf16 bytes; the smallest mix takes {least}: raise the budget"
             )
-
+    elif goal.kind == "fit":
+        fit_opts = _fit_options(goal, target, drafter, table, candidates, rest, least)
     # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
     from dflash_quant.runtime import stop_tokens
     from dflash_quant.verify import CheckSettings
@@ -91,12 +79,16 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     }
     t = time.perf_counter()
     curve = load_curve(job.calib_cache, key, ckey) if job.calib_cache is not None else None
+    if curve is not None and goal.kind == "fit" and "bf16_lengths" not in curve:
+        curve = None  # cached before --fit needed the acceptance lengths: measure again
     if curve is None:
         check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
+        lengths: list[int] = []
         tau_bf16, per_prompt, points = mp.measure_points(
-            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress
+            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress, lengths_out=lengths
         )
-        curve = {"tau_bf16": round(tau_bf16, 5), "per_prompt": per_prompt, "points": points}
+        hist = {str(a): lengths.count(a) for a in sorted(set(lengths))}
+        curve = {"tau_bf16": round(tau_bf16, 5), "per_prompt": per_prompt, "points": points, "bf16_lengths": hist}
         if job.calib_cache is not None:
             save_curve(job.calib_cache, key, ckey, curve)
     seconds["tau_map_s"] = round(time.perf_counter() - t, 3)
@@ -106,13 +98,34 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     bounds = mp.slope_bounds(curve)
     a_upper = None if bounds is None else bounds[1]
     floor: int | None = None
+    serving: FitServing | None = None
     if goal.kind == "max_tau_loss":
         assert goal.max_tau_loss is not None
         # the budget from the slope's upper bound; no Linear below the widths the lower bound says can keep it
         choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss)
     else:
+        if fit_opts is not None:
+
+            def measure_k(k: int) -> float:
+                """bf16 tau on the dev prompts drafting K tokens ([bonus, K masks], as vLLM does), cached."""
+                from dflash_quant.verify import spec_runs
+
+                got = curve.setdefault("bf16_tau_by_block", {})
+                if str(k + 1) not in got:
+                    check_k = CheckSettings(goal.dev_max_new_tokens, 0.0, k + 1, job.seed, stop_tokens(target))
+                    runs = spec_runs(drafter.model, target.model, dev_ids, check_k,
+                                     progress(f"fit: bf16 tau at K={k}", len(dev_ids)))  # fmt: skip
+                    lengths = [a for r in runs for a in r.acceptance_lengths]
+                    got[str(k + 1)] = round(sum(lengths) / len(lengths), 5)
+                    if job.calib_cache is not None:
+                        save_curve(job.calib_cache, key, ckey, curve)
+                return float(got[str(k + 1)])
+
+            serving, byte_budget = _fit_choice(
+                goal, fit_opts, table, points, curve["bf16_lengths"], rest, top, measure_k
+            )
+            progress(f"fit: {fit_line(serving)}", None)
         assert byte_budget is not None
-        top = sum(max(b for b, _ in c.values()) for c in table.values())
         choice = max_quality(table, min(byte_budget, top))
     seconds["search_s"] = round(time.perf_counter() - t, 3)
 
@@ -152,6 +165,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         nearest_uniform=mp.fmt_cand(mp.nearest_uniform(table, candidates, choice.total_bytes)),
         vllm_fused_conflicts=vllm_fused_conflicts(choice.picks),
         seconds=seconds,
+        serving=serving,
     )
     return MixPlan({n: (c.bits, c.group_size) for n, c in choice.picks.items()}, base, record)
 
@@ -163,4 +177,88 @@ def _other_bytes(model: nn.Module, chosen: list[str]) -> int:
         t.numel() * 2
         for k, t in model.state_dict().items()
         if k not in skip and not k.startswith("rotary_emb.") and isinstance(t, torch.Tensor)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- --fit
+
+
+@dataclass
+class _FitOpts:
+    options: list
+    given_room: int
+    want: int  # drafter bytes at uniform 4-bit (else the smallest mix)
+    least: int  # drafter bytes of the smallest mix
+
+
+def _fit_options(goal, target, drafter, table, candidates, rest: int, least: int) -> _FitOpts:
+    """The budget side of --fit, before the tau map: every candidate serving setting and its room; refuse at
+    once when none leaves room for the smallest mix (memory/fit.py)."""
+    from dflash_quant.memory import fit as mf
+
+    assert goal.fit_gpu is not None and goal.context is not None
+    block = drafter.config.block_size
+    if goal.serving.spec_tokens is not None and block and goal.serving.spec_tokens > block - 1:
+        raise UsageError(
+            f"--spec-tokens {goal.serving.spec_tokens} is more than this drafter drafts per step (block_size {block}: "
+            f"at most {block - 1}); give K <= {block - 1} or leave --spec-tokens to the search"
+        )
+    options, given_room = mf.fit_options(
+        str(target.source.path), str(drafter.source.path), goal.fit_gpu, goal.context, goal.target_weights,
+        goal.serving,
+    )  # fmt: skip
+    four = [c for c in mp.tau_points(candidates) if c.bits == 4]
+    want = rest + (mp.uniform_loss(table, four[0])[0] if four else least)
+    if max(o.room for o in options) < rest + least:
+        raise mf.refuse(goal.fit_gpu, goal.context, options, rest + least)
+    return _FitOpts(options, given_room, want, rest + least)
+
+
+def _fit_choice(
+    goal, fo: _FitOpts, table, points, hist: dict, rest: int, top: int, measure_k
+) -> tuple[FitServing, int]:
+    """Per K the least costly setting with room (memory/fit.per_k); the K whose predicted tau (tau_K of the bf16
+    drafter x the mix's predicted ratio in that room) is highest. tau_K is estimated from the full block's
+    acceptance lengths; vLLM drafts a shorter block for a smaller K and DFlash's block attention is non-causal,
+    so the chosen K is also measured (`measure_k`, one decode of the dev prompts) and recorded beside the
+    estimate. Returns the record and the Linears' budget."""
+    from dflash_quant.memory import fit as mf
+
+    assert goal.fit_gpu is not None and goal.context is not None
+    cache: dict[int, float] = {}
+
+    def ratio(budget: int) -> float:
+        if budget not in cache:
+            cache[budget] = 1 - mp.predict_tau_loss(points, max_quality(table, min(budget, top)).total_loss)
+        return cache[budget]
+
+    def predict(o) -> float:
+        return mf.tau_at_k(hist, o.settings.spec_tokens) * ratio(o.room - rest)
+
+    best, scored = mf.choose(fo.options, fo.want, fo.least, predict, goal.fit_gpu, goal.context)
+    full_k = max(int(a) for a in hist) - 1  # the block the tau map decoded: K = block - 1
+    full = mf.tau_at_k(hist, full_k + 1)
+    k = best.settings.spec_tokens
+    measured = measure_k(k) if k < full_k else round(full, 5)
+    rec = mf.choice_record(
+        goal.fit_gpu, goal.context, goal.target_weights, best, fo.given_room, len(fo.options),
+        tau_bf16_at_k=round(mf.tau_at_k(hist, k), 5), tau_bf16_full=round(full, 5), tau_bf16_at_k_measured=measured,
+        predicted_tau=round(predict(best), 5),
+        options=[
+            {"spec_tokens": o.settings.spec_tokens, "changed": o.changed, "drafter_room": o.room,
+             "tau_bf16_at_k": round(mf.tau_at_k(hist, o.settings.spec_tokens), 5),
+             "predicted_tau": round(p, 5)}
+            for o, p in scored
+        ],
+    )  # fmt: skip
+    return FitServing.from_dict(rec.as_dict()), best.room - rest
+
+
+def fit_line(f: FitServing) -> str:
+    changed = ", ".join(f.changed or []) or "none (the given settings fit)"
+    return (
+        f"K={(f.settings or {}).get('spec_tokens')}, changed: {changed}; drafter room {f.drafter_room} bytes; "
+        f"predicted tau {f.predicted_tau} (bf16 drafter at this K {f.tau_bf16_at_k} estimated, "
+        f"{f.tau_bf16_at_k_measured} measured, {f.tau_bf16_full} at the full block); "
+        f"serve with: vllm serve TARGET {' '.join(f.engine_flags or [])}"
     )
