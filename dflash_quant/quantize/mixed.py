@@ -44,9 +44,6 @@ class Candidate:
         """The stored setting alone (what the export and the engines see)."""
         return Candidate(self.bits, self.group_size)
 
-    def solve_kwargs(self) -> dict[str, bool]:
-        return {"desc_act": self.act, "static_groups": self.act, "clip": self.clip}
-
 
 def packed_bytes(out_features: int, in_features: int, cand: Candidate) -> int:
     """Bytes of one GPTQ v1 Linear: int32-packed qweight and qzeros, fp16 scales, int32 g_idx."""
@@ -71,7 +68,11 @@ def candidate_errors(
 ) -> dict[Candidate, float]:
     """GPTQ-quantize one Linear at each candidate and return its output error against the same Hessian."""
     return {
-        c: output_error(weight, gptq_quantize(weight, hessian, c.spec(sym), **c.solve_kwargs()).dequantize(), hessian)
+        c: output_error(
+            weight,
+            gptq_quantize(weight, hessian, c.spec(sym), desc_act=c.act, static_groups=c.act, clip=c.clip).dequantize(),
+            hessian,
+        )
         for c in candidates
     }
 
