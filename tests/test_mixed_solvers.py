@@ -117,3 +117,22 @@ def test_table_keeps_the_solvers_and_the_best_is_at_most_plain(tmp_path):
         assert (
             min(row[Candidate(b, 32, a, c)][1] for a in (False, True) for c in (False, True)) < row[Candidate(b, 32)][1]
         )
+
+
+def test_uniform_clip_search_setting_is_the_clip_solver(tmp_path):
+    """`gptq --clip-search` (QuantSettings.clip_search) on a whole drafter: every Linear solved with clip=True."""
+    drafter = load_drafter(save_drafter(tmp_path / "d", std=0.2), device="cpu", dtype=torch.float32)
+    names = drafter.model.linear_names()
+    widths = {input_group(n, "block"): drafter.model.get_submodule(n).weight.shape[1] for n in names}
+    hess = {}
+    for i, (grp, width) in enumerate(sorted(widths.items())):
+        hess[grp] = HessianAccumulator(width, name=grp)
+        hess[grp].add(torch.randn(256, width, generator=torch.Generator().manual_seed(10 + i)))
+    stats = CalibrationStats(hessians=hess, kv_hessian="block")
+    source = {n: drafter.model.get_submodule(n).weight.detach().clone() for n in names}
+    outcome = quantize_drafter(drafter.model, stats, QuantSettings(bits=2, group_size=32, clip_search=True))
+    for n in names:
+        want = gptq_quantize(source[n], hess[input_group(n, "block")].hessian(), QuantSpec(2, 32), clip=True)
+        assert torch.equal(outcome.weights[n].codes, want.codes) and torch.equal(outcome.weights[n].scales, want.scales)
+    # RTN has no Hessian to weigh the search: the flag is dropped, as act-order is
+    assert not QuantSettings(method="rtn", clip_search=True).normalized().clip_search
