@@ -5,8 +5,10 @@
 #   nice -n 10 bash benchmarks/mixed_reference.sh reference-dflash2 benchmarks/prompts/d2_heldout_extra.jsonl
 # Results: benchmarks/results/mixed_<pair>_{u4,u3,tau,bytes}.json (gptq --json), then paired_tau.py on them
 # (mixed_<pair>_paired.txt). Measured (128 x 64, CPU fp32), tau ratio held-out:
-#   reference: u4 0.9962, --max-tau-loss 0.01 0.9958 at 1,044,928 vs 1,049,088 B; u3 0.9573, --max-bytes 0.9698
-#   reference-dflash2: u4 0.9871, --max-tau-loss 0.01 0.9917 at 1,035,328 B; u3 0.9528, --max-bytes 0.9619
+#   reference: u4 0.9962, --max-tau-loss 0.01 0.9909 at 1,026,688 vs 1,049,088 B; u3 0.9573, --max-bytes 0.9790
+#   reference-dflash2: u4 0.9871, --max-tau-loss 0.01 0.9866 at 1,026,688 B; u3 0.9528, --max-bytes 0.9751
+# (candidates with the four GPTQ solvers; the plain-solver build's mixes are kept as *_plainsolver.json)
+# The map's check on the dev split: python benchmarks/mixed_dev_check.py PAIR WORK OUT.json
 # WORK (default /tmp/mixed_bench_<pair>) holds the calibration, table and tau map between runs.
 set -euo pipefail
 PAIR=${1:-reference}

@@ -400,7 +400,12 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         )
     else:
         outcome = quantize_drafter(
-            drafter.model, stats, job.quant, progress=lambda name: advance(), picks=mix.picks if mix else None
+            drafter.model,
+            stats,
+            job.quant,
+            progress=lambda name: advance(),
+            picks=mix.picks if mix else None,
+            solve=mix.solve if mix else None,
         )
     timings["quantize_s"] = time.perf_counter() - t
 

@@ -617,6 +617,13 @@ ROWS = [
         2,
         r"taps target layer 3, the last of 4: llama.cpp reads layer inputs .* llama-server would abort",
     ),
+    R(
+        "gptq-gguf-type-clip-search",
+        "arguments",
+        lambda c: c.gptq("--format", "gguf", "--gguf-type", "Q3_K_S", "--clip-search"),
+        2,
+        r"--clip-search is for GPTQ v1 grids; with --gguf-type Q3_K_S use --gguf-scale-search",
+    ),
     R("gptq-damp-0", "arguments", lambda c: c.gptq("--damp", "0"), 2, r"--damp must be in \(0, 1\)"),
     R(
         "gptq-skip-regex",

@@ -33,16 +33,32 @@ def test_tau_map_is_a_least_squares_line_through_the_origin():
     assert mp.predict_tau_loss(flat, 10.0) == 0.0
 
 
+def _grids(cands):
+    return list(dict.fromkeys(c.grid for c in cands))
+
+
 def test_candidates_follow_the_widths():
     every = [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, 128, -1)]
-    assert mp.candidates_for([(256, 512), (512, 256)]) == every
-    assert mp.candidates_for([(64, 64)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, -1)]
-    assert mp.candidates_for([(96, 96)]) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, -1)]
-    assert mp.candidates_for([(40, 40)]) == [Candidate(4, -1), Candidate(8, -1)]  # 40*2, 40*3 not whole words
-    # the tau map measures the default group, else the largest that fits, else per channel
-    assert mp.tau_points(every) == [Candidate(b, 128) for b in (2, 3, 4, 8)]
-    assert mp.tau_points(mp.candidates_for([(40, 40)])) == [Candidate(4, -1), Candidate(8, -1)]
-    assert mp.tau_points(mp.candidates_for([(64, 64)])) == [Candidate(b, 64) for b in (2, 3, 4, 8)]
+    assert _grids(mp.candidates_for([(256, 512), (512, 256)])) == every
+    assert _grids(mp.candidates_for([(64, 64)])) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, 64, -1)]
+    assert _grids(mp.candidates_for([(96, 96)])) == [Candidate(b, g) for b in (2, 3, 4, 8) for g in (32, -1)]
+    assert _grids(mp.candidates_for([(40, 40)])) == [Candidate(4, -1), Candidate(8, -1)]  # 40*2, 40*3: no words
+    # every grid is offered with each solver: plain, act-order (static groups), clip search, both
+    full = mp.candidates_for([(256, 512), (512, 256)])
+    assert len(full) == 4 * len(every)
+    assert {(c.act, c.clip) for c in full if c.grid == Candidate(3, 128)} == set(mp.SOLVERS)
+    # the tau map measures the default group, else the largest that fits, else per channel: each width plain,
+    # and below 8 bits also act-order + clip (the map is fitted across the solvers the search mixes)
+    tuned = [Candidate(b, 128, True, True) for b in (2, 3, 4)]
+    assert mp.tau_points(full) == [Candidate(b, 128) for b in (2, 3, 4, 8)] + tuned
+    assert mp.tau_points(mp.candidates_for([(40, 40)])) == [
+        Candidate(4, -1),
+        Candidate(8, -1),
+        Candidate(4, -1, True, True),
+    ]
+    assert _grids(mp.tau_points(mp.candidates_for([(64, 64)]))) == [Candidate(b, 64) for b in (2, 3, 4, 8)]
+    assert mp.fmt_cand(Candidate(3, 64, True, True)) == "3/64+act+clip"
+    assert mp.fmt_cand(Candidate(3, -1, False, True)) == "3/-1+clip"
 
 
 def _curve(per_setting: dict[str, tuple[float, list[float]]], base: list[float], steps: int = 100) -> dict:
@@ -191,10 +207,13 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     assert report["drafter_bytes_quantized"] <= budget
     assert prov["predicted_bytes"] == report["quantized_bytes"]  # the byte formula is the written size
     picked = {e["name"]: f"{e['bits']}/{e['group_size']}" for e in report["layers"]}
-    assert picked == prov["picks"] and len(set(picked.values())) > 1
-    # the tau map: uniform 2/3/4/8 at the largest group of the tiny widths (64) measured on the dev prompts
+    # a pick is its grid plus how GPTQ solved it (+act, +clip); the layers report the grid
+    assert picked == {n: s.split("+")[0] for n, s in prov["picks"].items()} and len(set(picked.values())) > 1
+    # the tau map: uniform 2/3/4/8 (and 2/3/4 act-order + clip) at the largest group of the tiny widths (64),
+    # measured on the dev prompts
     # (a random tiny drafter accepts ~nothing: tau ~1)
-    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/64", "3/64", "4/64", "8/64"]  # largest group
+    tuned = ["2/64+act+clip", "3/64+act+clip", "4/64+act+clip"]  # the map spans the solvers the search mixes
+    assert [p["setting"] for p in prov["tau_calibration"]] == ["2/64", "3/64", "4/64", "8/64", *tuned]
     assert all(p["tau"] >= 1 and p["tau_bf16"] >= 1 for p in prov["tau_calibration"])
     # GPTQ v1 `dynamic`: every Linear's setting read back with vLLM's first-match rule decodes its tensors
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]

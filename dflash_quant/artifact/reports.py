@@ -120,6 +120,7 @@ class Quantization(Record):
     sym: bool | None = doc("symmetric grid")
     desc_act: bool | None = doc("act-order")
     static_groups: bool | None = doc("group parameters fixed before reordering")
+    clip_search: bool | None = doc("each group's range shrunk by its weighted-error-optimal factor (--clip-search)")
     damp: float | None = doc("dampening (fraction of the mean Hessian diagonal)")
     lazy_block: int | None = doc("columns per lazy-batch update")
     sequential: bool | None = doc("stage-by-stage quantization with quantized inputs")
@@ -165,8 +166,11 @@ class Mixed(Record):
     goal_value: str | None = doc("the flag's value (tau loss, bytes, or GPU and context for `fit`)")
     byte_budget: int | None = doc("bytes the quantized Linears may take (max_bytes / fit); null for max_tau_loss")
     loss_budget: float | None = doc("summed relative output error allowed (max_tau_loss, from the tau calibration)")
-    candidates: list[str] | None = doc("settings searched per Linear, `bits/group_size`")
-    picks: dict[str, str] | None = doc("the chosen setting per Linear, `bits/group_size`")
+    candidates: list[str] | None = doc("settings searched per Linear, `bits/group_size[+act][+clip]`")
+    picks: dict[str, str] | None = doc(
+        "the chosen setting per Linear, `bits/group_size`, with `+act` (act-order, static groups) / `+clip` "
+        "(clip search) for how GPTQ solved it"
+    )
     predicted_bytes: int | None = doc("GPTQ v1 bytes of the quantized Linears at the picks")
     predicted_loss: float | None = doc("summed relative output error at the picks (calibration rows)")
     predicted_tau_ratio: float | None = doc("tau ratio the tau calibration predicts for that loss")

@@ -101,6 +101,12 @@ def gptq(
         False, "--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing Hessian diagonal."
     ),
     static_groups: bool = typer.Option(False, help="With --desc-act: group parameters fixed before reordering."),
+    clip_search: bool = typer.Option(
+        False,
+        "--clip-search/--no-clip-search",
+        help="Shrink each group's range by the factor that minimises its Hessian-weighted rounding error before "
+        "GPTQ (static groups; plain GPTQ v1 scales). The mixed search (--max-bytes ...) tries it per Linear.",
+    ),
     damp: float = typer.Option(
         0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."
     ),
@@ -334,6 +340,7 @@ def gptq(
                 sym=sym,
                 desc_act=desc_act,
                 static_groups=static_groups,
+                clip_search=clip_search,
                 damp=damp,
                 sequential=sequential,
                 profile=profile,

@@ -1057,7 +1057,9 @@ def _section_mixed(ctx: dict) -> str:
         "",
         f"Bits and group size were chosen per Linear by `{mix.get('goal')}` = `{mix.get('goal_value')}`: GPTQ at "
         f"each candidate ({', '.join(mix.get('candidates') or [])}) on the calibration Hessians gives each Linear's "
-        "relative output error; an exact knapsack search picks one setting per Linear; the summed error is tied "
+        "relative output error (`+act`: act-order with static groups, `+clip`: each group's range clipped by "
+        "the weighted-error-optimal factor; both store plain GPTQ v1 tensors, no column permutation); "
+        "an exact knapsack search picks one setting per Linear; the summed error is tied "
         f"to tau by uniform settings measured on development prompts ({mix.get('dev_prompts')}, not the held-out "
         "prompts of the parity check)."
         + (

@@ -41,6 +41,7 @@ class QuantSettings:
     sym: bool = True
     desc_act: bool = False  # act-order measured as a wash on the reference pair (README, reference_recipes.json)
     static_groups: bool = False
+    clip_search: bool = False  # per-group range shrink before GPTQ (grid.clip_params); the mixed search uses it
     damp: float = 0.01
     lazy_block: int = 128
     sequential: bool = False
@@ -53,7 +54,9 @@ class QuantSettings:
 
     def normalized(self) -> QuantSettings:
         """RTN has no column order: act-order flags would only mislabel the checkpoint."""
-        return replace(self, desc_act=False, static_groups=False) if self.method == "rtn" else self
+        if self.method == "rtn":
+            return replace(self, desc_act=False, static_groups=False, clip_search=False)
+        return self
 
     def spec(self) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size, sym=self.sym)
@@ -196,6 +199,7 @@ def _quantize_groups(
                 static_groups=settings.static_groups,
                 damp_percent=settings.damp,
                 block_size=settings.lazy_block,
+                clip=settings.clip_search,
             )
         for w in caught:
             warnings.warn(str(w.message), GPTQFallbackWarning, stacklevel=2)
@@ -233,10 +237,12 @@ def quantize_drafter(
     settings: QuantSettings,
     progress: Callable[[str], None] | None = None,
     picks: Mapping[str, tuple[int, int]] | None = None,
+    solve: Mapping[str, tuple[bool, bool]] | None = None,
 ) -> QuantOutcome:
     """Quantize the chosen Linears in place (weights replaced by their dequantized values) and return codes.
 
-    `picks`: (bits, group_size) per Linear name, a mixed-precision choice; Linears it omits use `settings`."""
+    `picks`: (bits, group_size) per Linear name, a mixed-precision choice; Linears it omits use `settings`.
+    `solve`: (act-order with static groups, clip search) per Linear name, how GPTQ solves its pick."""
     settings = settings.normalized()
     settings.check()
     if settings.method == "gptq" and stats is None:
@@ -268,36 +274,50 @@ def quantize_drafter(
         for group, names in shared.items():
             pending.append((names, [cast(nn.Linear, model.get_submodule(n)) for n in names], accs.get(group)))
         if settings.sequential:
-            _apply(pending, settings, outcome, progress, picks)
+            _apply(pending, settings, outcome, progress, picks, solve)
             pending = []
-    _apply(pending, settings, outcome, progress, picks)
+    _apply(pending, settings, outcome, progress, picks, solve)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     outcome.seconds = time.perf_counter() - t0
     return outcome
 
 
-def _by_setting(groups, settings: QuantSettings, picks: Mapping[str, tuple[int, int]] | None):
-    """Split shared-input groups by each Linear's (bits, group_size), so each batch is solved on one grid."""
-    out: dict[tuple[int, int], list] = {}
+def _by_setting(
+    groups,
+    settings: QuantSettings,
+    picks: Mapping[str, tuple[int, int]] | None,
+    solve: Mapping[str, tuple[bool, bool]] | None = None,
+):
+    """Split shared-input groups by each Linear's (bits, group_size) and solver, so each batch is solved one way."""
+    out: dict[tuple[int, int, bool, bool], list] = {}
+    own = (settings.desc_act, settings.clip_search)
     for names, modules, acc in groups:
-        parts: dict[tuple[int, int], tuple[list[str], list[nn.Linear]]] = {}
+        parts: dict[tuple[int, int, bool, bool], tuple[list[str], list[nn.Linear]]] = {}
         for name, module in zip(names, modules, strict=True):
-            key = (picks or {}).get(name, (settings.bits, settings.group_size))
+            key = (*(picks or {}).get(name, (settings.bits, settings.group_size)), *(solve or {}).get(name, own))
             part = parts.setdefault(key, ([], []))
             part[0].append(name)
             part[1].append(module)
         for key, (ns, ms) in parts.items():
             out.setdefault(key, []).append((ns, ms, acc))
-    return [(replace(settings, bits=b, group_size=g), gs) for (b, g), gs in out.items()]
+    return [
+        (
+            replace(settings, bits=b, group_size=g)
+            if (act, clip) == own
+            else replace(settings, bits=b, group_size=g, desc_act=act, static_groups=act, clip_search=clip),
+            gs,
+        )
+        for (b, g, act, clip), gs in out.items()
+    ]
 
 
-def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None) -> None:
+def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None, solve=None) -> None:
     """Quantize `groups` and write the dequantized weights back into their modules, in order."""
     if not groups:
         return
     solved = []
-    for each, part in _by_setting(groups, settings, picks):
+    for each, part in _by_setting(groups, settings, picks, solve):
         solved += list(zip(part, _quantize_groups(part, each), strict=True))
     order = {name: i for i, (names, _, _) in enumerate(groups) for name in names}
     solved.sort(key=lambda item: order[item[0][0][0]])

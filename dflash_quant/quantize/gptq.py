@@ -151,8 +151,12 @@ def gptq_quantize(
     block_size: int = 128,
     name: str = "",
     damp_tries: int = DAMP_TRIES,
+    clip: bool = False,
 ) -> QuantizedWeight:
-    """GPTQ-quantize `weight` [out, in] against `hessian` [in, in]; runs on the weight's device in fp32."""
+    """GPTQ-quantize `weight` [out, in] against `hessian` [in, in]; runs on the weight's device in fp32.
+
+    clip: each group's scale/zero is chosen up front (static groups) with its range shrunk by the factor that
+    minimises the Hessian-diagonal-weighted rounding error (`grid.clip_params`); plain GPTQ v1 parameters."""
     if weight.dim() != 2:
         raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
     if isinstance(hessian, HessianAccumulator):
@@ -185,10 +189,11 @@ def gptq_quantize(
     n_groups = in_features // width
     scales: list[torch.Tensor | None] = [None] * n_groups
     zeros: list[torch.Tensor | None] = [None] * n_groups
+    static_groups = static_groups or clip  # the clip search fixes every group's parameters up front
     precomputed = not grouped or static_groups
     if precomputed:
         # Per-row (group -1) or static groups: parameters come from the unpermuted weight, up front.
-        s, z = group_params(W, spec, name)
+        s, z = group_params(W, spec, name, H.diagonal() if clip else None)
         scales, zeros = list(s), list(z)
 
     order = torch.arange(in_features, device=W.device)

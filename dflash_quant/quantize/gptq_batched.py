@@ -59,7 +59,7 @@ class _Prepared:
     damp_used: float
 
 
-def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name):
+def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip=False):
     """The textbook's set-up for one matrix; a QuantizedWeight (RTN fallback) when the Hessian is hopeless."""
     if weight.dim() != 2:
         raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
@@ -83,7 +83,7 @@ def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent
     grouped = spec.group_size != -1
     scales = zeros = None
     if not grouped or static_groups:
-        scales, zeros = group_params(W, spec, name)
+        scales, zeros = group_params(W, spec, name, H.diagonal() if clip else None)
     order = torch.arange(in_features, device=W.device)
     if desc_act:
         order = torch.argsort(H.diagonal(), descending=True, stable=True)
@@ -192,11 +192,13 @@ def gptq_quantize_many(
     damp_tries: int = DAMP_TRIES,
     kernel: str = "auto",
     max_batch_bytes: int | None = None,
+    clip: bool = False,
 ) -> list[QuantizedWeight]:
     """GPTQ of independent (weight [out, in], Hessian [in, in], name) problems; results in input order.
 
     Equal to `gptq_quantize` on each problem (same codes, scales, zeros, g_idx, damp, fallbacks).
     """
+    static_groups = static_groups or clip  # as in gptq_quantize: searched parameters are fixed up front
     if kernel not in KERNELS:
         raise UsageError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if not damp_percent > 0:
@@ -218,7 +220,9 @@ def gptq_quantize_many(
             batch = []
             for index in indices[start : start + per_batch]:
                 weight, hessian, name = problems[index]
-                p = _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name)
+                p = _prepare(
+                    index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip
+                )
                 if isinstance(p, QuantizedWeight):
                     results[index] = p
                 else:

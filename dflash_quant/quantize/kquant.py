@@ -547,6 +547,8 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
         raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
     if settings.sequential or settings.desc_act:
         raise UsageError(f"--gguf-type {gguf_type} runs plain GPTQ in column order; drop --sequential/--desc-act")
+    if settings.clip_search:  # the k-quant grids have their own search of each sub-block's scale
+        raise UsageError(f"--clip-search is for GPTQ v1 grids; with --gguf-type {gguf_type} use --gguf-scale-search")
     chosen, kept = select_linears(model, settings)
     grids = plan_grids(model, chosen, gguf_type)
     for name in chosen:

@@ -24,11 +24,25 @@ from dflash_quant.quantize.grid import QuantSpec
 
 @dataclass(frozen=True)
 class Candidate:
+    """One setting of one Linear: the stored grid (bits, group size) and how GPTQ solves for it.
+
+    act: act-order with static groups (columns solved by descending Hessian diagonal; every group's scale/zero
+    fixed up front on the unpermuted weight), so g_idx stays group-contiguous and the stored layout is a plain
+    GPTQ v1 one. clip: each group's range shrunk by the weighted-error-optimal factor (`grid.clip_params`).
+    Neither changes the bytes; both only change which codes/scales are written."""
+
     bits: int
     group_size: int
+    act: bool = False
+    clip: bool = False
 
     def spec(self, sym: bool = True) -> QuantSpec:
         return QuantSpec(bits=self.bits, group_size=self.group_size, sym=sym)
+
+    @property
+    def grid(self) -> Candidate:
+        """The stored setting alone (what the export and the engines see)."""
+        return Candidate(self.bits, self.group_size)
 
 
 def packed_bytes(out_features: int, in_features: int, cand: Candidate) -> int:
@@ -54,7 +68,12 @@ def candidate_errors(
 ) -> dict[Candidate, float]:
     """GPTQ-quantize one Linear at each candidate and return its output error against the same Hessian."""
     return {
-        c: output_error(weight, gptq_quantize(weight, hessian, c.spec(sym)).dequantize(), hessian) for c in candidates
+        c: output_error(
+            weight,
+            gptq_quantize(weight, hessian, c.spec(sym), desc_act=c.act, static_groups=c.act, clip=c.clip).dequantize(),
+            hessian,
+        )
+        for c in candidates
     }
 
 

@@ -36,20 +36,29 @@ BOOT_DRAWS = 1000
 BOOT_LEVEL = 0.95  # one-sided: the slope's upper bound
 
 
+# How GPTQ may solve each grid (act-order with static groups, clip search): both write plain GPTQ v1 tensors
+# (group-contiguous g_idx, fp16 scales, int zeros), so every engine that loads the grid loads them
+SOLVERS = ((False, False), (True, False), (False, True), (True, True))
+
+
 def candidates_for(shapes: Sequence[tuple[int, int]]) -> list[Candidate]:
     """bits 2/3/4/8 x groups 32/64/128/per channel, keeping the groups every Linear's input width splits into
-    (GPTQ v1 packs whole int32 words: widths of drafters are multiples of 32)."""
+    (GPTQ v1 packs whole int32 words: widths of drafters are multiples of 32), each solved four ways (SOLVERS)."""
     groups = [g for g in GROUPS if g == -1 or all(i % g == 0 for _, i in shapes)]
     bits = [b for b in BITS if all((o * b) % 32 == 0 and (i * b) % 32 == 0 for o, i in shapes)]
-    return [Candidate(b, g) for b in bits for g in groups]
+    return [Candidate(b, g, act, clip) for b in bits for g in groups for act, clip in SOLVERS]
 
 
 def tau_points(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The uniform settings measured for the tau map: each bit width at group 128, else at the largest group
-    the widths allow (the nearest to the default), else per channel."""
+    """The uniform settings measured for the tau map: each bit width at group 128 (else at the largest group
+    the widths allow, the nearest to the default, else per channel), solved plainly, and below 8 bits also with
+    act-order + clip search when those are candidates: the map's line is then fitted across the solvers the
+    search mixes, not only the plain one."""
     groups = {c.group_size for c in candidates}
     group = TAU_GROUP if TAU_GROUP in groups else max(groups)
-    return [c for c in candidates if c.group_size == group]
+    plain = [c for c in candidates if c.group_size == group and not c.act and not c.clip]
+    tuned = [c for c in candidates if c.group_size == group and c.act and c.clip and c.bits < 8]
+    return plain + tuned
 
 
 @dataclass
@@ -214,13 +223,14 @@ def measure_points(
     points = []
     for c in tau_points(list(next(iter(table.values())))):
         q = copy.deepcopy(model)
-        quantize_drafter(q, stats, replace(quant, bits=c.bits, group_size=c.group_size))
-        t, per = tau(q, f"uniform {c.bits}/{c.group_size}")
+        each = replace(quant, bits=c.bits, group_size=c.group_size, desc_act=c.act, static_groups=c.act)
+        quantize_drafter(q, stats, replace(each, clip_search=c.clip))
+        t, per = tau(q, f"uniform {fmt_cand(c)}")
         del q
         b, loss = uniform_loss(table, c)
         points.append(
             {
-                "setting": f"{c.bits}/{c.group_size}",
+                "setting": fmt_cand(c),
                 "bytes": b,
                 "loss": loss,
                 "tau": round(t, 5),
@@ -247,7 +257,8 @@ def nearest_uniform(
 
 
 def fmt_cand(c: Candidate) -> str:
-    return f"{c.bits}/{c.group_size}"
+    """`bits/group_size`, with `+act` (act-order, static groups) and `+clip` (clip search) when used."""
+    return f"{c.bits}/{c.group_size}" + ("+act" if c.act else "") + ("+clip" if c.clip else "")
 
 
 def finite(x: float) -> float | None:

@@ -23,7 +23,8 @@ from dflash_quant.quantize.mixed_table import build_table, load_curve, load_tabl
 
 @dataclass
 class MixPlan:
-    picks: dict[str, tuple[int, int]]
+    picks: dict[str, tuple[int, int]]  # the stored grid per Linear (what the export writes)
+    solve: dict[str, tuple[bool, bool]]  # how GPTQ solves it: (act-order with static groups, clip search)
     base: Candidate
     record: Mixed
 
@@ -35,6 +36,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     chosen, _ = select_linears(drafter.model, replace(job.quant, bits=8, group_size=-1))
     weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float() for n in chosen}
     candidates = mp.candidates_for([(int(w.shape[0]), int(w.shape[1])) for w in weights.values()])
+    plain = [c for c in candidates if c == c.grid]  # the uniform drafters users make (and the card compares)
     key = {
         **calib_key,
         "linears": chosen,
@@ -129,7 +131,8 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         choice = max_quality(table, min(byte_budget, top))
     seconds["search_s"] = round(time.perf_counter() - t, 3)
 
-    base = base_setting(choice.picks)
+    grids = {n: c.grid for n, c in choice.picks.items()}  # engines see the grid only; the solver leaves no trace
+    base = base_setting(grids)
     record = Mixed(
         goal=goal.kind,
         goal_value=goal.value,
@@ -160,14 +163,19 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
                 "bytes": mp.uniform_loss(table, c)[0],
                 "loss": round(mp.uniform_loss(table, c)[1], 6),
             }
-            for c in candidates
+            for c in plain
         ],
-        nearest_uniform=mp.fmt_cand(mp.nearest_uniform(table, candidates, choice.total_bytes)),
-        vllm_fused_conflicts=vllm_fused_conflicts(choice.picks),
+        nearest_uniform=mp.fmt_cand(mp.nearest_uniform(table, plain, choice.total_bytes)),
+        vllm_fused_conflicts=vllm_fused_conflicts(grids),
         seconds=seconds,
         serving=serving,
     )
-    return MixPlan({n: (c.bits, c.group_size) for n, c in choice.picks.items()}, base, record)
+    return MixPlan(
+        {n: (c.bits, c.group_size) for n, c in choice.picks.items()},
+        {n: (c.act, c.clip) for n, c in choice.picks.items()},
+        base,
+        record,
+    )
 
 
 def _other_bytes(model: nn.Module, chosen: list[str]) -> int:

@@ -1,7 +1,8 @@
 """Per-Linear sensitivity table for the mixed-precision search, built from a captured calibration and cached
 beside it (sensitivity.json in the --calib-cache directory, keyed like the calibration itself).
 
-Each entry is (GPTQ v1 bytes, relative output error trace(E H E^T) / trace(W H W^T)) for one candidate."""
+Each entry is (GPTQ v1 bytes, relative output error trace(E H E^T) / trace(W H W^T)) for one candidate
+(bits, group size, and how GPTQ solves it: plain, act-order with static groups, clip search, or both)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def build_table(
 
 def save_table(directory: Path, table: Table, key: dict[str, Any]) -> Path:
     rows = {
-        name: [{"bits": c.bits, "group_size": c.group_size, "bytes": b, "rel_error": e} for c, (b, e) in cands.items()]
+        name: [
+            {"bits": c.bits, "group_size": c.group_size, "act": c.act, "clip": c.clip, "bytes": b, "rel_error": e}
+            for c, (b, e) in cands.items()
+        ]
         for name, cands in table.items()
     }
     return write_json_atomic(directory / TABLE, {"key": key, "linears": rows})
@@ -57,7 +61,13 @@ def load_table(directory: Path, key: dict[str, Any]) -> Table | None:
     if data.get("key") != key:
         return None
     return {
-        name: {Candidate(r["bits"], r["group_size"]): (int(r["bytes"]), float(r["rel_error"])) for r in rows}
+        name: {
+            Candidate(r["bits"], r["group_size"], bool(r.get("act")), bool(r.get("clip"))): (
+                int(r["bytes"]),
+                float(r["rel_error"]),
+            )
+            for r in rows
+        }
         for name, rows in data["linears"].items()
     }
 

@@ -32,6 +32,13 @@ PICKS = {
     "layers.1.mlp.up_proj": (2, -1),
 }
 KEPT = ["layers.1.self_attn.k_proj"]
+# how the search may solve a pick (act-order with static groups, clip search): plain GPTQ v1 tensors either way
+SOLVE = {
+    "layers.0.self_attn.q_proj": (True, True),
+    "layers.0.self_attn.k_proj": (False, True),
+    "layers.0.mlp.gate_proj": (True, False),
+    "layers.1.mlp.up_proj": (True, True),
+}
 
 
 def test_gptqmodel_resolves_and_decodes_a_mixed_artifact():
@@ -49,7 +56,11 @@ def test_gptqmodel_resolves_and_decodes_a_mixed_artifact():
         weight = torch.randn(out_features, in_features) * 0.05
         acc = HessianAccumulator(in_features, name=name)
         acc.add(torch.randn(512, in_features))
-        qw = gptq_quantize(weight, acc, QuantSpec(bits, group, True))
+        act, clip = SOLVE.get(name, (False, False))
+        qw = gptq_quantize(weight, acc, QuantSpec(bits, group, True), desc_act=act, static_groups=act, clip=clip)
+        assert torch.equal(
+            qw.g_idx, torch.arange(in_features, dtype=torch.int32) // (group if group > 0 else in_features)
+        )
         tensors = pack_gptq_v1(qw)
         ours = unpack_gptq_v1(tensors, bits, group)
         m = _gptqmodel_linear(tensors, bits, group, True, False, out_features, in_features)
