@@ -44,7 +44,7 @@ def main() -> None:
     rest = d.bf16_bytes - sum(2 * o * i for o, i in shapes.values())
     least = rest + sum(min(b for b, _ in c.values()) for c in table.values())
     top = sum(max(b for b, _ in c.values()) for c in table.values())
-    u = {c.bits: c for c in mp.tau_points(cands)}
+    u = {c.bits: c for c in mp.tau_points(cands) if not (c.act or c.clip)}  # the plain uniform settings
     want = rest + mp.uniform_loss(table, u[4])[0]
     points = [{"loss": mp.uniform_loss(table, u[b])[1], "tau_loss": 1 - r} for b, r in REF_RATIOS.items()]
     hist = mf.hist_from_positions(json.loads(REF.read_text())["parity"]["baseline"]["per_position_acceptance"])

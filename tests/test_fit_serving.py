@@ -77,7 +77,7 @@ def test_fit_on_the_27b_preset_picks_settings_the_budget_says_fit():
     table, cands, rest = _preset_table()
     least = rest + sum(min(b for b, _ in c.values()) for c in table.values())
     top = sum(max(b for b, _ in c.values()) for c in table.values())
-    four = [c for c in mp.tau_points(cands) if c.bits == 4][0]
+    four = [c for c in mp.tau_points(cands) if c.bits == 4 and not (c.act or c.clip)][0]
     want = rest + mp.uniform_loss(table, four)[0]
     options, given_room = mf.fit_options(
         "qwen3.5-27b", "qwen3.5-27b-dflash", "rtx4090", 32768, "int4", mf.ServingKnobs()
@@ -86,7 +86,7 @@ def test_fit_on_the_27b_preset_picks_settings_the_budget_says_fit():
     # tau side: the reference pair's measured uniform ratios (4-bit 0.9962, 3-bit 0.9573, README) placed at this
     # drafter's stand-in losses, and its measured acceptance lengths
     points = [{"loss": mp.uniform_loss(table, c)[1], "tau_loss": 1 - r}
-              for c, r in zip([c for c in mp.tau_points(cands) if c.bits in (3, 4)], (0.9573, 0.9962), strict=True)]  # fmt: skip
+              for c, r in zip([c for c in mp.tau_points(cands) if c.bits in (3, 4) and not (c.act or c.clip)], (0.9573, 0.9962), strict=True)]  # fmt: skip
     hist = _reference_acceptance_hist()
 
     def predict(o):
