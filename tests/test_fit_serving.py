@@ -2,14 +2,13 @@
 preset (budget only: no 27B weights here) and end to end on the tiny pair, with `budget` agreeing."""
 
 import json
-import random
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tiny import save_drafter, save_target
+from tiny import save_pair_with_prompts
 
 from dflash_quant.memory import fit as mf
 from dflash_quant.memory.budget import compute_budget, required_bytes
@@ -135,15 +134,7 @@ def test_budget_cli_agrees_with_the_fit_on_the_27b_preset():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fit")
-    rng = random.Random(0)
-
-    def line():
-        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
-
-    (root / "calib.txt").write_text("\n".join(line() for _ in range(8)))
-    (root / "eval.txt").write_text("\n".join(line() for _ in range(3)))
-    return {"root": root, "drafter": save_drafter(root / "drafter", std=0.2), "target": save_target(root / "target")}
+    return save_pair_with_prompts(tmp_path_factory.mktemp("fit"))
 
 
 @pytest.mark.slow

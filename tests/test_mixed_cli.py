@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from tiny import save_drafter, save_target
+from tiny import save_drafter, save_pair_with_prompts
 
 from dflash_quant.errors import UsageError
 from dflash_quant.loading import layer_setting, load_drafter
@@ -170,15 +170,7 @@ def test_layer_setting_reads_dynamic_first_match():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixed")
-    rng = random.Random(0)
-
-    def line():
-        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
-
-    (root / "calib.txt").write_text("\n".join(line() for _ in range(8)))
-    (root / "eval.txt").write_text("\n".join(line() for _ in range(3)))
-    return {"root": root, "drafter": save_drafter(root / "drafter", std=0.2), "target": save_target(root / "target")}
+    return save_pair_with_prompts(tmp_path_factory.mktemp("mixed"))
 
 
 def gptq(pair, out, *extra):

@@ -183,3 +183,18 @@ def save_dflash2_drafter(path: Path, seed: int = 1, prefix: str = "", std: float
     save_file({prefix + k: v for k, v in state.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
+
+
+def save_pair_with_prompts(root: Path, seed: int = 0) -> dict[str, Path]:
+    """A tiny drafter (std 0.2, so its drafts get accepted sometimes) + target, with 8 calibration and 3 eval
+    prompt lines of the target's words: what the `gptq` CLI tests run end to end."""
+    import random
+
+    rng = random.Random(seed)
+
+    def line() -> str:
+        return " ".join(f"w{rng.randint(3, 119)}" for _ in range(8))
+
+    (root / "calib.txt").write_text("\n".join(line() for _ in range(8)))
+    (root / "eval.txt").write_text("\n".join(line() for _ in range(3)))
+    return {"root": root, "drafter": save_drafter(root / "drafter", std=0.2), "target": save_target(root / "target")}
