@@ -116,7 +116,13 @@ class DFlashAttention(nn.Module):
             cache.put(self.layer_idx, k[:, :, :n_ctx], v[:, :, :n_ctx], k_pos[:n_ctx], self.sliding_window)
         if attention_mask is None:
             attention_mask = visibility_mask(positions[c_len:], k_pos, self.is_causal, self.sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=self.n_kv != self.n_heads)
+        gqa = self.n_kv != self.n_heads
+        if gqa and q.device.type == "cuda":
+            # CUDA's memory-efficient kernel takes a mask but not GQA; math takes both at ~3.6x its time per call
+            # (benchmarks/bench_sdpa.py), so the key/value heads are repeated as the target's attention does.
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(h.shape[0], q_len, -1))
 
 

@@ -77,7 +77,7 @@ class GptqJob:
     full_baseline: bool = False  # parity: decode every prompt target-only (else check the bf16 run's tokens)
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     check_batch: int | None = None  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
-    calib_batch: int | None = None  # calibration: the same for capture; None (both): CPU_BATCH on CPU, 1 on GPUs
+    calib_batch: int | None = None  # calibration: the same for capture; None (both): default_batch
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -145,7 +145,7 @@ def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafte
     extra = extra_linears(drafter.model, job.quant)  # DFlash2 conv/selector projections, only when asked
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
-    rows = calib_rows(job, drafter, target, len(prompts))
+    rows = calib_rows(job, drafter, target, prompts)
     if rows > 1:  # the same rows summed in another order: keyed apart, batch-1 entries stay valid
         key["calib_batch"] = rows
     return key
@@ -154,24 +154,71 @@ def _calib_key(job, drafter, target, spec: str, prompts: list[list[int]], drafte
 # Default rows per batch (check and capture) on CPU, where per-call overhead dominates: measured on the
 # calibration prompts (benchmarks/results/check_batch_dev.json: CPU time 0.55x of one by one at 4 rows, 0.40x at
 # 8, 0.33x at 16, 0.28x at 32, 0.26x at 64); 16 keeps most of the gain while activations (which grow with the
-# rows, the prefill's hidden states most) stay 16 requests' worth. GPUs keep 1 until measured there: the
-# memory predictions (`memory`, --fit) and their budgets are for one request at a time.
+# rows, the prefill's hidden states most) stay 16 requests' worth.
 CPU_BATCH = 16
+# On a GPU the loop is bound by per-call host work even more (benchmarks/gpu_profile_job.sh), so rows are
+# nearly free until memory runs out: GPU_BATCH rows, halved while the rows' predicted activations and caches
+# (memory.calibration, per extra row) exceed GPU_BATCH_SHARE of the memory free when the batch is chosen.
+GPU_BATCH = 64
+GPU_BATCH_SHARE = 0.5
 
 
-def default_batch(requested: int | None, device: torch.device) -> int:
-    return requested if requested is not None else (CPU_BATCH if device.type == "cpu" else 1)
+def rows_that_fit(rows: int, per_row_bytes: int, free_bytes: int, share: float = GPU_BATCH_SHARE) -> int:
+    while rows > 1 and rows * per_row_bytes > share * free_bytes:
+        rows //= 2
+    return rows
 
 
-def calib_rows(job, drafter, target, prompts: int) -> int:
+def row_bytes(target, drafter, prompts: list[list[int]], max_new_tokens: int) -> int:
+    """Predicted bytes one more row of a batched decode adds (activations, caches, logits) at its peak."""
+    from dflash_quant.memory.calibration import predict_calibration
+    from dflash_quant.memory.kv import parse_shape
+
+    dtype = str(next(drafter.model.parameters()).dtype).replace("torch.", "")
+    t_shape, d_shape = parse_shape(target.source.path), parse_shape(drafter.raw_config)
+    longest = max((len(p) for p in prompts), default=1)
+
+    def peak(rows: int) -> int:
+        return predict_calibration(t_shape, 0, d_shape, 0, longest, max_new_tokens, dtype=dtype, rows=rows).peak
+
+    return peak(2) - peak(1)
+
+
+def default_batch(requested: int | None, device: torch.device, per_row_bytes: Callable[[], int] | None = None) -> int:
+    """--check-batch / --calib-batch when given, else CPU_BATCH on CPU and, on CUDA, GPU_BATCH capped by memory."""
+    if requested is not None:
+        return requested
+    if device.type == "cpu":
+        return CPU_BATCH
+    if device.type != "cuda" or per_row_bytes is None:
+        return 1
+    free, _ = torch.cuda.mem_get_info(device)
+    return rows_that_fit(GPU_BATCH, per_row_bytes(), free)
+
+
+def check_rows(
+    requested: int | None, device: torch.device, dtype: torch.dtype, per_row_bytes: Callable[[], int]
+) -> int:
+    """Parity check rows: as default_batch, but one by one on CUDA in 16-bit dtypes unless asked.
+
+    A row's bf16 numerics change with the batch (GEMM shapes, padding, rows leaving), so near-ties flip
+    differently in the two drafters' runs: on the H200 the reference pair's int4 tau ratio spread over
+    0.956-1.011 batched against 0.997-0.999 one by one (benchmarks/results/gpu_main_sweep_h200.json). In fp32
+    (the CPU's dtype) batched rows give the one-by-one tokens, so batching stays the default there."""
+    if requested is None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return 1
+    return default_batch(requested, device, per_row_bytes)
+
+
+def calib_rows(job, drafter, target, prompts: list[list[int]]) -> int:
     """Prompts capture decodes as rows of one batch: --calib-batch (default by device), 1 where it cannot."""
     from dflash_quant.calibration.capture import capture_unbatchable
 
     device = next(drafter.model.parameters()).device
-    rows = default_batch(job.calib_batch, device)
+    rows = default_batch(job.calib_batch, device, lambda: row_bytes(target, drafter, prompts, job.calib_max_new_tokens))
     if rows > 1 and (job.quant.sequential or capture_unbatchable(drafter.model, target.model) is not None):
         return 1  # sequential GPTQ replays per-prompt drafter calls; other pairs decode one by one
-    return max(1, min(rows, prompts))
+    return max(1, min(rows, len(prompts)))
 
 
 def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info):
@@ -501,7 +548,14 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
     settings = CheckSettings(
-        job.eval_max_new_tokens, 0.0, block, job.seed, stop_tokens(target), batch=default_batch(job.check_batch, device)
+        job.eval_max_new_tokens,
+        0.0,
+        block,
+        job.seed,
+        stop_tokens(target),
+        batch=check_rows(
+            job.check_batch, device, dtype, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens)
+        ),
     )
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.

@@ -29,6 +29,24 @@ def _cpu_threads() -> None:
         torch.set_num_threads(1)
 
 
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
+SDPA_ENV = "DFLASH_QUANT_SDPA"
+
+
+def _cuda_attention() -> None:
+    # cuDNN's attention builds an execution plan for every new shape, and decoding changes the key length at
+    # every step: on an H200 that made attention 1.4-5 ms a call (benchmarks/bench_sdpa.py). Without it the
+    # dispatcher picks flash / memory-efficient / math. DFLASH_QUANT_SDPA=flash,efficient,math,cudnn chooses.
+    raw = os.environ.get(SDPA_ENV, "flash,efficient,math")
+    allowed = {b.strip() for b in raw.split(",") if b.strip()}
+    if not allowed or allowed - set(SDPA_BACKENDS):
+        raise UsageError(f"{SDPA_ENV}={raw!r} must list some of {', '.join(SDPA_BACKENDS)} (comma-separated)")
+    torch.backends.cuda.enable_flash_sdp("flash" in allowed)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)
+    torch.backends.cuda.enable_math_sdp("math" in allowed)
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in allowed)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,9 +56,12 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as exc:
         raise UsageError(f"unknown device {name!r}; use auto, cpu or cuda[:N]") from exc
+    if device.type == "cuda":
+        _cuda_attention()
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -346,12 +346,76 @@ def test_batch_defaults_and_fallbacks(tiny_target):
     assert default_batch(None, torch.device("cpu")) == CPU_BATCH == 16
     assert default_batch(None, torch.device("cuda")) == 1 and default_batch(3, torch.device("cuda")) == 3
     drafter = SimpleNamespace(model=_drafter())
-    job = SimpleNamespace(calib_batch=None, quant=SimpleNamespace(sequential=False))
-    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 40) == 16
-    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 5) == 5
+    job = SimpleNamespace(calib_batch=None, calib_max_new_tokens=8, quant=SimpleNamespace(sequential=False))
+    forty, five = [[1, 2, 3]] * 40, [[1, 2, 3]] * 5
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), forty) == 16
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), five) == 5
     job.quant.sequential = True  # replays per-prompt drafter calls: one by one
-    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), 40) == 1
+    assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), forty) == 1
     torch.manual_seed(0)
     hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
     job.quant.sequential = False
-    assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), 40) == 1
+    assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), forty) == 1
+
+
+def test_gpu_rows_fit_in_memory():
+    import json
+    from types import SimpleNamespace
+
+    from dflash_quant.pipeline import GPU_BATCH, row_bytes, rows_that_fit
+    from dflash_quant.reference import pair_dir
+
+    gib = 1 << 30
+    assert rows_that_fit(64, gib // 64, 4 * gib) == 64  # 1 GiB of rows in 2 GiB allowed
+    assert rows_that_fit(64, gib, 20 * gib) == 8  # 8 GiB <= 10 GiB, 16 GiB is not
+    assert rows_that_fit(64, 40 * gib, 20 * gib) == 1  # one row always (one request is what a user runs)
+    # the predicted bytes of a row grow with the prompt and the new tokens, as the batch's caches do
+    ref = pair_dir("reference")
+    target = SimpleNamespace(source=SimpleNamespace(path=ref / "target"))
+    drafter = SimpleNamespace(model=_drafter(), raw_config=json.loads((ref / "drafter" / "config.json").read_text()))
+    short, long = row_bytes(target, drafter, [[1] * 64], 64), row_bytes(target, drafter, [[1] * 1024], 64)
+    assert 0 < short < long and row_bytes(target, drafter, [[1] * 64], 512) > short
+    # the reference pair's whole check fits GPU_BATCH rows in a small share of any GPU
+    assert rows_that_fit(GPU_BATCH, short, 8 * gib) == GPU_BATCH
+
+
+def test_cuda_attention_backends(monkeypatch):
+    import torch.backends.cuda as tbc
+
+    from dflash_quant.errors import UsageError
+    from dflash_quant.runtime import SDPA_ENV, _cuda_attention
+
+    saved = (tbc.flash_sdp_enabled(), tbc.mem_efficient_sdp_enabled(), tbc.math_sdp_enabled(), tbc.cudnn_sdp_enabled())
+    try:
+        monkeypatch.delenv(SDPA_ENV, raising=False)
+        _cuda_attention()  # default: cuDNN's per-shape plans off, the rest on
+        assert (tbc.flash_sdp_enabled(), tbc.mem_efficient_sdp_enabled(), tbc.math_sdp_enabled()) == (True, True, True)
+        assert not tbc.cudnn_sdp_enabled()
+        monkeypatch.setenv(SDPA_ENV, "math, cudnn")
+        _cuda_attention()
+        assert (tbc.flash_sdp_enabled(), tbc.math_sdp_enabled(), tbc.cudnn_sdp_enabled()) == (False, True, True)
+        for bad in ("flash,fast", " , "):
+            monkeypatch.setenv(SDPA_ENV, bad)
+            with pytest.raises(UsageError, match=f"{SDPA_ENV}=.* must list some of flash, efficient, math, cudnn"):
+                _cuda_attention()
+    finally:
+        tbc.enable_flash_sdp(saved[0])
+        tbc.enable_mem_efficient_sdp(saved[1])
+        tbc.enable_math_sdp(saved[2])
+        tbc.enable_cudnn_sdp(saved[3])
+
+
+def test_check_rows_on_cuda(monkeypatch):
+    from dflash_quant.pipeline import CPU_BATCH, GPU_BATCH, check_rows
+
+    gib = 1 << 30
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * gib, 141 * gib))
+    small, huge = (lambda: gib // 100), (lambda: 100 * gib)
+    assert check_rows(None, cpu, torch.float32, small) == CPU_BATCH
+    # bf16/fp16 on CUDA: one by one (batched half-precision numerics widen the tau ratio's spread) unless asked
+    assert check_rows(None, cuda, torch.bfloat16, small) == 1 and check_rows(None, cuda, torch.float16, small) == 1
+    assert check_rows(8, cuda, torch.bfloat16, small) == 8
+    # fp32 on CUDA: GPU_BATCH rows, fewer when they would not fit in half the free memory
+    assert check_rows(None, cuda, torch.float32, small) == GPU_BATCH
+    assert check_rows(None, cuda, torch.float32, huge) == 1
