@@ -180,8 +180,8 @@ def gptq(
         None,
         "--calib-batch",
         help="Calibration: decode up to N prompts as rows of one batch (same Hessian rows; padding excluded). "
-        "Default 16 on CPU, 1 on GPUs (unmeasured there; activations grow with N). Hybrid targets and "
-        "--sequential decode one by one.",
+        "Default 16 on CPU; on CUDA 64, fewer if their predicted memory exceeds half the free memory. Hybrid "
+        "targets and --sequential decode one by one.",
     ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     int4_kernel: str = int4_kernel_option(),
@@ -203,8 +203,9 @@ def gptq(
         None,
         "--check-batch",
         help="Parity check: decode the speculative runs of up to N prompts as rows of one batch (same tokens and "
-        "acceptance as one by one; the first 4 prompts still run alone for the speed numbers). Default 16 on CPU, "
-        "1 on GPUs. Hybrid targets and --lookup's runs decode one by one.",
+        "acceptance as one by one in fp32; the first 4 prompts still run alone for the speed numbers). Default 16 "
+        "on CPU; on CUDA 64 in fp32 (capped by memory as --calib-batch), 1 in bf16/fp16, where batched numerics "
+        "widen the tau ratio's spread. Hybrid targets and --lookup's runs decode one by one.",
     ),
     card: bool = typer.Option(True, "--card/--no-card", help="Write the model card (README.md) into the artifact."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
