@@ -9,8 +9,11 @@
 #   1. plan on the dev side only: --max-tau-loss 0.01 with --no-verify (mixed_<pair>_devmixed_tau_plan.json and
 #      its provenance's `mixed` section, which holds the tau map with uniform 4-bit's dev point);
 #   2. on the test prompts (N x NEW tokens): dev-mixed calibration uniform 4-bit g128 (`devmixed_u4`),
-#      dev-mixed --max-tau-loss 0.01 (`devmixed_tau`), default calibration uniform 4-bit (`default_u4_test`);
-#   3. paired bootstrap (benchmarks/paired_tau.py) -> mixed_<pair>_unseen_paired.txt.
+#      dev-mixed --max-tau-loss 0.01 (`devmixed_tau`), default calibration uniform 4-bit (`default_u4_test`)
+#      and, added after the first test numbers as a comparator only, the default calibration's own
+#      --max-tau-loss 0.01 mix (`default_tau_test`);
+#   3. paired bootstrap (benchmarks/paired_tau.py) -> mixed_<pair>_unseen_paired.txt;
+#   4. benchmarks/unseen_dev_check.py: every drafter on the 128 DEV prompts -> mixed_<pair>_unseen_dev_check.json.
 # WORK (default /tmp/mixed_unseen_<pair>) holds both calibrations, the table and the tau map between runs.
 set -euo pipefail
 PAIR=${1:-reference-dflash2}
@@ -46,9 +49,14 @@ run devmixed_tau_plan calib_devmixed --calib-prompts "$DEV" --max-tau-loss 0.01 
 run devmixed_u4 calib_devmixed --calib-prompts "$DEV" --bits 4
 run devmixed_tau calib_devmixed --calib-prompts "$DEV" --max-tau-loss 0.01
 run default_u4_test calib_default --bits 4
+# comparator added after the first test numbers (chooses nothing): the default protocol's own --max-tau-loss mix
+run default_tau_test calib_default --max-tau-loss 0.01
 R="$OUT/mixed_${PAIR}"
 {
   $PY benchmarks/paired_tau.py "${R}_devmixed_tau.json" "${R}_default_u4_test.json"
   $PY benchmarks/paired_tau.py "${R}_devmixed_tau.json" "${R}_devmixed_u4.json"
   $PY benchmarks/paired_tau.py "${R}_devmixed_u4.json" "${R}_default_u4_test.json"
+  $PY benchmarks/paired_tau.py "${R}_default_tau_test.json" "${R}_default_u4_test.json"
 } | tee "${R}_unseen_paired.txt"
+# dev-side diagnostic (run after the test numbers; decodes the DEV prompts only): the map's 32 and the other 96
+[ -s "${R}_unseen_dev_check.json" ] || $PY benchmarks/unseen_dev_check.py "$PAIR" "$WORK" "${R}_unseen_dev_check.json"
