@@ -136,6 +136,39 @@ def test_tau_goal_plans_on_the_upper_slope_above_the_bit_floor():
     assert budget == pytest.approx(0.01 / mp.slope(points))
 
 
+def test_tuned_solvers_get_their_own_slope():
+    rng = random.Random(3)
+    base = [rng.randint(4, 10) / 2 for _ in range(40)]
+    # plain points lose 0.2 x loss, act+clip points 0.4 x loss (per prompt with noise)
+    spec = {"2/128": (1.0, 0.2), "4/128": (0.05, 0.01), "2/128+act+clip": (0.5, 0.2), "4/128+act+clip": (0.03, 0.012)}
+    curve = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.01)) for t in base]) for s, (loss, f) in spec.items()}, base)
+    kinds = mp.kind_slope_bounds(curve)
+    assert kinds is not None and set(kinds) == {"plain", "tuned"}
+    for k, want in (("plain", 0.2), ("tuned", 0.4)):
+        lo, fit, hi = kinds[k]
+        assert lo < fit < hi and fit == pytest.approx(want, rel=0.1)
+    assert mp.kind("4/-1+clip") == mp.kind(Candidate(4, -1, False, True)) == "tuned" and mp.kind("4/128") == "plain"
+    # the tuned Linear looks cheapest by its loss alone; counted at its kind's slope it no longer fits
+    c = Candidate
+    table = {
+        "a": {c(4, -1): (38, 0.03), c(4, -1, True, True): (38, 0.02), c(4, 128): (40, 0.02), c(8, 128): (80, 0.0)},
+        "b": {c(4, -1): (38, 0.03), c(4, -1, True, True): (38, 0.02), c(4, 128): (40, 0.02), c(8, 128): (80, 0.0)},
+    }
+    points = curve["points"]
+    shared, _, _ = mp.plan_tau_loss(table, points, (0.2, 0.2), 0.01)
+    assert set(shared.picks.values()) == {c(4, -1, True, True)}  # 0.04 loss at 0.2: tau loss 0.008
+    per_kind, budget, _ = mp.plan_tau_loss(table, points, (0.2, 0.2), 0.01, kinds)
+    assert budget == pytest.approx(0.01 / kinds["plain"][2])
+    assert c(4, -1, True, True) not in per_kind.picks.values() and per_kind.total_bytes > shared.total_bytes
+    # its total_loss stays the plain sum of the picks' losses; the prediction weighs each by its kind
+    assert per_kind.total_loss == pytest.approx(sum(table[n][p][1] for n, p in per_kind.picks.items()))
+    fitted = {k: b[1] for k, b in kinds.items()}
+    assert mp.mix_tau_loss(table, shared.picks, fitted, 0.2) == pytest.approx(0.04 * fitted["tuned"])
+    assert mp.mix_tau_loss(table, per_kind.picks, fitted, 0.2) <= 0.01 + 1e-9
+    # a map without per-prompt data has no kinds
+    assert mp.kind_slope_bounds({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in points]}) is None
+
+
 def test_goal_flags_are_exclusive_and_checked():
     for goal, msg in [
         (mp.MixedGoal(max_tau_loss=0.01, max_bytes=10), "exclusive"),

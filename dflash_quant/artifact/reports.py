@@ -185,6 +185,11 @@ class Mixed(Record):
         "max_tau_loss: the smallest uniform bit width whose tau loss at the lower slope bound keeps the goal; "
         "no Linear goes below it"
     )
+    solver_slopes: dict[str, list[float]] | None = doc(
+        "max_tau_loss: per solver kind (`plain`, `tuned` = act-order and/or clip search) [lower bound, fitted, "
+        "upper bound] of the map's slope; each Linear's loss counts at its kind's upper slope in the plan and "
+        "at its fitted slope in predicted_tau_ratio"
+    )
     tau_calibration: list[dict] | None = doc(
         "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"
     )

@@ -1067,6 +1067,13 @@ def _section_mixed(ctx: dict) -> str:
             f"the dev prompts): the loss budget from the upper one, no Linear below {mix.get('bits_floor')} bits."
             if mix.get("bits_floor") is not None
             else ""
+        )
+        + (
+            " Each solver kind has its own slope [lower, fitted, upper] ("
+            + ", ".join(f"{k}: {v}" for k, v in (mix.get("solver_slopes") or {}).items())
+            + "): act-order / clip-search Linears count at theirs."
+            if mix.get("solver_slopes")
+            else ""
         ),
         "",
         _table(

@@ -101,10 +101,13 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     a_upper = None if bounds is None else bounds[1]
     floor: int | None = None
     serving: FitServing | None = None
+    kinds = None
     if goal.kind == "max_tau_loss":
         assert goal.max_tau_loss is not None
-        # the budget from the slope's upper bound; no Linear below the widths the lower bound says can keep it
-        choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss)
+        # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
+        # says can keep it
+        kinds = mp.kind_slope_bounds(curve)
+        choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
     else:
         if fit_opts is not None:
 
@@ -142,10 +145,18 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         picks={n: mp.fmt_cand(c) for n, c in choice.picks.items()},
         predicted_bytes=choice.total_bytes,
         predicted_loss=round(choice.total_loss, 6),
-        predicted_tau_ratio=round(1 - mp.predict_tau_loss(points, choice.total_loss), 5),
-        predicted_tau_ratio_low=None
-        if a_upper is None
-        else round(1 - mp.predict_tau_loss(points, choice.total_loss, a_upper), 5),
+        predicted_tau_ratio=round(1 - mp.predict_tau_loss(points, choice.total_loss), 5)
+        if not kinds
+        else round(1 - mp.mix_tau_loss(table, choice.picks, {k: b[1] for k, b in kinds.items()}, mp.slope(points)), 5),
+        predicted_tau_ratio_low=(
+            None if a_upper is None else round(1 - mp.predict_tau_loss(points, choice.total_loss, a_upper), 5)
+        )
+        if not kinds
+        else round(
+            1 - mp.mix_tau_loss(table, choice.picks, {k: b[2] for k, b in kinds.items()}, a_upper or mp.slope(points)),
+            5,
+        ),
+        solver_slopes=None if not kinds else {k: [round(x, 6) for x in b] for k, b in kinds.items()},
         slope_bounds=None if bounds is None else [round(x, 6) for x in bounds],
         bits_floor=floor,
         tau_calibration=[
