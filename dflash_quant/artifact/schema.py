@@ -41,15 +41,21 @@ _NAMES = {
 }
 
 
+def _plural(name: str) -> str:
+    # "a list of numbers" -> "lists of numbers"; "an integer" -> "integers"
+    head, _, rest = name.removeprefix("a ").removeprefix("an ").partition(" of ")
+    return f"{head}s of {rest}" if rest else f"{head}s"
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         parts = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in parts) + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+        return f"a list of {_plural(_type_name(typing.get_args(tp)[0]))}"
     if origin is dict:
-        return f"an object of {_type_name(typing.get_args(tp)[1]).removeprefix('a ').removeprefix('an ')}s"
+        return f"an object of {_plural(_type_name(typing.get_args(tp)[1]))}"
     if tp is Any:
         return "any JSON value"
     if isinstance(tp, type) and issubclass(tp, Record):
