@@ -359,3 +359,20 @@ def test_sigterm_during_export_leaves_nothing(pair, tmp_path):
     out, err = proc.communicate(timeout=120)
     one_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 128 + signal.SIGTERM, "SIGTERM")
     assert not (tmp_path / "art").exists() and leftovers(tmp_path, "art") == []
+
+
+def test_signal_right_after_the_staging_dir_is_made_leaves_nothing(tmp_path, monkeypatch):
+    # The slow SIGTERM test polls for the staging dir and signals at once, so the signal can land between
+    # mkdtemp creating the directory and `staging` naming it; here it lands exactly there, every time.
+    real = atomic.tempfile.mkdtemp
+
+    def mkdtemp_then_signal(*args, **kwargs):
+        path = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return path
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp_then_signal)
+    with pytest.raises(atomic.Terminated), atomic.signals_raise():
+        with atomic.staging(tmp_path / "art"):
+            pytest.fail("the held-back signal must be raised before the body runs")
+    assert os.listdir(tmp_path) == []

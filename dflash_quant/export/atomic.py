@@ -358,13 +358,17 @@ def _publish(tmp: Path, final: Path, overwrite: bool) -> None:
 def staging(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield `.NAME.tmp-<pid>-<rand>` beside final; publish it on success, remove it on any error or signal."""
     final = resolve_output(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())
+    tmp: Path | None = None
     try:
+        # a signal between mkdtemp creating the directory and `tmp` naming it would leave it behind: held back
+        # until then, it raises inside this try and the finally removes the directory
+        with _signals_blocked():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+            os.chmod(tmp, 0o777 & ~current_umask())
         yield tmp
         _publish(tmp, final, overwrite)
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
