@@ -365,14 +365,29 @@ def test_signal_right_after_the_staging_dir_is_made_leaves_nothing(tmp_path, mon
     # The slow SIGTERM test polls for the staging dir and signals at once, so the signal can land between
     # mkdtemp creating the directory and `staging` naming it; here it lands exactly there, every time.
     real = atomic.tempfile.mkdtemp
+    sent = [signal.SIGTERM]
 
     def mkdtemp_then_signal(*args, **kwargs):
         path = real(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sent[0])
+        time.sleep(0.05)  # another thread's C handler has run by now; Python's handler is due at the next bytecode
         return path
 
     monkeypatch.setattr(atomic.tempfile, "mkdtemp", mkdtemp_then_signal)
-    with pytest.raises(atomic.Terminated), atomic.signals_raise():
-        with atomic.staging(tmp_path / "art"):
-            pytest.fail("the held-back signal must be raised before the body runs")
-    assert os.listdir(tmp_path) == []
+    # with another thread alive (the CLI has torch's and the hashing pool's) the kernel hands the signal to that
+    # thread while this one blocks it, and Python runs the handler here at once: blocking alone is not enough
+    import threading
+
+    for other_thread in (False, True):
+        for sig, raised in ((signal.SIGTERM, atomic.Terminated), (signal.SIGINT, KeyboardInterrupt)):
+            sent[0] = sig
+            done = threading.Event()
+            if other_thread:
+                threading.Thread(target=done.wait, daemon=True).start()
+            try:
+                with pytest.raises(raised), atomic.signals_raise():
+                    with atomic.staging(tmp_path / "art"):
+                        pytest.fail("the held-back signal must be raised before the body runs")
+            finally:
+                done.set()
+            assert os.listdir(tmp_path) == []

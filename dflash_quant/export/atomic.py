@@ -141,6 +141,9 @@ def apply_umask(root: Path) -> None:
 # --- signals ----------------------------------------------------------------------------------------------
 
 _signal_depth = 0
+_installed: set[int] = set()  # the signals signals_raise turned into Terminated
+_deferred = 0  # depth of _signals_blocked sections in the main thread
+_pending: int | None = None  # a terminating signal that arrived inside one
 
 
 @contextlib.contextmanager
@@ -153,31 +156,62 @@ def signals_raise() -> Iterator[None]:
     previous: dict[int, Any] = {}
 
     def handler(signum, frame):
-        for sig in previous:  # a second signal must not interrupt the cleanup the first one started
-            signal.signal(sig, signal.SIG_IGN)
-        raise Terminated(signum)
+        global _pending
+        if _deferred:  # inside _signals_blocked: raised when it ends
+            _pending = signum
+            return
+        _stop(signum)
 
     for sig in TERMINATING:
         if signal.getsignal(sig) == signal.SIG_DFL:
             previous[sig] = signal.signal(sig, handler)
+    _installed.update(previous)
     _signal_depth = 1
     try:
         yield
     finally:
         _signal_depth = 0
+        _installed.clear()
         for sig, old in previous.items():
             signal.signal(sig, old)
 
 
+def _stop(signum: int) -> None:
+    for sig in _installed:  # a second signal must not interrupt the cleanup the first one started
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
 @contextlib.contextmanager
 def _signals_blocked() -> Iterator[None]:
-    """Hold signals back while renames are half done; they are delivered (and raise) right after."""
+    """Hold signals back while renames (or a temp dir's naming) are half done; they raise right after.
+
+    Blocking in this thread is not enough: the kernel hands a process-directed signal to any thread that does
+    not block it (torch and the hashing pool have threads), and Python then runs the handler in the main
+    thread at once. So signals_raise's handler defers while a section is open, and the end raises."""
+    global _deferred, _pending
     sigs = {*TERMINATING, signal.SIGINT}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    main = threading.current_thread() is threading.main_thread()
+    ctrl_c: list[bool] = []
+    int_handler = None
+    if main:
+        if not _deferred and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            int_handler = signal.signal(signal.SIGINT, lambda signum, frame: ctrl_c.append(True))  # Ctrl-C: the same
+        _deferred += 1
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if main:
+            _deferred -= 1
+            if int_handler is not None:
+                signal.signal(signal.SIGINT, int_handler)
+            if not _deferred and _pending is not None:
+                signum, _pending = _pending, None
+                _stop(signum)
+            if ctrl_c:
+                raise KeyboardInterrupt
 
 
 # --- lock -------------------------------------------------------------------------------------------------
