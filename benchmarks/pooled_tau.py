@@ -5,8 +5,11 @@ their prompts put together (tokens / steps over all of them), with a 95 % bootst
 """
 
 import json
-import random
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired_tau import ratio_ci, tau  # noqa: E402  (a sibling script, not a package)
 
 
 def per_prompt(paths: list[str]) -> tuple[list[dict], list[dict]]:
@@ -18,22 +21,13 @@ def per_prompt(paths: list[str]) -> tuple[list[dict], list[dict]]:
     return q, b
 
 
-def tau(pp: list[dict]) -> float:
-    return sum(x["tau"] * x["steps"] for x in pp) / sum(x["steps"] for x in pp)
-
-
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python benchmarks/pooled_tau.py RESULT.json [RESULT.json ...]")
     q, b = per_prompt(sys.argv[1:])
-    rng = random.Random(0)
-    draws = []
-    for _ in range(2000):
-        idx = [rng.randrange(len(q)) for _ in q]
-        draws.append(tau([q[i] for i in idx]) / tau([b[i] for i in idx]))
-    draws.sort()
+    lo, hi = ratio_ci(q, b)
     names = " + ".join(p.split("/")[-1] for p in sys.argv[1:])
-    print(f"{names}: {len(q)} prompts, tau ratio {tau(q) / tau(b):.4f} [{draws[50]:.4f}, {draws[1950]:.4f}]")
+    print(f"{names}: {len(q)} prompts, tau ratio {tau(q) / tau(b):.4f} [{lo:.4f}, {hi:.4f}]")
 
 
 if __name__ == "__main__":

@@ -147,28 +147,39 @@ def _tau(tokens: Sequence[int], steps: Sequence[int], idx: Sequence[int]) -> flo
     return sum(tokens[i] for i in idx) / max(1, sum(steps[i] for i in idx))
 
 
+def _boot_slopes(
+    curve: Mapping[str, Any], groups: Mapping[str, Sequence[Mapping[str, Any]]], draws: int, seed: int
+) -> dict[str, list[float]] | None:
+    """Per group of map points, the slope refitted on each of `draws` paired resamples of the dev prompts (every
+    draw recomputes bf16 and each point's tau on the same prompts). None without per-prompt data."""
+    base = curve.get("per_prompt")
+    if not base or any("per_prompt" not in p for p in curve["points"]):
+        return None
+    n = len(base["tokens"])
+    gen = np.random.default_rng(seed)
+    slopes: dict[str, list[float]] = {k: [] for k in groups}
+    for _ in range(draws):
+        idx = gen.integers(0, n, n).tolist()
+        t0 = _tau(base["tokens"], base["steps"], idx)
+        for k, ps in groups.items():
+            boot = [
+                {"loss": p["loss"], "tau_loss": 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0}
+                for p in ps
+            ]
+            slopes[k].append(slope(boot))
+    return slopes
+
+
 def slope_bounds(
     curve: Mapping[str, Any], level: float = BOOT_LEVEL, draws: int = BOOT_DRAWS, seed: int = 0
 ) -> tuple[float, float] | None:
     """One-sided `level` bounds (lower, upper) of the map's slope: a paired bootstrap over the dev prompts (each
     draw resamples prompts, recomputes bf16 and every uniform setting's tau on them, and refits). None without
     per-prompt data."""
-    base = curve.get("per_prompt")
-    points = curve["points"]
-    if not base or any("per_prompt" not in p for p in points):
+    slopes = _boot_slopes(curve, {"all": curve["points"]}, draws, seed)
+    if slopes is None:
         return None
-    n = len(base["tokens"])
-    gen = np.random.default_rng(seed)
-    slopes = []
-    for _ in range(draws):
-        idx = gen.integers(0, n, n).tolist()
-        t0 = _tau(base["tokens"], base["steps"], idx)
-        boot = [
-            {"loss": p["loss"], "tau_loss": 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0}
-            for p in points
-        ]
-        slopes.append(slope(boot))
-    return float(np.quantile(slopes, 1 - level)), float(np.quantile(slopes, level))
+    return float(np.quantile(slopes["all"], 1 - level)), float(np.quantile(slopes["all"], level))
 
 
 def kind(c: Candidate | str) -> str:
@@ -183,25 +194,12 @@ def kind_slope_bounds(
 ) -> dict[str, tuple[float, float, float]] | None:
     """Per solver kind measured in the map: (lower bound, fitted slope, upper bound), the bounds one-sided at
     `level` from one paired bootstrap over the dev prompts (as slope_bounds). None without per-prompt data."""
-    base = curve.get("per_prompt")
-    points = curve["points"]
-    if not base or any("per_prompt" not in p for p in points):
-        return None
     groups: dict[str, list[Mapping[str, Any]]] = {}
-    for p in points:
+    for p in curve["points"]:
         groups.setdefault(kind(str(p["setting"])), []).append(p)
-    n = len(base["tokens"])
-    gen = np.random.default_rng(seed)
-    slopes: dict[str, list[float]] = {k: [] for k in groups}
-    for _ in range(draws):
-        idx = gen.integers(0, n, n).tolist()
-        t0 = _tau(base["tokens"], base["steps"], idx)
-        for k, ps in groups.items():
-            boot = [
-                {"loss": p["loss"], "tau_loss": 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0}
-                for p in ps
-            ]
-            slopes[k].append(slope(boot))
+    slopes = _boot_slopes(curve, groups, draws, seed)
+    if slopes is None:
+        return None
     return {
         k: (float(np.quantile(v, 1 - level)), slope(groups[k]), float(np.quantile(v, level))) for k, v in slopes.items()
     }

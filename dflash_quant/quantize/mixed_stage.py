@@ -134,6 +134,9 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         choice = max_quality(table, min(byte_budget, top))
     seconds["search_s"] = round(time.perf_counter() - t, 3)
 
+    # each Linear's loss at its solver kind's slope (max_tau_loss), else every kind at the shared one
+    fitted = {k: b[1] for k, b in (kinds or {}).items()}
+    upper = {k: b[2] for k, b in (kinds or {}).items()}
     grids = {n: c.grid for n, c in choice.picks.items()}  # engines see the grid only; the solver leaves no trace
     base = base_setting(grids)
     record = Mixed(
@@ -145,17 +148,10 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         picks={n: mp.fmt_cand(c) for n, c in choice.picks.items()},
         predicted_bytes=choice.total_bytes,
         predicted_loss=round(choice.total_loss, 6),
-        predicted_tau_ratio=round(1 - mp.predict_tau_loss(points, choice.total_loss), 5)
-        if not kinds
-        else round(1 - mp.mix_tau_loss(table, choice.picks, {k: b[1] for k, b in kinds.items()}, mp.slope(points)), 5),
-        predicted_tau_ratio_low=(
-            None if a_upper is None else round(1 - mp.predict_tau_loss(points, choice.total_loss, a_upper), 5)
-        )
-        if not kinds
-        else round(
-            1 - mp.mix_tau_loss(table, choice.picks, {k: b[2] for k, b in kinds.items()}, a_upper or mp.slope(points)),
-            5,
-        ),
+        predicted_tau_ratio=round(1 - mp.mix_tau_loss(table, choice.picks, fitted, mp.slope(points)), 5),
+        predicted_tau_ratio_low=None
+        if a_upper is None and not kinds
+        else round(1 - mp.mix_tau_loss(table, choice.picks, upper, a_upper or mp.slope(points)), 5),
         solver_slopes=None if not kinds else {k: [round(x, 6) for x in b] for k, b in kinds.items()},
         slope_bounds=None if bounds is None else [round(x, 6) for x in bounds],
         bits_floor=floor,
