@@ -106,6 +106,13 @@ def captured(fn):
     return g.replay
 
 
+def cuda_variant(split: int, option: str) -> int:
+    """Split-K of our CUDA kernel changed by OPTION: `x2` / `x0.5` the split scaled."""
+    if not option.startswith("x"):
+        raise ValueError(f"cuda variant {option!r}: use xF, e.g. x0.5")
+    return max(1, round(split * float(option[1:])))
+
+
 def gemm(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = step_shapes()
@@ -126,7 +133,9 @@ def gemm(args) -> dict:
         if problem is None:
             try:
                 mod = Int4Linear(codes, None, base)
-                if ":" in kernel:  # a forced gemlite matmul type
+                if ":" in kernel and base == "cuda":  # a config variant: xF times the split
+                    mod._cuda_split = cuda_variant(mod._cuda_split, kernel.split(":")[1])
+                elif ":" in kernel:  # a forced gemlite matmul type
                     mtype = kernel.split(":")[1]
                     glm = mod._gemlite
                     mod.forward = lambda x, glm=glm, mtype=mtype: glm.forward_manual(x.contiguous(), mtype)  # type: ignore[method-assign]
@@ -152,16 +161,18 @@ def gemm(args) -> dict:
         if shape_key not in errors.setdefault("bf16", {}):
             errors["bf16"][shape_key] = round(int4_matmul_error(lin, codes, 16), 6)
         for kernel in kernels:
-            if not kernel.endswith("+fused"):
+            if "+fused" not in kernel:
                 add(kernel, codes, kind)
             elif kind in ("fc", "q", "o", "down"):
                 add(kernel, codes, kind)
             elif kind in ("k", "gate"):
                 kept[kind] = codes
             elif kind == "v":
-                add(kernel, concat_outputs([kept.pop("k"), codes]), "kv")
+                add(kernel, concat_outputs([kept["k"], codes]), "kv")
             elif kind == "up":
-                add(kernel, concat_outputs([kept.pop("gate"), codes]), "gateup")
+                add(kernel, concat_outputs([kept["gate"], codes]), "gateup")
+        if kind in ("v", "up"):  # every fused candidate has its pair
+            kept.pop("k" if kind == "v" else "gate", None)
         del codes
         print(f"{time.perf_counter() - t0:.1f}s built {name} {out_f}x{in_f}", flush=True)
     result: dict = {
@@ -234,6 +245,13 @@ def gemm(args) -> dict:
         result["triton_configs"] = tuned_configs()
     except Exception as exc:  # noqa: BLE001
         result["triton_configs"] = f"unavailable: {exc}"
+    result["cuda_configs"] = {  # (tiles, split) per shape of each cuda candidate
+        k: sorted(
+            {f"{m.out_features}x{m.in_features}: {m._cuda_config}" for _, m, _ in p if hasattr(m, "_cuda_config")}
+        )
+        for k, p in plans.items()
+        if k.startswith("cuda")
+    }
     return result
 
 
@@ -381,9 +399,10 @@ def main() -> None:
     g.add_argument("--asym", dest="sym", action="store_false")
     g.add_argument(
         "--kernels",
-        default="triton,triton+fused,gemlite,tinygemm",
-        help="KERNEL (triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter runs them), or "
-        "gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK)",
+        default="cuda+fused,triton+fused,gemlite,tinygemm",
+        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter "
+        "runs them), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:xF (F times our CUDA "
+        "kernel's split-K: cuda+fused:x0.5)",
     )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)

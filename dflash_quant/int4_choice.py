@@ -7,7 +7,7 @@ from dflash_quant.errors import UsageError
 # `auto` takes the first that runs every Linear here. tinygemm before gemlite: the check runs eagerly, and one
 # drafter step's GEMMs at 16 rows on an H200 took bf16 0.91 ms, tinygemm 1.35 ms, gemlite 6.55 ms launched
 # eagerly (0.69 / 1.30 / 0.93 ms from a CUDA graph; benchmarks/results/int4_gemm_h200_gemlite_tinygemm.json).
-KERNEL_ORDER = ("triton", "tinygemm", "gemlite")
+KERNEL_ORDER = ("cuda", "triton", "tinygemm", "gemlite")
 CHOICES = ("auto", "dequant", *KERNEL_ORDER)
 
 

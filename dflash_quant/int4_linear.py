@@ -1,6 +1,9 @@
 """A quantized drafter kept in int4 on CUDA: its GPTQ Linears run through an int4 matmul kernel.
 
 Kernels (chosen by `--int4-kernel`, `auto` picks the first that runs here, in KERNEL_ORDER):
+- cuda:     ours (dflash_quant/int4_cuda.cu), CUDA C++ built on first use; codes pre-shuffled at load into the
+            tensor-core operand order, each group's x (q - z) summed in fp32 and scaled once, so no weight is
+            rounded (closer to the fp32 dequantized matmul than the bf16 dequantized path).
 - triton:   ours (dflash_quant/int4_triton.py), split-K on GPTQ v1's own qweight layout with fp16 scales as
             stored; its dequantized tile equals the bf16 weight of the dequantized path bit for bit, so only
             the summation order differs from it.
@@ -75,6 +78,10 @@ def kernel_problem(name: str, codes: Int4Codes, device: torch.device) -> str | N
         codes.in_order()
     except ValueError as exc:
         return f"its input groups cannot be made contiguous tiles ({exc})"
+    if name == "cuda":
+        from dflash_quant import int4_cuda
+
+        return int4_cuda.shape_problem(out_f, in_f, codes.group_size) or int4_cuda.build_problem(device)
     if name in ("triton", "gemlite") and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if name == "gemlite" and importlib.util.find_spec("gemlite") is None:
@@ -100,6 +107,7 @@ class Int4Linear(nn.Module):
     zeros: torch.Tensor
     packed: torch.Tensor
     sz: torch.Tensor
+    counters: torch.Tensor
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None, kernel: str):
         super().__init__()
@@ -111,7 +119,14 @@ class Int4Linear(nn.Module):
             bias = bias.to(device=codes.codes.device, dtype=torch.bfloat16)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._gemlite: Any = None
-        if kernel == "triton":
+        if kernel == "cuda":
+            from dflash_quant.int4_cuda import CudaWeights
+
+            weights = CudaWeights(codes.codes, codes.zeros, codes.scales, self.group_size)
+            for name, tensor in weights.buffers().items():
+                self.register_buffer(name, tensor)
+            self._cuda_split = weights.split
+        elif kernel == "triton":
             from dflash_quant.export.gptq_v1 import _pack_dim0
 
             self.register_buffer("qweight", _pack_dim0(codes.codes.T, 4))  # [in/8, out]
@@ -144,7 +159,11 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.perm is not None:
             flat = flat[:, self.perm]
-        if self.kernel == "triton":
+        if self.kernel == "cuda":
+            from dflash_quant.int4_cuda import matmul
+
+            y = matmul(flat, self.qweight, self.scales, self.zeros, self.counters, self.group_size, self._cuda_split)
+        elif self.kernel == "triton":
             from dflash_quant.int4_triton import w4a16_matmul
 
             if flat.shape[0] <= MAX_KERNEL_ROWS:

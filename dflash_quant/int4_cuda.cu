@@ -1,0 +1,447 @@
+// W4A16 matmul for the drafter's few rows (a 16-token block), on the tensor cores, from a pre-shuffled layout.
+//
+// y[M, N] = x[M, K] W^T with W[n, k] = (q[n, k] - z[g, n]) * s[g, n], g = k / group, x and y bf16, M <= 32.
+//
+// Layout (int4_cuda.py packs it once at load): for each tile of 8 outputs x 128 inputs, 32 lanes x 16 bytes,
+// lane l's 16 bytes holding exactly the 32 codes that lane needs as the B operand of eight m16n8k16 MMAs
+// (the k16 steps of the tile), so one coalesced 16-byte load per lane feeds eight MMAs with no shuffles. A warp
+// owns a pair of tiles (16 outputs): the pair's two tiles of one 128-wide chunk are adjacent (1 KB) and its
+// chunks follow each other, so each warp streams through one contiguous stretch of memory.
+// Word i of a lane covers k16 steps 2i and 2i+1; nibble s of it is the code of output 8*tile + lane/4 at
+// k = 16*(2i + (s&3)/2) + 2*(lane%4) + 8*(s&1) + s/4, so that (word >> 4s) & 0x000F000F puts the two codes of
+// one B register (k, k+1) in the two bf16 halves.
+//
+// Dequantization is exact and cheap: 0x4300 | q is the bf16 128 + q, minus the bf16 128 + z gives q - z
+// exactly; the MMAs sum x (q - z) over each group in fp32 and the group's partial is scaled by s in fp32. So
+// no weight is rounded (the dequantized bf16 path rounds (q - z) s to bf16): the result differs from the
+// fp32 dequantized matmul only by fp32 summation order and the bf16 output.
+//
+// Split-K: blocks along K write fp32 partials to a workspace and count themselves in on the output tile's
+// counter; the last to arrive adds the partials in split order and writes bf16, so every run gives the same
+// bits, then resets the counter for the next launch.
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int WARPS = 8;  // warps per block, each on its own T output tiles over the block's K range
+
+__device__ __forceinline__ uint32_t code_pair(uint32_t w) {
+  // nibbles 0 and 4 of w as two bf16 of value 128 + code: (w & 0x000F000F) | 0x43004300 in one lop3
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(0x43004300));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t minus_zero(uint32_t v, uint32_t neg_zero) {
+  // (128 + q) * 1 + -(128 + z): q - z, exact in bf16
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(neg_zero));
+  return r;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  // weights are read once: keep them out of L1, where x lives
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], const void* smem) {
+  // the four 8x8 tiles of a 16x16 bf16 A operand, each lane giving one row's address
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, bool valid) {
+  // 16 bytes global -> shared without a register round trip; zeros where !valid (nothing read)
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t word_of(const uint4& w, int i) {
+  return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;  // i is a compile-time constant after unrolling
+}
+
+constexpr int T = 2;  // output tiles of 8 per warp (a pair: the layout interleaves them by chunk)
+
+// One chunk (128 inputs) of a warp's two output tiles: the codes, and the raw zero and scale of each group the
+// chunk touches (NG of them), loaded together so that no load waits at its first use.
+template <int NG>
+struct Chunk {
+  uint4 w[T];
+  uint32_t z[T][NG];  // zero of output 8 * tile + lane / 4
+  uint32_t s[T][NG];  // fp16 scales of outputs 8 * tile + 2 * (lane % 4) + {0, 1}
+};
+
+// Where one warp reads: its lane's codes of chunk 0 of its pair, and its zero and scale columns.
+struct Sources {
+  const uint4* w;
+  const uint8_t* z;
+  const uint32_t* s;
+};
+
+template <int GK>
+__device__ __forceinline__ void load_chunk(Chunk<GK < 8 ? 8 / GK : 1>& c, const Sources& src, int kt,
+                                           int group_chunks, int N) {
+  // the chunk's first group: GK 2/4: 8 / GK groups per chunk; 8: one (group 128); 16: group_chunks chunks a group
+  const int g0 = GK == 16 ? kt / group_chunks : kt * (GK < 8 ? 8 / GK : 1);
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    c.w[i] = load_stream(src.w + kt * 64 + i * 32);
+#pragma unroll
+    for (int q = 0; q < (GK < 8 ? 8 / GK : 1); ++q) {
+      c.z[i][q] = src.z[(g0 + q) * N + 8 * i];
+      c.s[i][q] = src.s[((g0 + q) * N >> 1) + 4 * i];
+    }
+  }
+}
+
+// GK: k16 steps per group (2 for group 32, 4 for 64, 8 for 128, 16 for any multiple of 256: groups of whole
+// chunks); MT: 16-row tiles of x (1 or 2).
+template <int GK, int MT>
+struct Tile {
+  static constexpr int NG = GK < 8 ? 8 / GK : 1;  // groups a chunk touches
+  float acc[MT][T][4];
+  float part[MT][T][4];
+
+  // multiply one chunk: xs + kx is its first column of x in shared memory (rows `row` elements apart);
+  // group_end_chunk: whether a group ends with this chunk (GK >= 8)
+  __device__ __forceinline__ void multiply(const Chunk<NG>& c, const __nv_bfloat16* xs, int row, int kx,
+                                           bool group_end_chunk, int lane) {
+    uint32_t neg_zero[T];
+    float2 scale[T];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j % (GK < 8 ? GK : 8) == 0) {  // a new group starts (or a new chunk of a long group)
+#pragma unroll
+        for (int i = 0; i < T; ++i) {
+          neg_zero[i] = (0xC300u | c.z[i][j / (GK < 8 ? GK : 8)]) * 0x00010001u;  // bf16 -(128 + z), both halves
+          const uint32_t sv = c.s[i][j / (GK < 8 ? GK : 8)];
+          scale[i] = __half22float2(*reinterpret_cast<const __half2*>(&sv));
+        }
+      }
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)  // lanes 0-15: rows 0-15 at column 0 of the step, lanes 16-31 at column 8
+        ldmatrix_x4(a[m], xs + (16 * m + (lane & 15)) * row + kx + 16 * j + 8 * (lane >> 4));
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        const uint32_t bits = word_of(c.w[i], j >> 1) >> (8 * (j & 1));
+        const uint32_t b0 = minus_zero(code_pair(bits), neg_zero[i]);
+        const uint32_t b1 = minus_zero(code_pair(bits >> 4), neg_zero[i]);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mma(part[m][i], a[m], b0, b1);
+      }
+      if (GK < 8 ? (j % GK == GK - 1) : (j == 7 && group_end_chunk)) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int i = 0; i < T; ++i) {
+            acc[m][i][0] = fmaf(part[m][i][0], scale[i].x, acc[m][i][0]);
+            acc[m][i][1] = fmaf(part[m][i][1], scale[i].y, acc[m][i][1]);
+            acc[m][i][2] = fmaf(part[m][i][2], scale[i].x, acc[m][i][2]);
+            acc[m][i][3] = fmaf(part[m][i][3], scale[i].y, acc[m][i][3]);
+            part[m][i][0] = part[m][i][1] = part[m][i][2] = part[m][i][3] = 0.f;
+          }
+      }
+    }
+  }
+};
+
+// x for `chunks` chunks from chunk kt into shared memory (rows `row` elements apart; rows past M are zeros),
+// every piece in flight at once, then waited for by the whole block
+template <int MT>
+__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int row, const __nv_bfloat16* __restrict__ x, int64_t sx,
+                                        int M, int kt, int chunks) {
+  const int per_row = chunks * 16;  // 16-byte pieces
+  __syncthreads();                  // every warp is done with the previous stage
+#pragma unroll 1
+  for (int r = 0; r < 16 * MT; ++r)
+    for (int c = threadIdx.x; c < per_row; c += WARPS * 32)
+      copy_async(xs + r * row + 8 * c, x + (int64_t)min(r, M - 1) * sx + (kt << 7) + 8 * c, r < M);
+  wait_copies();
+  __syncthreads();
+}
+
+template <int GK, int MT>
+__global__ void __launch_bounds__(WARPS * 32, MT == 1 ? 3 : 2) w4a16_kernel(
+    const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
+    const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int group, int chunks, int stage) {
+  using TileT = Tile<GK, MT>;
+  constexpr int NG = TileT::NG;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
+  const int row = stage * 128 + 8;  // +16 bytes per row: ldmatrix's eight rows land in distinct banks
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int NP = N >> 4, KT = K >> 7;
+  const int pair = blockIdx.x * WARPS + warp;
+  const bool live = pair < NP;
+  const int p = min(pair, NP - 1);  // a warp past the last output reads the last pair and stores nothing
+  const int tile0 = 2 * p;
+  const int kt0 = blockIdx.y * chunks;
+  const int kt1 = min(kt0 + chunks, KT);
+  const int group_chunks = group >> 7;  // GK >= 8 only
+  const Sources src{qw + (int64_t)p * KT * 64 + lane, zeros + 16 * p + gid,
+                    reinterpret_cast<const uint32_t*>(scales + 16 * p + 2 * tig)};
+
+  TileT tile;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) tile.acc[m][i][c] = tile.part[m][i][c] = 0.f;
+
+  // a ring of three chunks: while one is multiplied, the next two are in flight
+  constexpr int RING = 3;
+  Chunk<NG> ring[RING];
+#pragma unroll
+  for (int r = 0; r < RING - 1; ++r)
+    if (kt0 + r < kt1) load_chunk<GK>(ring[r], src, kt0 + r, group_chunks, N);
+  int staged = 0, kx = 0;  // chunks of x in shared memory not yet multiplied, and the next one's column there
+  int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
+  for (int kt = kt0; kt < kt1; kt += RING) {
+#pragma unroll
+    for (int r = 0; r < RING; ++r) {  // r is a compile-time index into the ring
+      const int k = kt + r;
+      if (k < kt1) {
+        if (k + RING - 1 < kt1) load_chunk<GK>(ring[(r + RING - 1) % RING], src, k + RING - 1, group_chunks, N);
+        if (r == 0 && staged == 0) {  // stages are whole rings long (the host makes them multiples of RING)
+          staged = min(stage, kt1 - k);
+          stage_x<MT>(xs, row, x, sx, M, k, staged);
+          kx = 0;
+        }
+        bool group_end = true;
+        if (GK == 16) {
+          group_end = --group_left == 0 || k + 1 == kt1;
+          if (group_left == 0) group_left = group_chunks;
+        }
+        tile.multiply(ring[r], xs, row, kx, group_end, lane);
+        --staged;
+        kx += 128;
+      }
+    }
+  }
+
+  const int split = gridDim.y;
+  if (split == 1) {
+#pragma unroll
+    for (int i = 0; i < T; ++i) {
+      if (!live) continue;
+      const int n = (tile0 + i) * 8 + 2 * tig;
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * m + gid + 8 * h;
+          if (row < M)
+            *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n) =
+                __floats2bfloat162_rn(tile.acc[m][i][2 * h], tile.acc[m][i][2 * h + 1]);
+        }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    if (!live) continue;
+    const int n = (tile0 + i) * 8 + 2 * tig;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * m + gid + 8 * h;
+        if (row < M)
+          *reinterpret_cast<float2*>(ws + ((int64_t)blockIdx.y * M + row) * N + n) =
+              make_float2(tile.acc[m][i][2 * h], tile.acc[m][i][2 * h + 1]);
+      }
+  }
+  __threadfence();  // this block's partials visible to whichever block adds them up
+  __syncthreads();
+  __shared__ int last;
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == split - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    if (!live) continue;
+    const int n = (tile0 + i) * 8 + 2 * tig;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * m + gid + 8 * h;
+        if (row >= M) continue;
+        float2 sum = make_float2(0.f, 0.f);
+        for (int s0 = 0; s0 < split; s0 += 8) {  // eight loads in flight, then added in split order
+          float2 p[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u)
+            p[u] = s0 + u < split
+                       ? __ldcg(reinterpret_cast<const float2*>(ws + ((int64_t)(s0 + u) * M + row) * N + n))
+                       : make_float2(0.f, 0.f);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            sum.x += p[u].x;
+            sum.y += p[u].y;
+          }
+        }
+        *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n) = __floats2bfloat162_rn(sum.x, sum.y);
+      }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
+// The bf16 weight [N, K] from the packed codes, each element bf16((q - z) * s) computed in fp32 (the
+// dequantized path's weight): for inputs of many rows, where a bf16 GEMM is compute-bound.
+__global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ scales,
+                               const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ w, int N, int K,
+                               int group) {
+  const int KT = K >> 7;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)(N >> 3) * KT * 32) return;
+  // memory order: pair, chunk, tile of the pair, lane
+  const int lane = idx & 31, kt = (idx >> 6) % KT;
+  const int64_t nt = 2 * ((idx >> 6) / KT) + ((idx >> 5) & 1);
+  const int n = nt * 8 + (lane >> 2), tig = lane & 3;
+  const uint4 v = qw[idx];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = word_of(v, i);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const int k = (kt << 7) + 16 * (2 * i + ((s & 3) >> 1)) + 2 * tig + 8 * (s & 1) + (s >> 2);
+      const int64_t gn = (int64_t)(k / group) * N + n;
+      const float q = (float)((word >> (4 * s)) & 0xF);
+      w[(int64_t)n * K + k] = __float2bfloat16_rn(__half2float(scales[gn]) * (q - (float)zeros[gn]));
+    }
+  }
+}
+
+struct Args {
+  const __nv_bfloat16* x;
+  int64_t sx;
+  const uint4* qw;
+  const __half* scales;
+  const uint8_t* zeros;
+  __nv_bfloat16* out;
+  float* ws;
+  int* counters;
+  int M, N, K, group, chunks, stage;
+};
+
+constexpr int MAX_SMEM = 72 * 1024;  // x staged per block: three blocks of 8 warps still fit on an SM
+constexpr int RING_CHUNKS = 3;       // the kernel's ring: stages but the last are whole rings
+
+template <int GK, int MT>
+void launch(const Args& a, dim3 grid, cudaStream_t stream) {
+  auto kernel = w4a16_kernel<GK, MT>;
+  static uint64_t raised = 0;  // devices where this kernel may take more than 48 KB of dynamic shared memory
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || !(raised >> device & 1)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_SMEM));
+    if (device < 64) raised |= uint64_t{1} << device;
+  }
+  const int smem = 16 * MT * (a.stage * 128 + 8) * 2;
+  kernel<<<grid, WARPS * 32, smem, stream>>>(a.x, a.sx, a.qw, a.scales, a.zeros, a.out, a.ws, a.counters, a.M, a.N,
+                                             a.K, a.group, a.chunks, a.stage);
+}
+
+template <int MT>
+void launch_group(const Args& a, dim3 grid, cudaStream_t stream) {
+  if (a.group == 32) launch<2, MT>(a, grid, stream);
+  else if (a.group == 64) launch<4, MT>(a, grid, stream);
+  else if (a.group == 128) launch<8, MT>(a, grid, stream);
+  else launch<16, MT>(a, grid, stream);
+}
+
+void check_operands(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(qw.is_cuda() && qw.scalar_type() == at::kInt && qw.is_contiguous(), "qw: contiguous int32 on CUDA");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.is_contiguous(), "scales: fp16 [G, N]");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.sizes() == scales.sizes() && zeros.is_contiguous(),
+              "zeros: uint8 [G, N]");
+  TORCH_CHECK(group == 32 || group == 64 || (group > 0 && group % 128 == 0), "group must be 32, 64 or a multiple of 128");
+}
+
+}  // namespace
+
+// x [M, K] bf16 (M <= 32), packed codes, fp16 scales [G, N], uint8 zeros [G, N] -> y [M, N] bf16.
+// split: blocks along K (clamped so none is empty).
+at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros,
+                    at::Tensor& counters, int64_t group, int64_t split) {
+  check_operands(qw, scales, zeros, group);
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x: bf16 [M, K] with unit column stride on CUDA");
+  const int M = x.size(0), K = x.size(1), N = scales.size(1);
+  TORCH_CHECK(M >= 1 && M <= 32, "x has ", M, " rows; this kernel takes 1..32");
+  TORCH_CHECK(K % 128 == 0 && N % 16 == 0 && K % group == 0, "K must be a multiple of 128 and of the group, N of 16");
+  TORCH_CHECK(x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "x rows must be 16-byte aligned");
+  TORCH_CHECK(qw.numel() == (int64_t)N * K / 8 && scales.size(0) == K / group, "operand sizes do not match");
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int KT = K / 128;
+  int s = (int)std::max<int64_t>(1, std::min<int64_t>(split, KT));
+  const int chunks = (KT + s - 1) / s;
+  s = (KT + chunks - 1) / chunks;  // no block without a chunk
+  const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
+  TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= grid.x,
+              "counters: int32 with one per block column");
+  auto out = at::empty({M, N}, x.options());
+  at::Tensor ws;
+  if (s > 1) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
+  const int mt = M > 16 ? 2 : 1;
+  // x of a block's whole K range in shared memory when it fits (one wait per block), else in stages of whole rings
+  const int most = (MAX_SMEM / (16 * mt * 2) - 8) / 128 / RING_CHUNKS * RING_CHUNKS;
+  const int stage = std::min(chunks, most);
+  const Args a{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),
+               reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
+               zeros.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+               s > 1 ? ws.data_ptr<float>() : nullptr, counters.data_ptr<int>(), M, N, K, (int)group, chunks, stage};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (mt == 1) launch_group<1>(a, grid, stream);
+  else launch_group<2>(a, grid, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor w4_dequant(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros, int64_t group) {
+  check_operands(qw, scales, zeros, group);
+  const int N = scales.size(1), K = scales.size(0) * group;
+  TORCH_CHECK(qw.numel() == (int64_t)N * K / 8 && K % 128 == 0 && N % 16 == 0, "operand sizes do not match");
+  const c10::cuda::OptionalCUDAGuard guard(qw.device());
+  auto w = at::empty({N, K}, qw.options().dtype(at::kBFloat16));
+  const int64_t threads = (int64_t)(N / 8) * (K / 128) * 32;
+  dequant_kernel<<<(threads + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
+      zeros.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(w.data_ptr()), N, K, (int)group);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return w;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w4a16_mm", &w4a16_mm, "int4 weight x bf16 rows (M <= 32)");
+  m.def("w4_dequant", &w4_dequant, "bf16 weight [N, K] from the packed codes");
+}

@@ -1,0 +1,149 @@
+"""Our CUDA int4 kernel (dflash_quant/int4_cuda.cu, int4_cuda.py).
+
+CPU: the packed layout against the MMA operand layout of PTX's m16n8k16 (B fragment: lane l holds rows
+2(l%4)+{0,1} and 2(l%4)+8+{0,1} of column l/4, lower k in the lower half), decoded with the kernel's own bit
+operations (the bf16 128 + q trick), so a packing that feeds the wrong code to a lane fails here.
+gpu: every split-K path against the fp32 dequantized matmul, odd shapes and rows, determinism, the
+dequantizing path for many rows, and a CUDA graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_quant.int4_cuda import CHUNK, lane_words, pack, unpack
+
+
+def _bf16_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The value of 16-bit patterns (int64 holding 0..65535) read as bf16, in fp32."""
+    return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("n,k", [(16, 128), (48, 384), (64, 256)])
+def test_pack_round_trips(n, k):
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k), dtype=torch.uint8)
+    packed = pack(codes)
+    assert packed.dtype == torch.int32 and packed.numel() == n * k // 8
+    assert torch.equal(unpack(packed, n, k), codes)
+
+
+def test_a_warps_pair_of_tiles_streams_in_kernel_order():
+    """The kernel reads tile t of pair p, chunk kt, lane l at 16-byte word ((p * KT + kt) * 2 + t) * 32 + l."""
+    n, k = 32, 384  # 2 pairs, 3 chunks
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[24:32, 128:256] = 5  # pair 1, tile 1, chunk 1 only
+    words = pack(codes).view(-1, 4)  # one row per 16-byte word
+    nonzero = sorted({int(i) for i in torch.nonzero(words.any(dim=1)).flatten()})
+    assert nonzero == [((1 * 3 + 1) * 2 + 1) * 32 + lane for lane in range(32)]
+
+
+def test_each_lane_gets_its_mma_b_fragment():
+    """Decode every lane's words as the kernel does and place them where m16n8k16 puts B's elements: the
+    result must be W^T - z of each 8 x 128 tile, k16 step by step."""
+    n, k = 16, 256
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(1, 17, (n,), generator=gen)  # GPTQ v1 zeros are 1..16
+    words = lane_words(pack(codes), n, k)
+    lane = torch.arange(32)
+    gid, tig = lane // 4, lane % 4
+    for nt in range(n // 8):
+        for kt in range(k // CHUNK):
+            z = zeros[nt * 8 + gid]  # each lane's output column
+            neg_zero = _bf16_bits((0xC300 | z) & 0xFFFF)
+            assert torch.equal(neg_zero, -(128.0 + z.float()))
+            for j in range(8):
+                bits = words[nt, kt, :, j >> 1] >> (8 * (j & 1))
+                b = torch.zeros(16, 8)  # B[k][n] of this k16 step, as the lanes hold it
+                for shift, row0 in ((0, 0), (4, 8)):  # b0: rows 2(l%4)+{0,1}; b1: the same + 8
+                    pair = ((bits >> shift) & 0x000F000F) | 0x43004300  # code_pair
+                    for half in (0, 1):
+                        value = _bf16_bits((pair >> (16 * half)) & 0xFFFF) + neg_zero  # minus_zero
+                        b[2 * tig + row0 + half, gid] = value
+                want = codes[nt * 8 : nt * 8 + 8, kt * CHUNK + 16 * j : kt * CHUNK + 16 * j + 16].float()
+                assert torch.equal(b.T, want - zeros[nt * 8 : nt * 8 + 8, None].float()), (nt, kt, j)
+
+
+def test_the_code_trick_is_exact_for_every_code_and_zero():
+    q = torch.arange(16).repeat_interleave(16)
+    z = torch.arange(1, 17).repeat(16)
+    assert torch.equal(_bf16_bits(0x4300 | q) - (128.0 + z), (q - z).float())
+    assert torch.equal(_bf16_bits(0x4300 | q) + _bf16_bits(0xC300 | z), (q - z).float())
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _layer(out_f: int, in_f: int, group: int, seed: int):
+    from dflash_quant.int4_cuda import CudaWeights
+    from dflash_quant.int4_linear import Int4Codes
+
+    gen = torch.Generator().manual_seed(seed)
+    g = in_f // group
+    codes = torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(1, 17, (g, out_f), generator=gen)
+    scales = (torch.rand(g, out_f, generator=gen) * 0.02 + 1e-3).to(torch.float16)
+    c = Int4Codes(codes, zeros, scales, torch.arange(in_f) // group, group).to(torch.device("cuda"))
+    return c, CudaWeights(c.codes, c.zeros, c.scales, group)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("split", [1, 2, 3, 16, 64])
+@pytest.mark.parametrize(
+    "out_f,in_f,group", [(1008, 1024, 128), (256, 1152, 32), (144, 640, 64), (512, 768, 768), (272, 1536, 256)]
+)
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32])
+def test_every_path_against_the_fp32_dequantized_matmul(split, out_f, in_f, group, rows):
+    from dflash_quant.int4_cuda import matmul
+
+    c, w = _layer(out_f, in_f, group, seed=out_f + in_f + rows)
+    x = torch.randn(rows, in_f, device="cuda").to(torch.bfloat16)
+    args = (w.qweight, w.scales, w.zeros, w.counters, group, split)
+    poison = torch.full((rows, out_f), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison  # the allocator hands this block to the output next: an element never written stays NaN
+    out = matmul(x, *args)
+    ref = x.double() @ c.dequantize().double().T
+    rel = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert rel < 4e-3, rel  # the bf16 output's rounding: no weight is rounded
+    assert torch.isfinite(out).all()
+    assert torch.equal(matmul(x, *args), out)  # fixed summation order
+    assert int(w.counters.abs().sum()) == 0  # every counter left at zero for the next launch
+
+
+@pytest.mark.gpu
+@gpu
+def test_many_rows_use_the_dequantized_bf16_weight():
+    from dflash_quant.int4_cuda import matmul, module
+
+    c, w = _layer(256, 512, 64, seed=1)
+    bf16 = module().w4_dequant(w.qweight, w.scales, w.zeros, 64)
+    assert torch.equal(bf16, c.dequantize().to(torch.bfloat16))  # the dequantized path's weight, bit for bit
+    x = torch.randn(100, 512, device="cuda").to(torch.bfloat16)
+    assert torch.equal(matmul(x, w.qweight, w.scales, w.zeros, w.counters, 64, 2), x @ bf16.T)
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_cuda_graph_replays_the_split_k_kernel():
+    from dflash_quant.int4_cuda import matmul
+
+    c, w = _layer(512, 2048, 128, seed=2)
+    x = torch.randn(16, 2048, device="cuda").to(torch.bfloat16)
+    args = (w.qweight, w.scales, w.zeros, w.counters, 128, 8)
+    eager = matmul(x, *args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        matmul(x, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = matmul(x, *args)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, matmul(x, *args))
+    assert not torch.equal(out, eager)
