@@ -245,9 +245,9 @@ def gemm(args) -> dict:
         result["triton_configs"] = tuned_configs()
     except Exception as exc:  # noqa: BLE001
         result["triton_configs"] = f"unavailable: {exc}"
-    result["cuda_configs"] = {  # (tiles, split) per shape of each cuda candidate
+    result["cuda_configs"] = {  # split-K per shape of each cuda candidate
         k: sorted(
-            {f"{m.out_features}x{m.in_features}: {m._cuda_config}" for _, m, _ in p if hasattr(m, "_cuda_config")}
+            {f"{m.out_features}x{m.in_features}: split {m._cuda_split}" for _, m, _ in p if hasattr(m, "_cuda_split")}
         )
         for k, p in plans.items()
         if k.startswith("cuda")

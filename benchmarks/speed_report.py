@@ -4,7 +4,7 @@
 
 Reads (each optional; a missing file leaves its panel out and is named in the JSON):
   bench_gptq_h200_batched.json   GPTQ: textbook vs ours, same run (benchmarks/bench_gptq.py)
-  int4_gemm_h200_triton_final.json   one drafter step's GEMMs at 16 rows, bf16 vs int4 (benchmarks/gpu_int4.py)
+  int4_gemm_h200_cuda_final.json     one drafter step's GEMMs at 16 rows, bf16 vs int4 (benchmarks/gpu_int4.py)
   prefill_h200.json              time to first token with/without the drafter (benchmarks/bench_prefill.py)
   quickstart_speed_*.json        `make quickstart` and a recipe re-run vs the old version (bench_quickstart.py)
   gpu_main_job_h200.json         the main job on the GPU vs the 2-core CPU (benchmarks/gpu_speed.sh)
@@ -37,10 +37,13 @@ def summarize(results: Path, quickstart: str) -> dict:
         }
     else:
         out["missing"].append("bench_gptq_h200_batched.json")
-    gemm = _load(results / "int4_gemm_h200_triton_final.json")
+    gemm = _load(results / "int4_gemm_h200_cuda_final.json")
     if gemm:
         row = gemm["rows"]["16"]
-        kernel = next(k for k in row["cuda_graph"] if k != "bf16")
+        # our CUDA kernel where it ran, else the first int4 candidate
+        kernel = (
+            "cuda+fused" if "cuda+fused" in row["cuda_graph"] else next(k for k in row["cuda_graph"] if k != "bf16")
+        )
         out["int4_gemm_16_rows"] = {
             "device": gemm["gpu"],
             "kernel": kernel,
@@ -55,7 +58,7 @@ def summarize(results: Path, quickstart: str) -> dict:
             "goal": "<= 0.5",
         }
     else:
-        out["missing"].append("int4_gemm_h200_triton_final.json")
+        out["missing"].append("int4_gemm_h200_cuda_final.json")
     prefill = _load(results / "prefill_h200.json")
     if prefill:
         out["prefill"] = {

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dflash_quant.errors import UsageError
 
-# `auto` takes the first that runs every Linear here. tinygemm before gemlite: the check runs eagerly, and one
-# drafter step's GEMMs at 16 rows on an H200 took bf16 0.91 ms, tinygemm 1.35 ms, gemlite 6.55 ms launched
-# eagerly (0.69 / 1.30 / 0.93 ms from a CUDA graph; benchmarks/results/int4_gemm_h200_gemlite_tinygemm.json).
+# `auto` takes the first that runs every Linear here, fastest first: one Qwen3-8B-DFlash-b16 step's GEMMs at 16
+# rows on an H200, eager (CUDA graph), bf16 0.86 (0.68) ms, cuda 0.63 (0.47), triton 1.35 (0.63)
+# (benchmarks/results/int4_gemm_h200_cuda_final.json); in an earlier run bf16 0.91 (0.69), tinygemm 1.35 (1.30),
+# gemlite 6.55 (0.93) (int4_gemm_h200_gemlite_tinygemm.json): the check runs eagerly, so tinygemm before gemlite.
 KERNEL_ORDER = ("cuda", "triton", "tinygemm", "gemlite")
 CHOICES = ("auto", "dequant", *KERNEL_ORDER)
 

@@ -220,7 +220,7 @@ class TargetQuantization(Record):
 @dataclass
 class DrafterKernel(Record):
     kernel: str | None = doc(
-        "how the quantized drafter's Linears ran: `triton`, `gemlite`, `tinygemm` (int4 kernels, CUDA) or `dequant` "
+        "how the quantized drafter's Linears ran: `cuda`, `triton`, `gemlite`, `tinygemm` (int4 kernels, CUDA) or `dequant` "
         "(weights dequantized to the compute dtype)"
     )
     linears: int | None = doc("Linears run through the int4 kernel (0 for dequant)")
