@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,19 @@ def shape_problem(out_f: int, in_f: int, group: int) -> str | None:
     return None
 
 
+def toolchain_problem() -> str | None:
+    """Why torch's extension builder cannot compile the kernel here (None: nvcc and ninja are there)."""
+    from torch.utils import cpp_extension
+
+    # the builder runs $PYTORCH_NVCC, else CUDA_HOME/bin/nvcc (CUDA_HOME: the env variable or where nvcc is found)
+    home = cpp_extension.CUDA_HOME
+    if not os.environ.get("PYTORCH_NVCC") and (home is None or not Path(home, "bin", "nvcc").exists()):
+        return "nvcc (the CUDA toolkit) was not found; set CUDA_HOME to build the CUDA kernel"
+    if not cpp_extension.is_ninja_available():
+        return "ninja was not found (pip install ninja) to build the CUDA kernel"
+    return None
+
+
 @functools.cache
 def build_problem(device: torch.device) -> str | None:
     """Why the kernel cannot be built or run on `device` (None: it is built and loaded)."""
@@ -78,12 +91,9 @@ def build_problem(device: torch.device) -> str | None:
         return "int4 kernels need CUDA"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "the CUDA kernel needs compute capability 8.0 or newer (bf16 tensor-core MMA)"
-    from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
-
-    if CUDA_HOME is None or shutil.which("nvcc") is None and not Path(CUDA_HOME, "bin", "nvcc").exists():
-        return "nvcc (the CUDA toolkit) was not found; set CUDA_HOME to build the CUDA kernel"
-    if not is_ninja_available():
-        return "ninja was not found (pip install ninja) to build the CUDA kernel"
+    problem = toolchain_problem()
+    if problem:
+        return problem
     try:
         module()
     except Exception as exc:  # noqa: BLE001  # a failed build is a reason to pass over this kernel

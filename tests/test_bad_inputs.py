@@ -508,14 +508,14 @@ ROWS = [
         "arguments",
         lambda c: c.verify("--int4-kernel", "marlin"),
         2,
-        r"--int4-kernel must be one of auto, dequant, triton, tinygemm, gemlite, got 'marlin'",
+        r"--int4-kernel must be one of auto, dequant, cuda, triton, tinygemm, gemlite, got 'marlin'",
     ),
     R(
         "int4-kernel-unknown-gptq",
         "arguments",
         lambda c: c.gptq("--int4-kernel", "marlin"),
         2,
-        r"--int4-kernel must be one of auto, dequant, triton, tinygemm, gemlite, got 'marlin'",
+        r"--int4-kernel must be one of auto, dequant, cuda, triton, tinygemm, gemlite, got 'marlin'",
     ),
     R(
         "max-new-tokens-0",

@@ -72,6 +72,26 @@ def test_the_code_trick_is_exact_for_every_code_and_zero():
     assert torch.equal(_bf16_bits(0x4300 | q) + _bf16_bits(0xC300 | z), (q - z).float())
 
 
+def test_a_missing_toolchain_is_named(monkeypatch, tmp_path):
+    """Where torch's extension builder has no nvcc or no ninja, the reason says which and how to fix it (`auto`
+    records it and moves on to the next kernel)."""
+    from torch.utils import cpp_extension
+
+    from dflash_quant.int4_cuda import toolchain_problem
+
+    monkeypatch.delenv("PYTORCH_NVCC", raising=False)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert toolchain_problem() == "nvcc (the CUDA toolkit) was not found; set CUDA_HOME to build the CUDA kernel"
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))  # a CUDA_HOME without bin/nvcc
+    assert "nvcc" in (toolchain_problem() or "")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    assert toolchain_problem() == "ninja was not found (pip install ninja) to build the CUDA kernel"
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    assert toolchain_problem() is None
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
