@@ -131,8 +131,9 @@ def config(n: int, k: int, device: torch.device) -> int:
 
 
 class CudaWeights:
-    """One Linear in the kernel's layout: packed codes, fp16 scales [G, N], uint8 zeros [G, N], counters, and
-    its split-K."""
+    """One Linear in the kernel's layout: packed codes, fp16 scales [G, N], uint8 zeros [G, N], its split-K, and
+    the split-K counters (one per block column; every launch leaves them at zero, so launches of one Linear must
+    not overlap: one stream, as the drafter runs)."""
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int):
         self.out_features, self.in_features = int(codes.shape[0]), int(codes.shape[1])
