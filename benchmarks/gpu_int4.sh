@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue #16 parts 2-4 on the lent H200 in one call (JSON under $OUT, bundled as $OUT/int4.tgz): our int4 kernel.
-#   one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs int4 (eager and CUDA graph); the
-#   kernels' gpu tests (ours built first: CUDA C++ and Triton); optional: E2E=1 tokens/s of the reference pair, EXTENDED=1 full tuning space, MAIN_JOB=1 the main job on cuda (timed, with
+# Issue #16 parts 2-4 on the lent H200 in one call (JSON under $OUT, bundled as $OUT/int4.tgz): our int4 kernels.
+#   Builds our CUDA kernel, then one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs int4
+#   (eager and CUDA graph), and the kernels' gpu tests; optional: E2E=1 tokens/s of the reference pair through
+#   each kernel, EXTENDED=1 the Triton kernel's full tuning space, MAIN_JOB=1 the main job on cuda (timed, with
 #   the kernel), PREFILL=1 prefill TTFT with and without the drafter (bf16, int4 dequantized, int4 kernel).
 # Set KERNELS to add library kernels (gemlite needs the carried wheels in .wheels/: benchmarks/gpu_wheels.sh).
 # Steps run in order of importance, each cut at BUDGET seconds in all; one that would start later is skipped.

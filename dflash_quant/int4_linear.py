@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_quant import int4_cuda
 from dflash_quant.errors import UsageError
 from dflash_quant.int4_choice import KERNEL_ORDER, check_int4_kernel
 
@@ -79,8 +80,6 @@ def kernel_problem(name: str, codes: Int4Codes, device: torch.device) -> str | N
     except ValueError as exc:
         return f"its input groups cannot be made contiguous tiles ({exc})"
     if name == "cuda":
-        from dflash_quant import int4_cuda
-
         return int4_cuda.shape_problem(out_f, in_f, codes.group_size) or int4_cuda.build_problem(device)
     if name in ("triton", "gemlite") and importlib.util.find_spec("triton") is None:
         return "triton is not installed"
@@ -120,9 +119,7 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self._gemlite: Any = None
         if kernel == "cuda":
-            from dflash_quant.int4_cuda import CudaWeights
-
-            weights = CudaWeights(codes.codes, codes.zeros, codes.scales, self.group_size)
+            weights = int4_cuda.CudaWeights(codes.codes, codes.zeros, codes.scales, self.group_size)
             for name, tensor in weights.buffers().items():
                 self.register_buffer(name, tensor)
             self._cuda_split = weights.split
@@ -160,9 +157,9 @@ class Int4Linear(nn.Module):
         if self.perm is not None:
             flat = flat[:, self.perm]
         if self.kernel == "cuda":
-            from dflash_quant.int4_cuda import matmul
-
-            y = matmul(flat, self.qweight, self.scales, self.zeros, self.counters, self.group_size, self._cuda_split)
+            y = int4_cuda.matmul(
+                flat, self.qweight, self.scales, self.zeros, self.counters, self.group_size, self._cuda_split
+            )
         elif self.kernel == "triton":
             from dflash_quant.int4_triton import w4a16_matmul
 
