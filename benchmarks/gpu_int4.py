@@ -106,11 +106,21 @@ def captured(fn):
     return g.replay
 
 
-def cuda_variant(split: int, option: str) -> int:
-    """Split-K of our CUDA kernel changed by OPTION: `x2` / `x0.5` the split scaled."""
-    if not option.startswith("x"):
-        raise ValueError(f"cuda variant {option!r}: use xF, e.g. x0.5")
-    return max(1, round(split * float(option[1:])))
+def cuda_variant(mod: torch.nn.Module, options: list[str]) -> None:
+    """Our CUDA kernel's configuration changed by OPTIONS: `v3` development variant 3 of the kernel (int4_cuda.cu's
+    dispatch) with its own split-K, `x2` / `x0.5` the split-K scaled."""
+    from dflash_quant.int4_cuda import config
+
+    for option in sorted(options, key=lambda o: not o.startswith("v")):  # a variant's split first, then scaled
+        if option.startswith("v"):
+            mod._cuda_variant = int(option[1:])
+            mod._cuda_split = config(
+                mod.out_features, mod.in_features, mod.group_size, mod.qweight.device, mod._cuda_variant
+            )
+        elif option.startswith("x"):
+            mod._cuda_split = max(1, round(mod._cuda_split * float(option[1:])))
+        else:
+            raise ValueError(f"cuda variant {option!r}: use vN (kernel variant) or xF (split-K scaled), e.g. v2:x0.5")
 
 
 def gemm(args) -> dict:
@@ -133,8 +143,8 @@ def gemm(args) -> dict:
         if problem is None:
             try:
                 mod = Int4Linear(codes, None, base)
-                if ":" in kernel and base == "cuda":  # a config variant: xF times the split
-                    mod._cuda_split = cuda_variant(mod._cuda_split, kernel.split(":")[1])
+                if ":" in kernel and base == "cuda":  # a config variant: xF times the split, vN a kernel variant
+                    cuda_variant(mod, kernel.split(":")[1:])
                 elif ":" in kernel:  # a forced gemlite matmul type
                     mtype = kernel.split(":")[1]
                     glm = mod._gemlite
@@ -401,8 +411,8 @@ def main() -> None:
         "--kernels",
         default="cuda+fused,triton+fused,gemlite,tinygemm",
         help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter "
-        "runs them), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:xF (F times our CUDA "
-        "kernel's split-K: cuda+fused:x0.5)",
+        "runs them), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
+        "kernel's split-K, vN: its development variant N: cuda+fused:x0.5:v2)",
     )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)

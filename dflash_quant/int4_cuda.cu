@@ -16,6 +16,10 @@
 // no weight is rounded (the dequantized bf16 path rounds (q - z) s to bf16): the result differs from the
 // fp32 dequantized matmul only by fp32 summation order and the bf16 output.
 //
+// Pipeline: a block's chunks flow through S slots of shared memory by cp.async, S - 1 chunks in flight while one
+// is multiplied (x of the chunk copied once by the whole block, each warp's codes, zeros and scales by the warp),
+// so the bytes in flight per SM do not cost registers; one barrier per chunk hands slots over.
+//
 // Split-K: blocks along K write fp32 partials to a workspace and count themselves in on the output tile's
 // counter; the last to arrive adds the partials in split order and writes bf16, so every run gives the same
 // bits, then resets the counter for the next launch.
@@ -52,15 +56,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  // weights are read once: keep them out of L1, where x lives
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], const void* smem) {
   // the four 8x8 tiles of a 16x16 bf16 A operand, each lane giving one row's address
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -76,16 +71,14 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 __device__ __forceinline__ uint32_t word_of(const uint4& w, int i) {
   return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;  // i is a compile-time constant after unrolling
 }
 
 constexpr int T = 2;  // output tiles of 8 per warp (a pair: the layout interleaves them by chunk)
 
-// One chunk (128 inputs) of a warp's two output tiles: the codes, and the raw zero and scale of each group the
-// chunk touches (NG of them), loaded together so that no load waits at its first use.
+// One chunk (128 inputs) of a warp's two output tiles, in registers: the codes, and the raw zero and scale of
+// each group the chunk touches (NG of them).
 template <int NG>
 struct Chunk {
   uint4 w[T];
@@ -93,25 +86,93 @@ struct Chunk {
   uint32_t s[T][NG];  // fp16 scales of outputs 8 * tile + 2 * (lane % 4) + {0, 1}
 };
 
-// Where one warp reads: its lane's codes of chunk 0 of its pair, and its zero and scale columns.
-struct Sources {
-  const uint4* w;
-  const uint8_t* z;
-  const uint32_t* s;
+// One chunk's slot in shared memory: x (16 * MT rows of the chunk's 128 inputs), then for each warp its pair's
+// codes (1 KB) and the zeros (16 bytes) and fp16 scales (32 bytes) of the pair's outputs in each group it touches.
+template <int NG, int MT>
+struct Slot {
+  static constexpr int ROW = 136;  // elements a row: +16 bytes so that ldmatrix's eight rows land in distinct banks
+  static constexpr int X_BYTES = 16 * MT * ROW * 2;
+  static constexpr int WARP_BYTES = 1024 + 48 * NG;
+  static constexpr int BYTES = X_BYTES + WARPS * WARP_BYTES;
 };
 
-template <int GK>
-__device__ __forceinline__ void load_chunk(Chunk<GK < 8 ? 8 / GK : 1>& c, const Sources& src, int kt,
-                                           int group_chunks, int N) {
-  // the chunk's first group: GK 2/4: 8 / GK groups per chunk; 8: one (group 128); 16: group_chunks chunks a group
-  const int g0 = GK == 16 ? kt / group_chunks : kt * (GK < 8 ? 8 / GK : 1);
+template <int N>
+__device__ __forceinline__ void wait_group() {  // all but the newest N committed groups of copies have landed
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// The copies of a block's chunks into their slots, in order, all asynchronous: x by the whole block (16 * MT
+// rows of 16 pieces of 16 bytes: MT pieces a thread), each warp its own codes (two pieces a lane, which only
+// that lane reads back) and its pair's zeros and scales (lanes 0..NG-1 a group's 16 zeros each, then two lanes
+// per group for its 16 scales). Every source address is worked out once, then advanced chunk by chunk.
+template <int GK, int MT>
+struct Fetcher {
+  static constexpr int NG = GK < 8 ? 8 / GK : 1;
+  using S = Slot<NG, MT>;
+  const __nv_bfloat16* x[MT];
+  int x_dst[MT];
+  bool x_row[MT];  // a row of x (else zeros, nothing read)
+  const uint4* w;
+  int w_dst;
+  const unsigned char* zs;
+  int64_t zs_step;  // bytes to the lane's zeros or scales of the next chunk's first group
+  int zs_dst, left, group_chunks;
+
+  __device__ __forceinline__ Fetcher(const __nv_bfloat16* __restrict__ x0, int64_t sx, int M, const uint4* qw,
+                                     const uint8_t* zeros, const __half* scales, int p, int kt0, int N, int KT,
+                                     int group_chunks_, int warp, int lane)
+      : group_chunks(group_chunks_) {
+#pragma unroll
+    for (int u = 0; u < MT; ++u) {
+      const int c = threadIdx.x + u * WARPS * 32, r = c >> 4, piece = c & 15;
+      x[u] = x0 + (int64_t)min(r, M - 1) * sx + (kt0 << 7) + 8 * piece;
+      x_dst[u] = r * S::ROW * 2 + piece * 16;
+      x_row[u] = r < M;
+    }
+    w = qw + ((int64_t)p * KT + kt0) * 64 + lane;
+    w_dst = S::X_BYTES + warp * S::WARP_BYTES + 16 * lane;
+    const int g0 = GK == 16 ? kt0 / group_chunks : kt0 * NG;
+    const bool zero_lane = lane < NG;
+    const int g = zero_lane ? lane : (lane - NG) >> 1;
+    zs = zero_lane ? zeros + (int64_t)(g0 + g) * N + 16 * p
+                   : reinterpret_cast<const unsigned char*>(scales + (int64_t)(g0 + g) * N + 16 * p + 8 * ((lane - NG) & 1));
+    zs_step = (int64_t)(GK == 16 ? 1 : NG) * N * (zero_lane ? 1 : 2);
+    zs_dst = lane < 3 * NG ? S::X_BYTES + warp * S::WARP_BYTES + 1024 + 16 * lane : -1;
+    left = GK == 16 ? group_chunks - kt0 % group_chunks : 0;
+  }
+
+  __device__ __forceinline__ void copy(unsigned char* slot) {
+#pragma unroll
+    for (int u = 0; u < MT; ++u) {
+      copy_async(slot + x_dst[u], x[u], x_row[u]);
+      x[u] += 128;
+    }
+    copy_async(slot + w_dst, w, true);
+    copy_async(slot + w_dst + 512, w + 32, true);
+    w += 64;
+    if (zs_dst >= 0) copy_async(slot + zs_dst, zs, true);
+    if (GK != 16) {
+      zs += zs_step;
+    } else if (--left == 0) {
+      zs += zs_step;
+      left = group_chunks;
+    }
+  }
+};
+
+// The lane's part of a warp's chunk, from the warp's part of the slot.
+template <int NG>
+__device__ __forceinline__ void read_chunk(Chunk<NG>& c, const unsigned char* mine, int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int i = 0; i < T; ++i) {
-    c.w[i] = load_stream(src.w + kt * 64 + i * 32);
+    c.w[i] = *reinterpret_cast<const uint4*>(mine + 512 * i + 16 * lane);
 #pragma unroll
-    for (int q = 0; q < (GK < 8 ? 8 / GK : 1); ++q) {
-      c.z[i][q] = src.z[(g0 + q) * N + 8 * i];
-      c.s[i][q] = src.s[((g0 + q) * N >> 1) + 4 * i];
+    for (int g = 0; g < NG; ++g) {
+      c.z[i][g] = mine[1024 + 16 * g + 8 * i + gid];
+      c.s[i][g] = *reinterpret_cast<const uint32_t*>(mine + 1024 + 16 * NG + 32 * g + 2 * (8 * i + 2 * tig));
     }
   }
 }
@@ -124,9 +185,9 @@ struct Tile {
   float acc[MT][T][4];
   float part[MT][T][4];
 
-  // multiply one chunk: xs + kx is its first column of x in shared memory (rows `row` elements apart);
-  // group_end_chunk: whether a group ends with this chunk (GK >= 8)
-  __device__ __forceinline__ void multiply(const Chunk<NG>& c, const __nv_bfloat16* xs, int row, int kx,
+  // multiply one chunk: xs is its x in shared memory (rows `row` elements apart); group_end_chunk: whether a
+  // group ends with this chunk (GK >= 8)
+  __device__ __forceinline__ void multiply(const Chunk<NG>& c, const __nv_bfloat16* xs, int row,
                                            bool group_end_chunk, int lane) {
     uint32_t neg_zero[T];
     float2 scale[T];
@@ -143,7 +204,7 @@ struct Tile {
       uint32_t a[MT][4];
 #pragma unroll
       for (int m = 0; m < MT; ++m)  // lanes 0-15: rows 0-15 at column 0 of the step, lanes 16-31 at column 8
-        ldmatrix_x4(a[m], xs + (16 * m + (lane & 15)) * row + kx + 16 * j + 8 * (lane >> 4));
+        ldmatrix_x4(a[m], xs + (16 * m + (lane & 15)) * row + 16 * j + 8 * (lane >> 4));
 #pragma unroll
       for (int i = 0; i < T; ++i) {
         const uint32_t bits = word_of(c.w[i], j >> 1) >> (8 * (j & 1));
@@ -156,43 +217,34 @@ struct Tile {
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
-          for (int i = 0; i < T; ++i) {
-            acc[m][i][0] = fmaf(part[m][i][0], scale[i].x, acc[m][i][0]);
-            acc[m][i][1] = fmaf(part[m][i][1], scale[i].y, acc[m][i][1]);
-            acc[m][i][2] = fmaf(part[m][i][2], scale[i].x, acc[m][i][2]);
-            acc[m][i][3] = fmaf(part[m][i][3], scale[i].y, acc[m][i][3]);
-            part[m][i][0] = part[m][i][1] = part[m][i][2] = part[m][i][3] = 0.f;
-          }
+          for (int i = 0; i < T; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[m][i][e] = fmaf(part[m][i][e], e & 1 ? scale[i].y : scale[i].x, acc[m][i][e]);
+              part[m][i][e] = 0.f;
+            }
       }
     }
   }
 };
 
-// x for `chunks` chunks from chunk kt into shared memory (rows `row` elements apart; rows past M are zeros),
-// every piece in flight at once, then waited for by the whole block
-template <int MT>
-__device__ __forceinline__ void stage_x(__nv_bfloat16* xs, int row, const __nv_bfloat16* __restrict__ x, int64_t sx,
-                                        int M, int kt, int chunks) {
-  const int per_row = chunks * 16;  // 16-byte pieces
-  __syncthreads();                  // every warp is done with the previous stage
-#pragma unroll 1
-  for (int r = 0; r < 16 * MT; ++r)
-    for (int c = threadIdx.x; c < per_row; c += WARPS * 32)
-      copy_async(xs + r * row + 8 * c, x + (int64_t)min(r, M - 1) * sx + (kt << 7) + 8 * c, r < M);
-  wait_copies();
-  __syncthreads();
+// S: slots per block; blocks per SM as many as their slots fit and the registers allow (4 blocks: 64 registers a
+// thread, for 16 rows; 3: 85, for 32)
+template <int GK, int MT, int S>
+constexpr int min_blocks() {
+  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = MT == 1 ? 4 : 3;
+  return b > most ? most : b < 1 ? 1 : b;
 }
 
-template <int GK, int MT>
-__global__ void __launch_bounds__(WARPS * 32, MT == 1 ? 3 : 2) w4a16_kernel(
+template <int GK, int MT, int S>
+__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int group, int chunks, int stage) {
+    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
   using TileT = Tile<GK, MT>;
   constexpr int NG = TileT::NG;
+  using SlotT = Slot<NG, MT>;
   extern __shared__ __align__(16) unsigned char smem[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem);
-  const int row = stage * 128 + 8;  // +16 bytes per row: ldmatrix's eight rows land in distinct banks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const int NP = N >> 4, KT = K >> 7;
@@ -203,46 +255,42 @@ __global__ void __launch_bounds__(WARPS * 32, MT == 1 ? 3 : 2) w4a16_kernel(
   const int kt0 = blockIdx.y * chunks;
   const int kt1 = min(kt0 + chunks, KT);
   const int group_chunks = group >> 7;  // GK >= 8 only
-  const Sources src{qw + (int64_t)p * KT * 64 + lane, zeros + 16 * p + gid,
-                    reinterpret_cast<const uint32_t*>(scales + 16 * p + 2 * tig)};
-
   TileT tile;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) tile.acc[m][i][c] = tile.part[m][i][c] = 0.f;
+      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = 0.f;
 
-  // a ring of three chunks: while one is multiplied, the next two are in flight
-  constexpr int RING = 3;
-  Chunk<NG> ring[RING];
+  // the copies run S - 1 chunks ahead of the multiplications; every step commits one group of copies (empty
+  // past the block's range) so that "all but the newest S - 2 groups" is always the chunk about to be used
+  Fetcher<GK, MT> fetcher(x, sx, M, qw, zeros, scales, p, kt0, N, KT, group_chunks, warp, lane);
+  int fk = kt0, fslot = 0;
+  auto fetch_next = [&]() {
+    if (fk < kt1) fetcher.copy(smem + fslot * SlotT::BYTES);
+    commit();
+    ++fk;
+    fslot = fslot == S - 1 ? 0 : fslot + 1;
+  };
 #pragma unroll
-  for (int r = 0; r < RING - 1; ++r)
-    if (kt0 + r < kt1) load_chunk<GK>(ring[r], src, kt0 + r, group_chunks, N);
-  int staged = 0, kx = 0;  // chunks of x in shared memory not yet multiplied, and the next one's column there
+  for (int s = 0; s < S - 1; ++s) fetch_next();
+  int slot = 0;
   int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
-  for (int kt = kt0; kt < kt1; kt += RING) {
-#pragma unroll
-    for (int r = 0; r < RING; ++r) {  // r is a compile-time index into the ring
-      const int k = kt + r;
-      if (k < kt1) {
-        if (k + RING - 1 < kt1) load_chunk<GK>(ring[(r + RING - 1) % RING], src, k + RING - 1, group_chunks, N);
-        if (r == 0 && staged == 0) {  // stages are whole rings long (the host makes them multiples of RING)
-          staged = min(stage, kt1 - k);
-          stage_x<MT>(xs, row, x, sx, M, k, staged);
-          kx = 0;
-        }
-        bool group_end = true;
-        if (GK == 16) {
-          group_end = --group_left == 0 || k + 1 == kt1;
-          if (group_left == 0) group_left = group_chunks;
-        }
-        tile.multiply(ring[r], xs, row, kx, group_end, lane);
-        --staged;
-        kx += 128;
-      }
+  for (int k = kt0; k < kt1; ++k) {
+    wait_group<S - 2>();
+    __syncthreads();  // chunk k landed for every thread, and every warp is done with chunk k - 1's slot
+    fetch_next();     // chunk k + S - 1, into chunk k - 1's slot
+    const unsigned char* sl = smem + slot * SlotT::BYTES;
+    Chunk<NG> c;
+    read_chunk<NG>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
+    bool group_end = true;
+    if (GK == 16) {
+      group_end = --group_left == 0 || k + 1 == kt1;
+      if (group_left == 0) group_left = group_chunks;
     }
+    tile.multiply(c, reinterpret_cast<const __nv_bfloat16*>(sl), SlotT::ROW, group_end, lane);
+    slot = slot == S - 1 ? 0 : slot + 1;
   }
 
   const int split = gridDim.y;
@@ -340,42 +388,46 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
   }
 }
 
-struct Args {
-  const __nv_bfloat16* x;
-  int64_t sx;
-  const uint4* qw;
-  const __half* scales;
-  const uint8_t* zeros;
-  __nv_bfloat16* out;
-  float* ws;
-  int* counters;
-  int M, N, K, group, chunks, stage;
+constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
+
+// One instance of the kernel: group steps, row tiles, slots.
+template <int GK_, int MT_, int S_>
+struct Config {
+  static constexpr int GK = GK_, MT = MT_, S = S_;
+  static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S>;
+
+  static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
+    static uint64_t raised = 0;
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    if (device >= 64 || !(raised >> device & 1)) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+      if (device < 64) raised |= uint64_t{1} << device;
+    }
+  }
 };
 
-constexpr int MAX_SMEM = 72 * 1024;  // x staged per block: three blocks of 8 warps still fit on an SM
-constexpr int RING_CHUNKS = 3;       // the kernel's ring: stages but the last are whole rings
-
-template <int GK, int MT>
-void launch(const Args& a, dim3 grid, cudaStream_t stream) {
-  auto kernel = w4a16_kernel<GK, MT>;
-  static uint64_t raised = 0;  // devices where this kernel may take more than 48 KB of dynamic shared memory
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !(raised >> device & 1)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, MAX_SMEM));
-    if (device < 64) raised |= uint64_t{1} << device;
+// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
+// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots.
+template <typename F>
+void dispatch(int group, int mt, int variant, F&& f) {
+  if (mt == 1 && group == 128 && variant) {
+    if (variant == 1) f(Config<8, 1, 4>{});
+    else f(Config<8, 1, 2>{});
+    return;
   }
-  const int smem = 16 * MT * (a.stage * 128 + 8) * 2;
-  kernel<<<grid, WARPS * 32, smem, stream>>>(a.x, a.sx, a.qw, a.scales, a.zeros, a.out, a.ws, a.counters, a.M, a.N,
-                                             a.K, a.group, a.chunks, a.stage);
-}
-
-template <int MT>
-void launch_group(const Args& a, dim3 grid, cudaStream_t stream) {
-  if (a.group == 32) launch<2, MT>(a, grid, stream);
-  else if (a.group == 64) launch<4, MT>(a, grid, stream);
-  else if (a.group == 128) launch<8, MT>(a, grid, stream);
-  else launch<16, MT>(a, grid, stream);
+  if (mt == 1) {
+    if (group == 32) f(Config<2, 1, STAGES>{});
+    else if (group == 64) f(Config<4, 1, STAGES>{});
+    else if (group == 128) f(Config<8, 1, STAGES>{});
+    else f(Config<16, 1, STAGES>{});
+  } else {
+    if (group == 32) f(Config<2, 2, STAGES>{});
+    else if (group == 64) f(Config<4, 2, STAGES>{});
+    else if (group == 128) f(Config<8, 2, STAGES>{});
+    else f(Config<16, 2, STAGES>{});
+  }
 }
 
 void check_operands(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros, int64_t group) {
@@ -383,6 +435,9 @@ void check_operands(const at::Tensor& qw, const at::Tensor& scales, const at::Te
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.is_contiguous(), "scales: fp16 [G, N]");
   TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.sizes() == scales.sizes() && zeros.is_contiguous(),
               "zeros: uint8 [G, N]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(scales.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(zeros.data_ptr()) % 16 == 0,
+              "qw, scales and zeros must be 16-byte aligned");
   TORCH_CHECK(group == 32 || group == 64 || (group > 0 && group % 128 == 0), "group must be 32, 64 or a multiple of 128");
 }
 
@@ -391,7 +446,7 @@ void check_operands(const at::Tensor& qw, const at::Tensor& scales, const at::Te
 // x [M, K] bf16 (M <= 32), packed codes, fp16 scales [G, N], uint8 zeros [G, N] -> y [M, N] bf16.
 // split: blocks along K (clamped so none is empty).
 at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros,
-                    at::Tensor& counters, int64_t group, int64_t split) {
+                    at::Tensor& counters, int64_t group, int64_t split, int64_t variant) {
   check_operands(qw, scales, zeros, group);
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x: bf16 [M, K] with unit column stride on CUDA");
@@ -406,25 +461,39 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   int s = (int)std::max<int64_t>(1, std::min<int64_t>(split, KT));
   const int chunks = (KT + s - 1) / s;
   s = (KT + chunks - 1) / chunks;  // no block without a chunk
-  const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
-  TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt && counters.numel() >= grid.x,
-              "counters: int32 with one per block column");
+  TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters: int32 on CUDA");
   auto out = at::empty({M, N}, x.options());
   at::Tensor ws;
   if (s > 1) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   const int mt = M > 16 ? 2 : 1;
-  // x of a block's whole K range in shared memory when it fits (one wait per block), else in stages of whole rings
-  const int most = (MAX_SMEM / (16 * mt * 2) - 8) / 128 / RING_CHUNKS * RING_CHUNKS;
-  const int stage = std::min(chunks, most);
-  const Args a{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0),
-               reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
-               zeros.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-               s > 1 ? ws.data_ptr<float>() : nullptr, counters.data_ptr<int>(), M, N, K, (int)group, chunks, stage};
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (mt == 1) launch_group<1>(a, grid, stream);
-  else launch_group<2>(a, grid, stream);
+  dispatch((int)group, mt, (int)variant, [&](auto config) {
+    using C = decltype(config);
+    C::prepare();
+    const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
+    TORCH_CHECK(counters.numel() >= grid.x, "counters: one per block column (", grid.x, ") needed");
+    C::kernel<<<grid, WARPS * 32, C::SMEM, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint4*>(qw.data_ptr()),
+        reinterpret_cast<const __half*>(scales.data_ptr()), zeros.data_ptr<uint8_t>(),
+        reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), s > 1 ? ws.data_ptr<float>() : nullptr,
+        counters.data_ptr<int>(), M, N, K, (int)group, chunks);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
+}
+
+// (outputs per block, blocks resident per SM on the current device) of the kernel for this group and row count
+std::tuple<int64_t, int64_t> kernel_shape(int64_t group, int64_t rows, int64_t variant) {
+  TORCH_CHECK(rows >= 1 && rows <= 32, "rows must be 1..32");
+  int64_t outputs = 0;
+  int blocks = 0;
+  dispatch((int)group, rows > 16 ? 2 : 1, (int)variant, [&](auto config) {
+    using C = decltype(config);
+    C::prepare();
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, C::kernel, WARPS * 32, C::SMEM));
+    outputs = 16 * WARPS;
+  });
+  return {outputs, blocks};
 }
 
 at::Tensor w4_dequant(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zeros, int64_t group) {
@@ -443,5 +512,6 @@ at::Tensor w4_dequant(const at::Tensor& qw, const at::Tensor& scales, const at::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_mm", &w4a16_mm, "int4 weight x bf16 rows (M <= 32)");
+  m.def("kernel_shape", &kernel_shape, "outputs per block and blocks resident per SM");
   m.def("w4_dequant", &w4_dequant, "bf16 weight [N, K] from the packed codes");
 }

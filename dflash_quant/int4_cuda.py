@@ -122,12 +122,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def config(n: int, k: int, device: torch.device) -> int:
-    """Split-K for an [n, k] weight: about three blocks per SM (the kernel's occupancy: 8 warps of 16 outputs a
-    block), each with at least 4 of the 128-wide chunks."""
-    columns = -(-n // (16 * WARPS))
-    chunks = k // CHUNK
-    return max(1, min(round(3 * _sm_count(device) / columns), chunks // 4))
+def config(n: int, k: int, group: int, device: torch.device, variant: int = 0) -> int:
+    """Split-K for an [n, k] weight at 16 rows: as many blocks as fit on the GPU at once, in one wave, each
+    with at least 4 of the 128-wide chunks (fewer, and the partials' traffic and the pipeline's fill dominate)."""
+    with torch.cuda.device(device):
+        outputs, per_sm = module().kernel_shape(group, 16, variant)
+    columns = -(-n // int(outputs))
+    return max(1, min(int(per_sm) * _sm_count(device) // columns, (k // CHUNK) // 4))
 
 
 class CudaWeights:
@@ -141,8 +142,9 @@ class CudaWeights:
         self.qweight = pack(codes)
         self.scales = scales.to(torch.float16).contiguous()
         self.zeros = zeros.to(torch.uint8).contiguous()
-        self.split = config(self.out_features, self.in_features, codes.device)
-        columns = -(-self.out_features // (16 * WARPS))  # one counter per block column
+        self.split = config(self.out_features, self.in_features, group, codes.device)
+        # one counter per block column (of 16 * WARPS outputs or more: enough for every variant of the kernel)
+        columns = -(-self.out_features // (16 * WARPS))
         self.counters = torch.zeros(columns, dtype=torch.int32, device=codes.device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -157,8 +159,10 @@ def matmul(
     counters: torch.Tensor,
     group: int,
     split: int,
+    variant: int = 0,
 ) -> torch.Tensor:
-    """x [M, K] bf16 times the int4 weight [N, K] transposed -> [M, N] bf16."""
+    """x [M, K] bf16 times the int4 weight [N, K] transposed -> [M, N] bf16 (variant: a development
+    configuration of the kernel, benchmarks/gpu_int4.py; 0 is the shipped one)."""
     ext = module()
     rows = x.shape[0]
     if rows > PREFILL_ROWS:  # a prompt's worth of rows: compute-bound, so rebuild the bf16 weight once
@@ -167,9 +171,9 @@ def matmul(
     if x.data_ptr() % 16:  # the kernel reads x in 16-byte pieces
         x = x.clone()
     if rows <= MAX_ROWS:
-        return ext.w4a16_mm(x, qweight, scales, zeros, counters, group, split)
+        return ext.w4a16_mm(x, qweight, scales, zeros, counters, group, split, variant)
     parts = [
-        ext.w4a16_mm(x[i : i + MAX_ROWS], qweight, scales, zeros, counters, group, split)
+        ext.w4a16_mm(x[i : i + MAX_ROWS], qweight, scales, zeros, counters, group, split, variant)
         for i in range(0, rows, MAX_ROWS)
     ]
     return torch.cat(parts)

@@ -123,6 +123,7 @@ class Int4Linear(nn.Module):
             for name, tensor in weights.buffers().items():
                 self.register_buffer(name, tensor)
             self._cuda_split = weights.split
+            self._cuda_variant = 0  # benchmarks/gpu_int4.py tries development variants of the kernel
         elif kernel == "triton":
             from dflash_quant.export.gptq_v1 import _pack_dim0
 
@@ -158,7 +159,14 @@ class Int4Linear(nn.Module):
             flat = flat[:, self.perm]
         if self.kernel == "cuda":
             y = int4_cuda.matmul(
-                flat, self.qweight, self.scales, self.zeros, self.counters, self.group_size, self._cuda_split
+                flat,
+                self.qweight,
+                self.scales,
+                self.zeros,
+                self.counters,
+                self.group_size,
+                self._cuda_split,
+                self._cuda_variant,
             )
         elif self.kernel == "triton":
             from dflash_quant.int4_triton import w4a16_matmul

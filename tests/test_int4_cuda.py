@@ -167,3 +167,21 @@ def test_a_cuda_graph_replays_the_split_k_kernel():
         torch.cuda.synchronize()
         assert torch.equal(out, matmul(x, *args))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("split", [1, 3, 16])
+@pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304)])
+def test_development_variants_against_the_fp32_dequantized_matmul(variant, split, out_f, in_f):
+    from dflash_quant.int4_cuda import matmul
+
+    c, w = _layer(out_f, in_f, 128, seed=variant + split)
+    ref_w = c.dequantize().double()
+    for rows in (1, 16):
+        x = torch.randn(rows, in_f, device="cuda").to(torch.bfloat16)
+        out = matmul(x, w.qweight, w.scales, w.zeros, w.counters, 128, split, variant)
+        ref = x.double() @ ref_w.T
+        assert float((out.double() - ref).abs().max() / ref.abs().max()) < 4e-3
+        assert int(w.counters.abs().sum()) == 0
