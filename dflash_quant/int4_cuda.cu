@@ -332,32 +332,30 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // the last block adds up the column's partials (M rows x its 128 outputs) in split order, four outputs a
+  // thread at a time and eight splits' loads in flight: few round trips to L2 whatever the fragment layout
+  const int n0 = blockIdx.x * WARPS * 16, quads = min(WARPS * 16, N - n0) >> 2;
+  for (int e = threadIdx.x; e < M * quads; e += WARPS * 32) {
+    const int row = e / quads, n = n0 + 4 * (e - row * quads);
+    const float* src = ws + (int64_t)row * N + n;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < split; s0 += 8) {
+      float4 p[8];
 #pragma unroll
-  for (int i = 0; i < T; ++i) {
-    if (!live) continue;
-    const int n = (tile0 + i) * 8 + 2 * tig;
+      for (int u = 0; u < 8; ++u)
+        p[u] = s0 + u < split ? __ldcg(reinterpret_cast<const float4*>(src + (int64_t)(s0 + u) * M * N))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * m + gid + 8 * h;
-        if (row >= M) continue;
-        float2 sum = make_float2(0.f, 0.f);
-        for (int s0 = 0; s0 < split; s0 += 8) {  // eight loads in flight, then added in split order
-          float2 p[8];
-#pragma unroll
-          for (int u = 0; u < 8; ++u)
-            p[u] = s0 + u < split
-                       ? __ldcg(reinterpret_cast<const float2*>(ws + ((int64_t)(s0 + u) * M + row) * N + n))
-                       : make_float2(0.f, 0.f);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            sum.x += p[u].x;
-            sum.y += p[u].y;
-          }
-        }
-        *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n) = __floats2bfloat162_rn(sum.x, sum.y);
+      for (int u = 0; u < 8; ++u) {
+        sum.x += p[u].x;
+        sum.y += p[u].y;
+        sum.z += p[u].z;
+        sum.w += p[u].w;
       }
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n);
+    dst[0] = __floats2bfloat162_rn(sum.x, sum.y);
+    dst[1] = __floats2bfloat162_rn(sum.z, sum.w);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
