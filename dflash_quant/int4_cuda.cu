@@ -4,7 +4,7 @@
 //
 // Layout (int4_cuda.py packs it once at load): for each tile of 8 outputs x 128 inputs, 32 lanes x 16 bytes,
 // lane l's 16 bytes holding exactly the 32 codes that lane needs as the B operand of eight m16n8k16 MMAs
-// (the k16 steps of the tile), so one coalesced 16-byte load per lane feeds eight MMAs with no shuffles. A warp
+// (the k16 steps of the tile), so one coalesced 16-byte piece per lane feeds eight MMAs with no shuffles. A warp
 // owns a pair of tiles (16 outputs): the pair's two tiles of one 128-wide chunk are adjacent (1 KB) and its
 // chunks follow each other, so each warp streams through one contiguous stretch of memory.
 // Word i of a lane covers k16 steps 2i and 2i+1; nibble s of it is the code of output 8*tile + lane/4 at

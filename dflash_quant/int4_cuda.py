@@ -1,4 +1,4 @@
-"""Our CUDA int4 kernel (int4_cuda.cu): the codes pre-shuffled once at load so that each lane's one 16-byte load
+"""Our CUDA int4 kernel (int4_cuda.cu): the codes pre-shuffled once at load so that each lane's one 16-byte piece
 is its B operand for eight tensor-core MMAs. Built on first use by torch's extension builder (nvcc and ninja,
 cached under TORCH_EXTENSIONS_DIR); where it cannot be built, `build_problem` says why and `auto` moves on.
 """
