@@ -25,11 +25,12 @@ lint: setup
 	$(BIN)/ruff format --check $(LINT_PATHS)
 	$(BIN)/mypy dflash_quant
 
+# Two workers: the suite is one core's worth of CLI runs and tiny models (OMP_NUM_THREADS=1), so two cores halve it.
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not interop and not mlx"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not gpu and not interop and not mlx"
 
 # GPTQModel cross-check in its own environment (heavy; needs torch>=2.14.1).
 interop:
