@@ -4,7 +4,8 @@ CPU: the packed layout against the MMA operand layout of PTX's m16n8k16 (B fragm
 2(l%4)+{0,1} and 2(l%4)+8+{0,1} of column l/4, lower k in the lower half), decoded with the kernel's own bit
 operations (the bf16 128 + q trick), so a packing that feeds the wrong code to a lane fails here.
 gpu: every split-K path against the fp32 dequantized matmul, odd shapes and rows, determinism, the
-dequantizing path for many rows, and a CUDA graph replay.
+dequantizing path for many rows, a CUDA graph replay, the development variants. Where nvcc is installed (no GPU
+needed): the source compiles for sm_80 and sm_90 with torch's builder flags (slow).
 """
 
 from __future__ import annotations
@@ -185,3 +186,56 @@ def test_development_variants_against_the_fp32_dequantized_matmul(variant, split
         ref = x.double() @ ref_w.T
         assert float((out.double() - ref).abs().max() / ref.abs().max()) < 4e-3
         assert int(w.counters.abs().sum()) == 0
+
+
+def _nvcc() -> str | None:
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    found = shutil.which("nvcc") or (home and shutil.which("nvcc", path=os.path.join(home, "bin")))
+    return found or None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (set CUDA_HOME)")
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
+    """The CUDA source compiles for the oldest supported GPU (sm_80) and the H200's (sm_90) with the flags torch's
+    extension builder passes, so a change that breaks the build fails here, not on the first GPU run. A CPU build
+    of torch ships no c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in takes its place."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from dflash_quant.int4_cuda import SOURCE
+
+    stub = tmp_path / "inc" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    cmd = [
+        str(_nvcc()),
+        "-std=c++17",
+        "-O3",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "-Xptxas",
+        "-v",
+        *cpp_extension.COMMON_NVCC_FLAGS,
+        f"-I{tmp_path / 'inc'}",
+        *[f"-I{p}" for p in cpp_extension.include_paths()],
+        f"-I{sysconfig.get_paths()['include']}",
+        "-DTORCH_EXTENSION_NAME=int4_cuda_check",
+        "-D_GLIBCXX_USE_CXX11_ABI=1",
+        "-c",
+        str(SOURCE),
+        "-o",
+        str(tmp_path / "int4_cuda.o"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "int4_cuda.o").stat().st_size > 0
+    # every instance the dispatch can launch was compiled (ptxas names each kernel it compiles)
+    entries = [line for line in proc.stderr.splitlines() if "Compiling entry" in line and "w4a16_kernel" in line]
+    kernels = {line.split("w4a16_kernel")[1][:20] for line in entries}
+    assert len(kernels) == 10, kernels  # 4 groups x 2 row tiles + 2 development variants
