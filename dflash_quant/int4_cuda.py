@@ -125,10 +125,17 @@ def _sm_count(device: torch.device) -> int:
 def config(n: int, k: int, group: int, device: torch.device, variant: int = 0) -> int:
     """Split-K for an [n, k] weight at 16 rows: as many blocks as fit on the GPU at once, in one wave, each
     with at least 4 of the 128-wide chunks (fewer, and the partials' traffic and the pipeline's fill dominate)."""
+    outputs, per_sm = _kernel_shape(group, device, variant)
+    columns = -(-n // outputs)
+    return max(1, min(per_sm * _sm_count(device) // columns, (k // CHUNK) // 4))
+
+
+@functools.cache
+def _kernel_shape(group: int, device: torch.device, variant: int) -> tuple[int, int]:
+    """(outputs per block, blocks per SM) at 16 rows: one occupancy query per group and device, not per Linear."""
     with torch.cuda.device(device):
         outputs, per_sm = module().kernel_shape(group, 16, variant)
-    columns = -(-n // int(outputs))
-    return max(1, min(int(per_sm) * _sm_count(device) // columns, (k // CHUNK) // 4))
+    return int(outputs), int(per_sm)
 
 
 class CudaWeights:
