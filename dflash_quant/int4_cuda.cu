@@ -106,58 +106,52 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 // The copies of a block's chunks into their slots, in order, all asynchronous: x by the whole block (16 * MT
 // rows of 16 pieces of 16 bytes: MT pieces a thread), each warp its own codes (two pieces a lane, which only
 // that lane reads back) and its pair's zeros and scales (lanes 0..NG-1 a group's 16 zeros each, then two lanes
-// per group for its 16 scales). Every source address is worked out once, then advanced chunk by chunk.
+// per group for its 16 scales). A thread keeps 32-bit byte offsets of its pieces at chunk 0 and adds chunk k's
+// distance to the kernel's base pointers, so that few registers hold the copies' state (with 64-bit pointers
+// the compiler re-derived them from the thread index at every chunk).
 template <int GK, int MT>
 struct Fetcher {
   static constexpr int NG = GK < 8 ? 8 / GK : 1;
   using S = Slot<NG, MT>;
-  const __nv_bfloat16* x[MT];
+  uint32_t x_src[MT];  // byte offsets from x (row clamped to M - 1: rows past M are copied as zeros)
   int x_dst[MT];
-  bool x_row[MT];  // a row of x (else zeros, nothing read)
-  const uint4* w;
-  int w_dst;
-  const unsigned char* zs;
-  int64_t zs_step;  // bytes to the lane's zeros or scales of the next chunk's first group
-  int zs_dst, left, group_chunks;
+  bool x_row[MT];
+  uint32_t w_src;  // byte offset from qw of the lane's codes in chunk 0
+  int w_dst;       // the codes' place in the slot; zeros and scales follow 1 KB on
+  uint32_t zs_src, zs_group;  // byte offset from zeros or scales of group 0; bytes per group
+  bool zs_lane, zero_lane;
+  int group_chunks;
 
-  __device__ __forceinline__ Fetcher(const __nv_bfloat16* __restrict__ x0, int64_t sx, int M, const uint4* qw,
-                                     const uint8_t* zeros, const __half* scales, int p, int kt0, int N, int KT,
-                                     int group_chunks_, int warp, int lane)
+  __device__ __forceinline__ Fetcher(int64_t sx, int M, int p, int N, int KT, int group_chunks_, int warp, int lane)
       : group_chunks(group_chunks_) {
 #pragma unroll
     for (int u = 0; u < MT; ++u) {
       const int c = threadIdx.x + u * WARPS * 32, r = c >> 4, piece = c & 15;
-      x[u] = x0 + (int64_t)min(r, M - 1) * sx + (kt0 << 7) + 8 * piece;
+      x_src[u] = (uint32_t)(min(r, M - 1) * sx * 2 + 16 * piece);
       x_dst[u] = r * S::ROW * 2 + piece * 16;
       x_row[u] = r < M;
     }
-    w = qw + ((int64_t)p * KT + kt0) * 64 + lane;
+    w_src = (uint32_t)(((int64_t)p * KT * 64 + lane) * 16);
     w_dst = S::X_BYTES + warp * S::WARP_BYTES + 16 * lane;
-    const int g0 = GK == 16 ? kt0 / group_chunks : kt0 * NG;
-    const bool zero_lane = lane < NG;
+    zero_lane = lane < NG;
+    zs_lane = lane < 3 * NG;
     const int g = zero_lane ? lane : (lane - NG) >> 1;
-    zs = zero_lane ? zeros + (int64_t)(g0 + g) * N + 16 * p
-                   : reinterpret_cast<const unsigned char*>(scales + (int64_t)(g0 + g) * N + 16 * p + 8 * ((lane - NG) & 1));
-    zs_step = (int64_t)(GK == 16 ? 1 : NG) * N * (zero_lane ? 1 : 2);
-    zs_dst = lane < 3 * NG ? S::X_BYTES + warp * S::WARP_BYTES + 1024 + 16 * lane : -1;
-    left = GK == 16 ? group_chunks - kt0 % group_chunks : 0;
+    zs_src = zero_lane ? g * N + 16 * p : 2 * (g * N + 16 * p + 8 * ((lane - NG) & 1));
+    zs_group = zero_lane ? N : 2 * N;
   }
 
-  __device__ __forceinline__ void copy(unsigned char* slot) {
+  __device__ __forceinline__ void copy(unsigned char* slot, int k, const __nv_bfloat16* x, const uint4* qw,
+                                       const uint8_t* zeros, const __half* scales) {
 #pragma unroll
-    for (int u = 0; u < MT; ++u) {
-      copy_async(slot + x_dst[u], x[u], x_row[u]);
-      x[u] += 128;
-    }
+    for (int u = 0; u < MT; ++u)
+      copy_async(slot + x_dst[u], reinterpret_cast<const unsigned char*>(x) + x_src[u] + 256 * k, x_row[u]);
+    const unsigned char* w = reinterpret_cast<const unsigned char*>(qw) + w_src + ((uint32_t)k << 10);
     copy_async(slot + w_dst, w, true);
-    copy_async(slot + w_dst + 512, w + 32, true);
-    w += 64;
-    if (zs_dst >= 0) copy_async(slot + zs_dst, zs, true);
-    if (GK != 16) {
-      zs += zs_step;
-    } else if (--left == 0) {
-      zs += zs_step;
-      left = group_chunks;
+    copy_async(slot + w_dst + 512, w + 512, true);
+    if (zs_lane) {
+      const uint32_t g0 = GK == 16 ? (uint32_t)k / group_chunks : (uint32_t)k * NG;
+      const unsigned char* base = zero_lane ? zeros : reinterpret_cast<const unsigned char*>(scales);
+      copy_async(slot + w_dst + 1024, base + zs_src + g0 * zs_group, true);
     }
   }
 };
@@ -228,71 +222,13 @@ struct Tile {
   }
 };
 
-// S: slots per block; blocks per SM as many as their slots fit and the registers allow (4 blocks: 64 registers a
-// thread, for 16 rows; 3: 85, for 32)
-template <int GK, int MT, int S>
-constexpr int min_blocks() {
-  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = MT == 1 ? 4 : 3;
-  return b > most ? most : b < 1 ? 1 : b;
-}
-
-template <int GK, int MT, int S>
-__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
-    const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
-  using TileT = Tile<GK, MT>;
-  constexpr int NG = TileT::NG;
-  using SlotT = Slot<NG, MT>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// The block's results: bf16 straight to y (one block along K), else fp32 partials to the workspace and the last
+// block of the column adds them up in split order.
+template <int MT>
+__device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out,
+                                       float* __restrict__ ws, int* __restrict__ counters, int M, int N, int tile0,
+                                       bool live, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
-  const int NP = N >> 4, KT = K >> 7;
-  const int pair = blockIdx.x * WARPS + warp;
-  const bool live = pair < NP;
-  const int p = min(pair, NP - 1);  // a warp past the last output reads the last pair and stores nothing
-  const int tile0 = 2 * p;
-  const int kt0 = blockIdx.y * chunks;
-  const int kt1 = min(kt0 + chunks, KT);
-  const int group_chunks = group >> 7;  // GK >= 8 only
-  TileT tile;
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = 0.f;
-
-  // the copies run S - 1 chunks ahead of the multiplications; every step commits one group of copies (empty
-  // past the block's range) so that "all but the newest S - 2 groups" is always the chunk about to be used
-  Fetcher<GK, MT> fetcher(x, sx, M, qw, zeros, scales, p, kt0, N, KT, group_chunks, warp, lane);
-  int fk = kt0, fslot = 0;
-  auto fetch_next = [&]() {
-    if (fk < kt1) fetcher.copy(smem + fslot * SlotT::BYTES);
-    commit();
-    ++fk;
-    fslot = fslot == S - 1 ? 0 : fslot + 1;
-  };
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) fetch_next();
-  int slot = 0;
-  int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
-  for (int k = kt0; k < kt1; ++k) {
-    wait_group<S - 2>();
-    __syncthreads();  // chunk k landed for every thread, and every warp is done with chunk k - 1's slot
-    fetch_next();     // chunk k + S - 1, into chunk k - 1's slot
-    const unsigned char* sl = smem + slot * SlotT::BYTES;
-    Chunk<NG> c;
-    read_chunk<NG>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
-    bool group_end = true;
-    if (GK == 16) {
-      group_end = --group_left == 0 || k + 1 == kt1;
-      if (group_left == 0) group_left = group_chunks;
-    }
-    tile.multiply(c, reinterpret_cast<const __nv_bfloat16*>(sl), SlotT::ROW, group_end, lane);
-    slot = slot == S - 1 ? 0 : slot + 1;
-  }
-
   const int split = gridDim.y;
   if (split == 1) {
 #pragma unroll
@@ -306,7 +242,7 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
           const int row = 16 * m + gid + 8 * h;
           if (row < M)
             *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n) =
-                __floats2bfloat162_rn(tile.acc[m][i][2 * h], tile.acc[m][i][2 * h + 1]);
+                __floats2bfloat162_rn(acc[m][i][2 * h], acc[m][i][2 * h + 1]);
         }
     }
     return;
@@ -322,16 +258,21 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
         const int row = 16 * m + gid + 8 * h;
         if (row < M)
           *reinterpret_cast<float2*>(ws + ((int64_t)blockIdx.y * M + row) * N + n) =
-              make_float2(tile.acc[m][i][2 * h], tile.acc[m][i][2 * h + 1]);
+              make_float2(acc[m][i][2 * h], acc[m][i][2 * h + 1]);
       }
   }
-  __threadfence();  // this block's partials visible to whichever block adds them up
+  // count in: the barrier orders every thread's partials before thread 0's arrival, whose release (at GPU scope)
+  // publishes them and whose acquire, in the last block, makes the others' partials visible to it (then its
+  // barrier to all its threads): no full fences
   __syncthreads();
   __shared__ int last;
-  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == split - 1;
+  if (threadIdx.x == 0) {
+    int before;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(before) : "l"(counters + blockIdx.x) : "memory");
+    last = before == split - 1;
+  }
   __syncthreads();
   if (!last) return;
-  __threadfence();
   // the last block adds up the column's partials (M rows x its 128 outputs) in split order, four outputs a
   // thread at a time and eight splits' loads in flight: few round trips to L2 whatever the fragment layout
   const int n0 = blockIdx.x * WARPS * 16, quads = min(WARPS * 16, N - n0) >> 2;
@@ -358,6 +299,73 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
     dst[1] = __floats2bfloat162_rn(sum.z, sum.w);
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+}
+
+// S: slots per block; blocks per SM as many as their slots fit and the registers allow (4 blocks: 64 registers a
+// thread, for 16 rows; 3: 85, for 32)
+template <int GK, int MT, int S>
+constexpr int min_blocks() {
+  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = MT == 1 ? 4 : 3;
+  return b > most ? most : b < 1 ? 1 : b;
+}
+
+template <int GK, int MT, int S>
+__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
+    const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
+    const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
+  using TileT = Tile<GK, MT>;
+  constexpr int NG = TileT::NG;
+  using SlotT = Slot<NG, MT>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int NP = N >> 4, KT = K >> 7;
+  const int pair = blockIdx.x * WARPS + warp;
+  const bool live = pair < NP;
+  const int p = min(pair, NP - 1);  // a warp past the last output reads the last pair and stores nothing
+  const int tile0 = 2 * p;
+  const int kt0 = blockIdx.y * chunks;
+  const int kt1 = min(kt0 + chunks, KT);
+  const int group_chunks = group >> 7;  // GK >= 8 only
+  TileT tile;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = 0.f;
+
+  // the copies run S - 1 chunks ahead of the multiplications; every step commits one group of copies (empty
+  // past the block's range) so that "all but the newest S - 2 groups" is always the chunk about to be used
+  Fetcher<GK, MT> fetcher(sx, M, p, N, KT, group_chunks, warp, lane);
+  int fk = kt0, fslot = 0;
+  auto fetch_next = [&]() {
+    if (fk < kt1) fetcher.copy(smem + fslot * SlotT::BYTES, fk, x, qw, zeros, scales);
+    commit();
+    ++fk;
+    fslot = fslot == S - 1 ? 0 : fslot + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) fetch_next();
+  int slot = 0;
+  int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
+  for (int k = kt0; k < kt1; ++k) {
+    wait_group<S - 2>();
+    __syncthreads();  // chunk k landed for every thread, and every warp is done with chunk k - 1's slot
+    fetch_next();     // chunk k + S - 1, into chunk k - 1's slot
+    const unsigned char* sl = smem + slot * SlotT::BYTES;
+    Chunk<NG> c;
+    read_chunk<NG>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
+    bool group_end = true;
+    if (GK == 16) {
+      group_end = --group_left == 0 || k + 1 == kt1;
+      if (group_left == 0) group_left = group_chunks;
+    }
+    tile.multiply(c, reinterpret_cast<const __nv_bfloat16*>(sl), SlotT::ROW, group_end, lane);
+    slot = slot == S - 1 ? 0 : slot + 1;
+  }
+
+  finish<MT>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
 }
 
 // The bf16 weight [N, K] from the packed codes, each element bf16((q - z) * s) computed in fp32 (the
@@ -454,6 +462,8 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "x rows must be 16-byte aligned");
   TORCH_CHECK(qw.numel() == (int64_t)N * K / 8 && scales.size(0) == K / group, "operand sizes do not match");
+  TORCH_CHECK((int64_t)N * K / 2 < (int64_t{1} << 32) && (int64_t)M * x.stride(0) * 2 < (int64_t{1} << 32),
+              "the kernel addresses the weight and x with 32-bit byte offsets: split a larger Linear");
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const int KT = K / 128;
   int s = (int)std::max<int64_t>(1, std::min<int64_t>(split, KT));
