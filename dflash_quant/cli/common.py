@@ -95,7 +95,7 @@ def int4_kernel_option() -> Any:
         "--int4-kernel",
         help="How a 4-bit GPTQ drafter runs on CUDA (bf16): dequant (default: weights dequantized to bf16, the path "
         "of CPU and other bit widths) | auto | cuda | triton | tinygemm | gemlite. cuda is ours (built on first use: "
-        "needs nvcc and ninja); on an H200 it ran a Qwen3-8B-DFlash step's GEMMs at 0.55x bf16, but a small "
+        "needs nvcc and ninja); on an H200 it ran a Qwen3-8B-DFlash step's GEMMs at 0.53x bf16, but a small "
         "drafter's check is bound by launches, so the int4 kernels are opt-in.",
     )
 
