@@ -93,6 +93,27 @@ def test_a_missing_toolchain_is_named(monkeypatch, tmp_path):
     assert toolchain_problem() is None
 
 
+@pytest.mark.parametrize(
+    "n,k,split",
+    [
+        (4096, 20480, 8),  # fc: 4 blocks/SM would allow 16 splits; at most 8
+        (4096, 12288, 8),  # down
+        (24576, 4096, 2),  # gate+up: 192 columns, one wave at 2
+        (4096, 4096, 8),  # q, o: 32 chunks, at least 4 a block
+        (2048, 4096, 8),  # k+v
+        (4096, 1024, 2),  # 8 chunks: at least 4 a block
+        (65536, 4096, 1),  # 512 columns fill the GPU alone
+    ],
+)
+def test_the_split_fills_one_wave_with_at_least_4_chunks_and_at_most_8_splits(monkeypatch, n, k, split):
+    """The H200's shape (132 SMs, 4 blocks of 128 outputs per SM): the split the drafter's GEMMs get."""
+    import dflash_quant.int4_cuda as int4_cuda
+
+    monkeypatch.setattr(int4_cuda, "_kernel_shape", lambda group, device, variant: (128, 4))
+    monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
+    assert int4_cuda.config(n, k, 128, torch.device("cuda")) == split
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
