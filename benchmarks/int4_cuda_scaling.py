@@ -12,7 +12,6 @@ python benchmarks/int4_cuda_scaling.py --out results/int4_cuda_scaling.json
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
 from dflash_quant.int4_cuda import CudaWeights, matmul  # noqa: E402
 
 ROWS, LAUNCHES, REPLAYS = 16, 20, 15
@@ -71,12 +71,9 @@ def measure(k: int, split: int, gen: torch.Generator, n: int = 4096) -> dict:
 
 
 def fit(rows: list[dict]) -> dict:
-    """Least squares int4_us = a + b * chunks_per_block."""
-    xs = [r["chunks_per_block"] for r in rows]
-    ys = [r["int4_us"] for r in rows]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return {"fixed_us": my - b * mx, "per_chunk_us": b}
+    """Least squares int4_us = fixed + per_chunk * chunks_per_block."""
+    line = statistics.linear_regression([r["chunks_per_block"] for r in rows], [r["int4_us"] for r in rows])
+    return {"fixed_us": line.intercept, "per_chunk_us": line.slope}
 
 
 def main() -> None:
@@ -105,7 +102,7 @@ def main() -> None:
         print({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})
     print("fit", result["fixed_grid_fit"], "one-element kernel", round(node_us, 2), "us")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json_atomic(args.out, result)
 
 
 if __name__ == "__main__":
