@@ -301,19 +301,89 @@ __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
+// Development variant (sm_90): the split's blocks of a column launched as one cluster; each leaves its fp32
+// partials in its own shared memory and block r adds up its share of the column's outputs from every block's
+// shared memory, in split order (the workspace path's order, so the same bits): no workspace, atomic or last
+// block. Measured in session 9 with clusters of up to 16 (0.590x vs 0.555x): only split 2 gained.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float4 load_cluster(const void* local, int rank) {  // the same address in block `rank`
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(local))), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+#endif
+  return v;
+}
+
+template <int MT>
+__device__ __forceinline__ void cluster_sum(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out, int M,
+                                            int N, int lane, unsigned char* smem) {
+  const int gid = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
+  constexpr int OUT = 16 * WARPS;  // a block's outputs
+  float* part = reinterpret_cast<float*>(smem);  // [M][OUT], over the slots
+  __syncthreads();  // every warp is done with the slots
+#pragma unroll
+  for (int i = 0; i < T; ++i)
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * m + gid + 8 * h;
+        if (row < M)
+          *reinterpret_cast<float2*>(part + row * OUT + 16 * warp + 8 * i + 2 * tig) =
+              make_float2(acc[m][i][2 * h], acc[m][i][2 * h + 1]);
+      }
+  cluster_barrier();  // every block's partials are written
+  const int split = gridDim.y, rank = blockIdx.y;  // cluster (1, split, 1): a block's rank is its split index
+  const int n0 = blockIdx.x * OUT, quads = min(OUT, N - n0) >> 2;
+  for (int e = threadIdx.x + rank * WARPS * 32; e < M * quads; e += split * WARPS * 32) {
+    const int row = e / quads, q = e - row * quads;
+    const float* src = part + row * OUT + 4 * q;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < split; s0 += 4) {
+      float4 p[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) p[u] = s0 + u < split ? load_cluster(src, s0 + u) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        sum.x += p[u].x;
+        sum.y += p[u].y;
+        sum.z += p[u].z;
+        sum.w += p[u].w;
+      }
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n0 + 4 * q);
+    dst[0] = __floats2bfloat162_rn(sum.x, sum.y);
+    dst[1] = __floats2bfloat162_rn(sum.z, sum.w);
+  }
+  cluster_barrier();  // no block leaves (and frees its shared memory) while another still reads it
+}
+
 // S: slots per block; blocks per SM as many as their slots fit and the registers allow (4 blocks: 64 registers a
-// thread, for 16 rows; 3: 85, for 32)
-template <int GK, int MT, int S>
+// thread, for 16 rows; 3: 85, for 32); B > 0 asks for B blocks (fewer registers a thread, more warps an SM)
+template <int GK, int MT, int S, int B>
 constexpr int min_blocks() {
-  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = MT == 1 ? 4 : 3;
+  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = B ? B : MT == 1 ? 4 : 3;
   return b > most ? most : b < 1 ? 1 : b;
 }
 
-template <int GK, int MT, int S>
-__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
+// CL: the cluster split-K sum where the launch asks for it (`cluster`)
+template <int GK, int MT, int S, int B, bool CL>
+__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S, B>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
+    int* __restrict__ counters, int M, int N, int K, int group, int chunks, bool cluster) {
   using TileT = Tile<GK, MT>;
   constexpr int NG = TileT::NG;
   using SlotT = Slot<NG, MT>;
@@ -365,6 +435,10 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
     slot = slot == S - 1 ? 0 : slot + 1;
   }
 
+  if (CL && cluster) {
+    cluster_sum<MT>(tile.acc, out, M, N, lane, smem);
+    return;
+  }
   finish<MT>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
 }
 
@@ -396,12 +470,23 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
 
 constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
 
+int major(int device) {  // compute capability major, looked up once per device
+  static int majors[64] = {};
+  int m = device < 64 ? majors[device] : 0;
+  if (!m) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
+    if (device < 64) majors[device] = m;
+  }
+  return m;
+}
+
 // One instance of the kernel: group steps, row tiles, slots.
-template <int GK_, int MT_, int S_>
+template <int GK_, int MT_, int S_, int B = 0, bool CL_ = false>
 struct Config {
   static constexpr int GK = GK_, MT = MT_, S = S_;
+  static constexpr bool CL = CL_;
   static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
-  static constexpr auto kernel = w4a16_kernel<GK, MT, S>;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S, B, CL>;
 
   static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
     static uint64_t raised = 0;
@@ -414,13 +499,22 @@ struct Config {
   }
 };
 
-// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
-// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots.
+// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants at
+// group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots; 3: 5 blocks an SM (48
+// registers a thread), 4: 2 slots and 6 blocks (40), 5: 2 slots and 5 blocks; 6: the cluster split-K sum at
+// splits of 2..4 (sm_90), 7: both 3 and 6.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
-    if (variant == 1) f(Config<8, 1, 4>{});
-    else f(Config<8, 1, 2>{});
+    switch (variant) {
+      case 1: f(Config<8, 1, 4>{}); break;
+      case 2: f(Config<8, 1, 2>{}); break;
+      case 3: f(Config<8, 1, STAGES, 5>{}); break;
+      case 4: f(Config<8, 1, 2, 6>{}); break;
+      case 5: f(Config<8, 1, 2, 5>{}); break;
+      case 6: f(Config<8, 1, STAGES, 0, true>{}); break;
+      default: f(Config<8, 1, STAGES, 5, true>{}); break;
+    }
     return;
   }
   if (mt == 1) {
@@ -472,19 +566,43 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters: int32 on CUDA");
   auto out = at::empty({M, N}, x.options());
   at::Tensor ws;
-  if (s > 1) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   const int mt = M > 16 ? 2 : 1;
+  bool cluster = false;  // development variants 6-7 on sm_90: the split's blocks of a column as one cluster
+  dispatch((int)group, mt, (int)variant, [&](auto config) {
+    cluster = decltype(config)::CL && s > 1 && s <= 4 && major(x.get_device()) >= 9;
+  });
+  if (s > 1 && !cluster) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch((int)group, mt, (int)variant, [&](auto config) {
     using C = decltype(config);
     C::prepare();
     const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
     TORCH_CHECK(counters.numel() >= grid.x, "counters: one per block column (", grid.x, ") needed");
+    if (cluster) {
+      cudaLaunchConfig_t launch = {};
+      launch.gridDim = grid;
+      launch.blockDim = dim3(WARPS * 32);
+      launch.dynamicSmemBytes = C::SMEM;
+      launch.stream = stream;
+      cudaLaunchAttribute attribute[1];
+      attribute[0].id = cudaLaunchAttributeClusterDimension;
+      attribute[0].val.clusterDim.x = 1;
+      attribute[0].val.clusterDim.y = s;
+      attribute[0].val.clusterDim.z = 1;
+      launch.attrs = attribute;
+      launch.numAttrs = 1;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(
+          &launch, C::kernel, reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), (int64_t)x.stride(0),
+          reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
+          reinterpret_cast<const uint8_t*>(zeros.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+          static_cast<float*>(nullptr), counters.data_ptr<int>(), M, N, K, (int)group, chunks, true));
+      return;
+    }
     C::kernel<<<grid, WARPS * 32, C::SMEM, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint4*>(qw.data_ptr()),
         reinterpret_cast<const __half*>(scales.data_ptr()), zeros.data_ptr<uint8_t>(),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), s > 1 ? ws.data_ptr<float>() : nullptr,
-        counters.data_ptr<int>(), M, N, K, (int)group, chunks);
+        counters.data_ptr<int>(), M, N, K, (int)group, chunks, false);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
