@@ -142,9 +142,18 @@ struct Fetcher {
 
   __device__ __forceinline__ void copy(unsigned char* slot, int k, const __nv_bfloat16* x, const uint4* qw,
                                        const uint8_t* zeros, const __half* scales) {
+    copy_x(slot, k, x);
+    copy_w(slot, k, qw, zeros, scales);
+  }
+
+  __device__ __forceinline__ void copy_x(unsigned char* slot, int k, const __nv_bfloat16* x) {
 #pragma unroll
     for (int u = 0; u < MT; ++u)
       copy_async(slot + x_dst[u], reinterpret_cast<const unsigned char*>(x) + x_src[u] + 256 * k, x_row[u]);
+  }
+
+  __device__ __forceinline__ void copy_w(unsigned char* slot, int k, const uint4* qw, const uint8_t* zeros,
+                                         const __half* scales) {
     const unsigned char* w = reinterpret_cast<const unsigned char*>(qw) + w_src + ((uint32_t)k << 10);
     copy_async(slot + w_dst, w, true);
     copy_async(slot + w_dst + 512, w + 512, true);
@@ -378,8 +387,17 @@ constexpr int min_blocks() {
   return b > most ? most : b < 1 ? 1 : b;
 }
 
-// CL: the cluster split-K sum where the launch asks for it (`cluster`)
-template <int GK, int MT, int S, int B, bool CL>
+__device__ __forceinline__ void wait_for_previous_kernel() {
+  // with programmatic dependent launch this kernel may start before the one before it has finished: everything
+  // that kernel may write (x) or read (the memory of out and the workspace) waits for it here; without, a no-op
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// CL: the cluster split-K sum where the launch asks for it (`cluster`); PDL: the first chunks' weights fetched
+// before waiting for the previous kernel (launched with programmatic stream serialization on sm_90)
+template <int GK, int MT, int S, int B, bool CL, bool PDL>
 __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S, B>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
@@ -415,8 +433,22 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S, B>())) w4a1
     ++fk;
     fslot = fslot == S - 1 ? 0 : fslot + 1;
   };
+  if (PDL) {  // the weights do not depend on the previous kernel: their loads overlap its end
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) fetch_next();
+    for (int s = 0; s < S - 1; ++s)
+      if (kt0 + s < kt1) fetcher.copy_w(smem + s * SlotT::BYTES, kt0 + s, qw, zeros, scales);
+    wait_for_previous_kernel();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (kt0 + s < kt1) fetcher.copy_x(smem + s * SlotT::BYTES, kt0 + s, x);
+      commit();
+    }
+    fk = kt0 + S - 1;
+    fslot = S - 1;
+  } else {
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) fetch_next();
+  }
   int slot = 0;
   int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
   for (int k = kt0; k < kt1; ++k) {
@@ -481,12 +513,12 @@ int major(int device) {  // compute capability major, looked up once per device
 }
 
 // One instance of the kernel: group steps, row tiles, slots.
-template <int GK_, int MT_, int S_, int B = 0, bool CL_ = false>
+template <int GK_, int MT_, int S_, int B = 0, bool CL_ = false, bool PDL_ = false>
 struct Config {
   static constexpr int GK = GK_, MT = MT_, S = S_;
-  static constexpr bool CL = CL_;
+  static constexpr bool CL = CL_, PDL = PDL_;
   static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
-  static constexpr auto kernel = w4a16_kernel<GK, MT, S, B, CL>;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S, B, CL, PDL>;
 
   static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
     static uint64_t raised = 0;
@@ -502,7 +534,7 @@ struct Config {
 // f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants at
 // group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots; 3: 5 blocks an SM (48
 // registers a thread), 4: 2 slots and 6 blocks (40), 5: 2 slots and 5 blocks; 6: the cluster split-K sum at
-// splits of 2..4 (sm_90), 7: both 3 and 6.
+// splits of 2..4 (sm_90), 7: both 3 and 6; 8: programmatic dependent launch (sm_90), 9: 3, 6 and 8.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
@@ -513,7 +545,9 @@ void dispatch(int group, int mt, int variant, F&& f) {
       case 4: f(Config<8, 1, 2, 6>{}); break;
       case 5: f(Config<8, 1, 2, 5>{}); break;
       case 6: f(Config<8, 1, STAGES, 0, true>{}); break;
-      default: f(Config<8, 1, STAGES, 5, true>{}); break;
+      case 7: f(Config<8, 1, STAGES, 5, true>{}); break;
+      case 8: f(Config<8, 1, STAGES, 0, false, true>{}); break;
+      default: f(Config<8, 1, STAGES, 5, true, true>{}); break;
     }
     return;
   }
@@ -567,9 +601,12 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   auto out = at::empty({M, N}, x.options());
   at::Tensor ws;
   const int mt = M > 16 ? 2 : 1;
-  bool cluster = false;  // development variants 6-7 on sm_90: the split's blocks of a column as one cluster
+  // development variants on sm_90: the split's blocks of a column as one cluster; programmatic dependent launch
+  bool cluster = false, pdl = false;
   dispatch((int)group, mt, (int)variant, [&](auto config) {
-    cluster = decltype(config)::CL && s > 1 && s <= 4 && major(x.get_device()) >= 9;
+    const bool sm90 = major(x.get_device()) >= 9;
+    cluster = decltype(config)::CL && s > 1 && s <= 4 && sm90;
+    pdl = decltype(config)::PDL && sm90;
   });
   if (s > 1 && !cluster) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -578,24 +615,32 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     C::prepare();
     const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
     TORCH_CHECK(counters.numel() >= grid.x, "counters: one per block column (", grid.x, ") needed");
-    if (cluster) {
+    if (cluster || pdl) {
       cudaLaunchConfig_t launch = {};
       launch.gridDim = grid;
       launch.blockDim = dim3(WARPS * 32);
       launch.dynamicSmemBytes = C::SMEM;
       launch.stream = stream;
-      cudaLaunchAttribute attribute[1];
-      attribute[0].id = cudaLaunchAttributeClusterDimension;
-      attribute[0].val.clusterDim.x = 1;
-      attribute[0].val.clusterDim.y = s;
-      attribute[0].val.clusterDim.z = 1;
+      cudaLaunchAttribute attribute[2];
+      int n = 0;
+      if (cluster) {
+        attribute[n].id = cudaLaunchAttributeClusterDimension;
+        attribute[n].val.clusterDim.x = 1;
+        attribute[n].val.clusterDim.y = s;
+        attribute[n++].val.clusterDim.z = 1;
+      }
+      if (pdl) {
+        attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+      }
       launch.attrs = attribute;
-      launch.numAttrs = 1;
+      launch.numAttrs = n;
       C10_CUDA_CHECK(cudaLaunchKernelEx(
           &launch, C::kernel, reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), (int64_t)x.stride(0),
           reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
           reinterpret_cast<const uint8_t*>(zeros.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-          static_cast<float*>(nullptr), counters.data_ptr<int>(), M, N, K, (int)group, chunks, true));
+          s > 1 && !cluster ? ws.data_ptr<float>() : nullptr, counters.data_ptr<int>(), M, N, K, (int)group,
+          chunks, cluster));
       return;
     }
     C::kernel<<<grid, WARPS * 32, C::SMEM, stream>>>(
