@@ -108,19 +108,33 @@ def captured(fn):
 
 def cuda_variant(mod: torch.nn.Module, options: list[str]) -> None:
     """Our CUDA kernel's configuration changed by OPTIONS: `v3` development variant 3 of the kernel (int4_cuda.cu's
-    dispatch) with its own split-K, `x2` / `x0.5` the split-K scaled."""
+    dispatch) with its own split-K, `b4` the split-K rule's as if 4 blocks fit an SM, `x2` / `x0.5` the split-K
+    scaled."""
     from dflash_quant.int4_cuda import config
 
-    for option in sorted(options, key=lambda o: not o.startswith("v")):  # a variant's split first, then scaled
+    order = {"v": 0, "b": 1, "x": 2}  # the variant first, then the split from the rule, then scaled
+    for option in sorted(options, key=lambda o: order.get(o[:1], 3)):
         if option.startswith("v"):
             mod._cuda_variant = int(option[1:])
             mod._cuda_split = config(
                 mod.out_features, mod.in_features, mod.group_size, mod.qweight.device, mod._cuda_variant
             )
+        elif option.startswith("b"):
+            mod._cuda_split = config(
+                mod.out_features,
+                mod.in_features,
+                mod.group_size,
+                mod.qweight.device,
+                mod._cuda_variant,
+                per_sm=int(option[1:]),
+            )
         elif option.startswith("x"):
             mod._cuda_split = max(1, round(mod._cuda_split * float(option[1:])))
         else:
-            raise ValueError(f"cuda variant {option!r}: use vN (kernel variant) or xF (split-K scaled), e.g. v2:x0.5")
+            raise ValueError(
+                f"cuda variant {option!r}: use vN (kernel variant), bN (split as if N blocks an SM) or xF (split-K"
+                " scaled), e.g. v3:b4"
+            )
 
 
 def gemm(args) -> dict:
@@ -412,7 +426,7 @@ def main() -> None:
         default="cuda+fused,triton+fused,gemlite,tinygemm",
         help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter "
         "runs them), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
-        "kernel's split-K, vN: its development variant N: cuda+fused:x0.5:v2)",
+        "kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant N: cuda+fused:x0.5:v2)",
     )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)

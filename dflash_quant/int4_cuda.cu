@@ -534,7 +534,7 @@ struct Config {
 // f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants at
 // group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots; 3: 5 blocks an SM (48
 // registers a thread), 4: 2 slots and 6 blocks (40), 5: 2 slots and 5 blocks; 6: the cluster split-K sum at
-// splits of 2..4 (sm_90), 7: both 3 and 6; 8: programmatic dependent launch (sm_90), 9: 3, 6 and 8.
+// splits of 2..4 (sm_90), 7: both 3 and 6; 8: programmatic dependent launch (sm_90), 9: 3, 6 and 8, 10: 3 and 8.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
@@ -547,7 +547,8 @@ void dispatch(int group, int mt, int variant, F&& f) {
       case 6: f(Config<8, 1, STAGES, 0, true>{}); break;
       case 7: f(Config<8, 1, STAGES, 5, true>{}); break;
       case 8: f(Config<8, 1, STAGES, 0, false, true>{}); break;
-      default: f(Config<8, 1, STAGES, 5, true, true>{}); break;
+      case 9: f(Config<8, 1, STAGES, 5, true, true>{}); break;
+      default: f(Config<8, 1, STAGES, 5, false, true>{}); break;
     }
     return;
   }

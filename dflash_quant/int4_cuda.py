@@ -125,11 +125,12 @@ def _sm_count(device: torch.device) -> int:
 MAX_SPLIT = 8  # the last block adds up to 8 splits' partials in one round of loads (16 took two: slower on the H200)
 
 
-def config(n: int, k: int, group: int, device: torch.device, variant: int = 0) -> int:
+def config(n: int, k: int, group: int, device: torch.device, variant: int = 0, per_sm: int | None = None) -> int:
     """Split-K for an [n, k] weight at 16 rows: as many blocks as fit on the GPU at once, in one wave, each
     with at least 4 of the 128-wide chunks (fewer, and the partials' traffic and the pipeline's fill dominate),
-    and at most MAX_SPLIT of them along K."""
-    outputs, per_sm = _kernel_shape(group, device, variant)
+    and at most MAX_SPLIT of them along K. per_sm: blocks an SM in place of the kernel's occupancy (benchmarks)."""
+    outputs, fit = _kernel_shape(group, device, variant)
+    per_sm = fit if per_sm is None else per_sm
     columns = -(-n // outputs)
     return max(1, min(per_sm * _sm_count(device) // columns, (k // CHUNK) // 4, MAX_SPLIT))
 

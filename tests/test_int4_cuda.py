@@ -114,6 +114,18 @@ def test_the_split_fills_one_wave_with_at_least_4_chunks_and_at_most_8_splits(mo
     assert int4_cuda.config(n, k, 128, torch.device("cuda")) == split
 
 
+def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatch):
+    """benchmarks/gpu_int4.py's cuda:bN: a kernel variant that fits 5 blocks an SM measured at the split of 4."""
+    import dflash_quant.int4_cuda as int4_cuda
+
+    monkeypatch.setattr(int4_cuda, "_kernel_shape", lambda group, device, variant: (128, 5 if variant else 4))
+    monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert int4_cuda.config(24576, 4096, 128, cuda, variant=3) == 3  # 660 block slots over 192 columns
+    assert int4_cuda.config(24576, 4096, 128, cuda, variant=3, per_sm=4) == 2  # 528
+    assert int4_cuda.config(24576, 4096, 128, cuda, per_sm=8) == 5
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -193,7 +205,7 @@ def test_a_cuda_graph_replays_the_split_k_kernel():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304)])
 def test_development_variants_against_the_fp32_dequantized_matmul(variant, split, out_f, in_f):
@@ -261,4 +273,4 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     # every instance the dispatch can launch was compiled (ptxas names each kernel it compiles)
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry" in line and "w4a16_kernel" in line]
     kernels = {line.split("w4a16_kernel")[1].split("v")[0] for line in entries}  # the template arguments
-    assert len(kernels) == 17, kernels  # 4 groups x 2 row tiles + 9 development variants
+    assert len(kernels) == 18, kernels  # 4 groups x 2 row tiles + 10 development variants
