@@ -77,24 +77,23 @@ __device__ __forceinline__ uint32_t word_of(const uint4& w, int i) {
 
 constexpr int T = 2;  // output tiles of 8 per warp (a pair: the layout interleaves them by chunk)
 
-// One chunk (128 inputs) of a warp's T output tiles (2: a pair; 1: half a pair, development variants of 16
-// warps), in registers: the codes, and the raw zero and scale of each group the chunk touches (NG of them).
-template <int NG, int T = 2>
+// One chunk (128 inputs) of a warp's two output tiles, in registers: the codes, and the raw zero and scale of
+// each group the chunk touches (NG of them).
+template <int NG>
 struct Chunk {
   uint4 w[T];
   uint32_t z[T][NG];  // zero of output 8 * tile + lane / 4
   uint32_t s[T][NG];  // fp16 scales of outputs 8 * tile + 2 * (lane % 4) + {0, 1}
 };
 
-// One chunk's slot in shared memory: x (16 * MT rows of the chunk's 128 inputs), then for each of the W warps
-// its tiles' codes (512 bytes a tile) and the zeros (16 bytes) and fp16 scales (32 bytes) of its pair's outputs
-// in each group it touches.
-template <int NG, int MT, int W = WARPS>
+// One chunk's slot in shared memory: x (16 * MT rows of the chunk's 128 inputs), then for each warp its pair's
+// codes (1 KB) and the zeros (16 bytes) and fp16 scales (32 bytes) of the pair's outputs in each group it touches.
+template <int NG, int MT>
 struct Slot {
   static constexpr int ROW = 136;  // elements a row: +16 bytes so that ldmatrix's eight rows land in distinct banks
   static constexpr int X_BYTES = 16 * MT * ROW * 2;
-  static constexpr int WARP_BYTES = 512 * (16 / W) + 48 * NG;
-  static constexpr int BYTES = X_BYTES + W * WARP_BYTES;
+  static constexpr int WARP_BYTES = 1024 + 48 * NG;
+  static constexpr int BYTES = X_BYTES + WARPS * WARP_BYTES;
 };
 
 template <int N>
@@ -110,33 +109,29 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 // per group for its 16 scales). A thread keeps 32-bit byte offsets of its pieces at chunk 0 and adds chunk k's
 // distance to the kernel's base pointers, so that few registers hold the copies' state (with 64-bit pointers
 // the compiler re-derived them from the thread index at every chunk).
-template <int GK, int MT, int W = WARPS>
+template <int GK, int MT>
 struct Fetcher {
-  static constexpr int NG = GK < 8 ? 8 / GK : 1, T = 16 / W;
-  static constexpr int XP = (8 * MT + W - 1) / W;        // x pieces a thread
-  static constexpr bool SOME_X = XP * W * 32 > 256 * MT;  // not every thread has one
-  using S = Slot<NG, MT, W>;
-  uint32_t x_src[XP];  // byte offsets from x (row clamped to M - 1: rows past M are copied as zeros)
-  int x_dst[XP];
-  bool x_row[XP];
+  static constexpr int NG = GK < 8 ? 8 / GK : 1;
+  using S = Slot<NG, MT>;
+  uint32_t x_src[MT];  // byte offsets from x (row clamped to M - 1: rows past M are copied as zeros)
+  int x_dst[MT];
+  bool x_row[MT];
   uint32_t w_src;  // byte offset from qw of the lane's codes in chunk 0
   int w_dst;       // the codes' place in the slot; zeros and scales follow 1 KB on
   uint32_t zs_src, zs_group;  // byte offset from zeros or scales of group 0; bytes per group
   bool zs_lane, zero_lane;
   int group_chunks;
 
-  // h: the half of the pair a one-tile warp takes
-  __device__ __forceinline__ Fetcher(int64_t sx, int M, int p, int h, int N, int KT, int group_chunks_, int warp,
-                                     int lane)
+  __device__ __forceinline__ Fetcher(int64_t sx, int M, int p, int N, int KT, int group_chunks_, int warp, int lane)
       : group_chunks(group_chunks_) {
 #pragma unroll
-    for (int u = 0; u < XP; ++u) {
-      const int c = threadIdx.x + u * W * 32, r = c >> 4, piece = c & 15;
+    for (int u = 0; u < MT; ++u) {
+      const int c = threadIdx.x + u * WARPS * 32, r = c >> 4, piece = c & 15;
       x_src[u] = (uint32_t)(min(r, M - 1) * sx * 2 + 16 * piece);
       x_dst[u] = r * S::ROW * 2 + piece * 16;
       x_row[u] = r < M;
     }
-    w_src = (uint32_t)(((int64_t)p * KT * 64 + 32 * h + lane) * 16);
+    w_src = (uint32_t)(((int64_t)p * KT * 64 + lane) * 16);
     w_dst = S::X_BYTES + warp * S::WARP_BYTES + 16 * lane;
     zero_lane = lane < NG;
     zs_lane = lane < 3 * NG;
@@ -147,50 +142,38 @@ struct Fetcher {
 
   __device__ __forceinline__ void copy(unsigned char* slot, int k, const __nv_bfloat16* x, const uint4* qw,
                                        const uint8_t* zeros, const __half* scales) {
-    copy_x(slot, k, x);
-    copy_w(slot, k, qw, zeros, scales);
-  }
-
-  __device__ __forceinline__ void copy_x(unsigned char* slot, int k, const __nv_bfloat16* x) {
 #pragma unroll
-    for (int u = 0; u < XP; ++u)
-      if (!SOME_X || threadIdx.x + u * W * 32 < 256 * MT)
-        copy_async(slot + x_dst[u], reinterpret_cast<const unsigned char*>(x) + x_src[u] + 256 * k, x_row[u]);
-  }
-
-  __device__ __forceinline__ void copy_w(unsigned char* slot, int k, const uint4* qw, const uint8_t* zeros,
-                                         const __half* scales) {
+    for (int u = 0; u < MT; ++u)
+      copy_async(slot + x_dst[u], reinterpret_cast<const unsigned char*>(x) + x_src[u] + 256 * k, x_row[u]);
     const unsigned char* w = reinterpret_cast<const unsigned char*>(qw) + w_src + ((uint32_t)k << 10);
     copy_async(slot + w_dst, w, true);
-    if (T == 2) copy_async(slot + w_dst + 512, w + 512, true);
+    copy_async(slot + w_dst + 512, w + 512, true);
     if (zs_lane) {
       const uint32_t g0 = GK == 16 ? (uint32_t)k / group_chunks : (uint32_t)k * NG;
       const unsigned char* base = zero_lane ? zeros : reinterpret_cast<const unsigned char*>(scales);
-      copy_async(slot + w_dst + 512 * T, base + zs_src + g0 * zs_group, true);
+      copy_async(slot + w_dst + 1024, base + zs_src + g0 * zs_group, true);
     }
   }
 };
 
-// The lane's part of a warp's chunk, from the warp's part of the slot (h: a one-tile warp's half of the pair).
-template <int NG, int T = 2>
-__device__ __forceinline__ void read_chunk(Chunk<NG, T>& c, const unsigned char* mine, int lane, int h = 0) {
+// The lane's part of a warp's chunk, from the warp's part of the slot.
+template <int NG>
+__device__ __forceinline__ void read_chunk(Chunk<NG>& c, const unsigned char* mine, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
-  constexpr int ZS = 512 * T;  // the pair's zeros and scales after the warp's codes
 #pragma unroll
   for (int i = 0; i < T; ++i) {
-    const int t = T == 2 ? i : h;  // the tile in the pair
     c.w[i] = *reinterpret_cast<const uint4*>(mine + 512 * i + 16 * lane);
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
-      c.z[i][g] = mine[ZS + 16 * g + 8 * t + gid];
-      c.s[i][g] = *reinterpret_cast<const uint32_t*>(mine + ZS + 16 * NG + 32 * g + 2 * (8 * t + 2 * tig));
+      c.z[i][g] = mine[1024 + 16 * g + 8 * i + gid];
+      c.s[i][g] = *reinterpret_cast<const uint32_t*>(mine + 1024 + 16 * NG + 32 * g + 2 * (8 * i + 2 * tig));
     }
   }
 }
 
 // GK: k16 steps per group (2 for group 32, 4 for 64, 8 for 128, 16 for any multiple of 256: groups of whole
 // chunks); MT: 16-row tiles of x (1 or 2).
-template <int GK, int MT, int T = 2>
+template <int GK, int MT>
 struct Tile {
   static constexpr int NG = GK < 8 ? 8 / GK : 1;  // groups a chunk touches
   float acc[MT][T][4];
@@ -198,7 +181,7 @@ struct Tile {
 
   // multiply one chunk: xs is its x in shared memory (rows `row` elements apart); group_end_chunk: whether a
   // group ends with this chunk (GK >= 8)
-  __device__ __forceinline__ void multiply(const Chunk<NG, T>& c, const __nv_bfloat16* xs, int row,
+  __device__ __forceinline__ void multiply(const Chunk<NG>& c, const __nv_bfloat16* xs, int row,
                                            bool group_end_chunk, int lane) {
     uint32_t neg_zero[T];
     float2 scale[T];
@@ -241,7 +224,7 @@ struct Tile {
 
 // The block's results: bf16 straight to y (one block along K), else fp32 partials to the workspace and the last
 // block of the column adds them up in split order.
-template <int MT, int T = 2, int THREADS = WARPS * 32>
+template <int MT>
 __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out,
                                        float* __restrict__ ws, int* __restrict__ counters, int M, int N, int tile0,
                                        bool live, int lane) {
@@ -293,7 +276,7 @@ __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat
   // the last block adds up the column's partials (M rows x its 128 outputs) in split order, four outputs a
   // thread at a time and eight splits' loads in flight: few round trips to L2 whatever the fragment layout
   const int n0 = blockIdx.x * WARPS * 16, quads = min(WARPS * 16, N - n0) >> 2;
-  for (int e = threadIdx.x; e < M * quads; e += THREADS) {
+  for (int e = threadIdx.x; e < M * quads; e += WARPS * 32) {
     const int row = e / quads, n = n0 + 4 * (e - row * quads);
     const float* src = ws + (int64_t)row * N + n;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -318,112 +301,29 @@ __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
-// Development variant (sm_90): the split's blocks of a column launched as one cluster; each leaves its fp32
-// partials in its own shared memory and block r adds up its share of the column's outputs from every block's
-// shared memory, in split order (the workspace path's order, so the same bits): no workspace, atomic or last
-// block. Measured in session 9 with clusters of up to 16 (0.590x vs 0.555x): only split 2 gained.
-__device__ __forceinline__ void cluster_barrier() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ float4 load_cluster(const void* local, int rank) {  // the same address in block `rank`
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(local))), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-#endif
-  return v;
-}
-
-template <int MT>
-__device__ __forceinline__ void cluster_sum(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out, int M,
-                                            int N, int lane, unsigned char* smem) {
-  const int gid = lane >> 2, tig = lane & 3, warp = threadIdx.x >> 5;
-  constexpr int OUT = 16 * WARPS;  // a block's outputs
-  float* part = reinterpret_cast<float*>(smem);  // [M][OUT], over the slots
-  __syncthreads();  // every warp is done with the slots
-#pragma unroll
-  for (int i = 0; i < T; ++i)
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * m + gid + 8 * h;
-        if (row < M)
-          *reinterpret_cast<float2*>(part + row * OUT + 16 * warp + 8 * i + 2 * tig) =
-              make_float2(acc[m][i][2 * h], acc[m][i][2 * h + 1]);
-      }
-  cluster_barrier();  // every block's partials are written
-  const int split = gridDim.y, rank = blockIdx.y;  // cluster (1, split, 1): a block's rank is its split index
-  const int n0 = blockIdx.x * OUT, quads = min(OUT, N - n0) >> 2;
-  for (int e = threadIdx.x + rank * WARPS * 32; e < M * quads; e += split * WARPS * 32) {
-    const int row = e / quads, q = e - row * quads;
-    const float* src = part + row * OUT + 4 * q;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < split; s0 += 4) {
-      float4 p[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) p[u] = s0 + u < split ? load_cluster(src, s0 + u) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        sum.x += p[u].x;
-        sum.y += p[u].y;
-        sum.z += p[u].z;
-        sum.w += p[u].w;
-      }
-    }
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + (int64_t)row * N + n0 + 4 * q);
-    dst[0] = __floats2bfloat162_rn(sum.x, sum.y);
-    dst[1] = __floats2bfloat162_rn(sum.z, sum.w);
-  }
-  cluster_barrier();  // no block leaves (and frees its shared memory) while another still reads it
-}
-
 // S: slots per block; blocks per SM as many as their slots fit and the registers allow (4 blocks: 64 registers a
-// thread, for 16 rows; 3: 85, for 32); B > 0 asks for B blocks (fewer registers a thread, more warps an SM);
-// W = 16 warps: 3 blocks (42 registers)
-template <int GK, int MT, int S, int B, int W = WARPS>
+// thread, for 16 rows; 3: 85, for 32)
+template <int GK, int MT, int S>
 constexpr int min_blocks() {
-  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT, W>::BYTES);
-  constexpr int most = B ? B : W == 16 ? 3 : MT == 1 ? 4 : 3;
+  constexpr int b = (220 * 1024) / (S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES), most = MT == 1 ? 4 : 3;
   return b > most ? most : b < 1 ? 1 : b;
 }
 
-__device__ __forceinline__ void wait_for_previous_kernel() {
-  // with programmatic dependent launch this kernel may start before the one before it has finished: everything
-  // that kernel may write (x) or read (the memory of out and the workspace) waits for it here; without, a no-op
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// CL: the cluster split-K sum where the launch asks for it (`cluster`); PDL: the first chunks' weights fetched
-// before waiting for the previous kernel (launched with programmatic stream serialization on sm_90)
-// W: warps a block (8, each on a pair of tiles; 16, each on one tile: development variants)
-template <int GK, int MT, int S, int B, bool CL, bool PDL, int W>
-__global__ void __launch_bounds__(W * 32, (min_blocks<GK, MT, S, B, W>())) w4a16_kernel(
+template <int GK, int MT, int S>
+__global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int group, int chunks, bool cluster) {
-  constexpr int T = 16 / W;  // tiles a warp
-  using TileT = Tile<GK, MT, T>;
+    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
+  using TileT = Tile<GK, MT>;
   constexpr int NG = TileT::NG;
-  using SlotT = Slot<NG, MT, W>;
+  using SlotT = Slot<NG, MT>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int NP = N >> 4, KT = K >> 7;
-  const int pair = blockIdx.x * WARPS + (T == 2 ? warp : warp >> 1), h = T == 2 ? 0 : warp & 1;
+  const int pair = blockIdx.x * WARPS + warp;
   const bool live = pair < NP;
   const int p = min(pair, NP - 1);  // a warp past the last output reads the last pair and stores nothing
-  const int tile0 = 2 * p + h;
+  const int tile0 = 2 * p;
   const int kt0 = blockIdx.y * chunks;
   const int kt1 = min(kt0 + chunks, KT);
   const int group_chunks = group >> 7;  // GK >= 8 only
@@ -437,7 +337,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<GK, MT, S, B, W>())) w4a16
 
   // the copies run S - 1 chunks ahead of the multiplications; every step commits one group of copies (empty
   // past the block's range) so that "all but the newest S - 2 groups" is always the chunk about to be used
-  Fetcher<GK, MT, W> fetcher(sx, M, p, h, N, KT, group_chunks, warp, lane);
+  Fetcher<GK, MT> fetcher(sx, M, p, N, KT, group_chunks, warp, lane);
   int fk = kt0, fslot = 0;
   auto fetch_next = [&]() {
     if (fk < kt1) fetcher.copy(smem + fslot * SlotT::BYTES, fk, x, qw, zeros, scales);
@@ -445,22 +345,8 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<GK, MT, S, B, W>())) w4a16
     ++fk;
     fslot = fslot == S - 1 ? 0 : fslot + 1;
   };
-  if (PDL) {  // the weights do not depend on the previous kernel: their loads overlap its end
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-      if (kt0 + s < kt1) fetcher.copy_w(smem + s * SlotT::BYTES, kt0 + s, qw, zeros, scales);
-    wait_for_previous_kernel();
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (kt0 + s < kt1) fetcher.copy_x(smem + s * SlotT::BYTES, kt0 + s, x);
-      commit();
-    }
-    fk = kt0 + S - 1;
-    fslot = S - 1;
-  } else {
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) fetch_next();
-  }
+  for (int s = 0; s < S - 1; ++s) fetch_next();
   int slot = 0;
   int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;  // chunks until the current group ends
   for (int k = kt0; k < kt1; ++k) {
@@ -468,8 +354,8 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<GK, MT, S, B, W>())) w4a16
     __syncthreads();  // chunk k landed for every thread, and every warp is done with chunk k - 1's slot
     fetch_next();     // chunk k + S - 1, into chunk k - 1's slot
     const unsigned char* sl = smem + slot * SlotT::BYTES;
-    Chunk<NG, T> c;
-    read_chunk<NG, T>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane, h);
+    Chunk<NG> c;
+    read_chunk<NG>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
     bool group_end = true;
     if (GK == 16) {
       group_end = --group_left == 0 || k + 1 == kt1;
@@ -479,13 +365,7 @@ __global__ void __launch_bounds__(W * 32, (min_blocks<GK, MT, S, B, W>())) w4a16
     slot = slot == S - 1 ? 0 : slot + 1;
   }
 
-  if constexpr (CL && W == WARPS) {
-    if (cluster) {
-      cluster_sum<MT>(tile.acc, out, M, N, lane, smem);
-      return;
-    }
-  }
-  finish<MT, T, W * 32>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
+  finish<MT>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
 }
 
 // The bf16 weight [N, K] from the packed codes, each element bf16((q - z) * s) computed in fp32 (the
@@ -516,24 +396,12 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
 
 constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
 
-int major(int device) {  // compute capability major, looked up once per device
-  static int majors[64] = {};
-  int m = device < 64 ? majors[device] : 0;
-  if (!m) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device));
-    if (device < 64) majors[device] = m;
-  }
-  return m;
-}
-
 // One instance of the kernel: group steps, row tiles, slots.
-template <int GK_, int MT_, int S_, int B = 0, bool CL_ = false, bool PDL_ = false, int W_ = WARPS>
+template <int GK_, int MT_, int S_>
 struct Config {
   static constexpr int GK = GK_, MT = MT_, S = S_;
-  static constexpr bool CL = CL_, PDL = PDL_;
-  static constexpr int W = W_;  // warps a block
-  static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT, W>::BYTES;
-  static constexpr auto kernel = w4a16_kernel<GK, MT, S, B, CL, PDL, W>;
+  static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S>;
 
   static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
     static uint64_t raised = 0;
@@ -546,28 +414,13 @@ struct Config {
   }
 };
 
-// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants at
-// group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots; 3: 5 blocks an SM (48
-// registers a thread), 4: 2 slots and 6 blocks (40), 5: 2 slots and 5 blocks; 6: the cluster split-K sum at
-// splits of 2..4 (sm_90), 7: both 3 and 6; 8: programmatic dependent launch (sm_90), 9: 3, 6 and 8, 10: 3 and 8;
-// 11: 16 warps of one tile each (3 blocks an SM), 12: 11 with 4 slots.
+// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
+// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
-    switch (variant) {
-      case 1: f(Config<8, 1, 4>{}); break;
-      case 2: f(Config<8, 1, 2>{}); break;
-      case 3: f(Config<8, 1, STAGES, 5>{}); break;
-      case 4: f(Config<8, 1, 2, 6>{}); break;
-      case 5: f(Config<8, 1, 2, 5>{}); break;
-      case 6: f(Config<8, 1, STAGES, 0, true>{}); break;
-      case 7: f(Config<8, 1, STAGES, 5, true>{}); break;
-      case 8: f(Config<8, 1, STAGES, 0, false, true>{}); break;
-      case 9: f(Config<8, 1, STAGES, 5, true, true>{}); break;
-      case 10: f(Config<8, 1, STAGES, 5, false, true>{}); break;
-      case 11: f(Config<8, 1, STAGES, 0, false, false, 16>{}); break;
-      default: f(Config<8, 1, 4, 0, false, false, 16>{}); break;
-    }
+    if (variant == 1) f(Config<8, 1, 4>{});
+    else f(Config<8, 1, 2>{});
     return;
   }
   if (mt == 1) {
@@ -619,54 +472,19 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   TORCH_CHECK(counters.is_cuda() && counters.scalar_type() == at::kInt, "counters: int32 on CUDA");
   auto out = at::empty({M, N}, x.options());
   at::Tensor ws;
+  if (s > 1) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   const int mt = M > 16 ? 2 : 1;
-  // development variants on sm_90: the split's blocks of a column as one cluster; programmatic dependent launch
-  bool cluster = false, pdl = false;
-  dispatch((int)group, mt, (int)variant, [&](auto config) {
-    const bool sm90 = major(x.get_device()) >= 9;
-    cluster = decltype(config)::CL && s > 1 && s <= 4 && sm90;
-    pdl = decltype(config)::PDL && sm90;
-  });
-  if (s > 1 && !cluster) ws = at::empty({s, M, N}, x.options().dtype(at::kFloat));
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch((int)group, mt, (int)variant, [&](auto config) {
     using C = decltype(config);
     C::prepare();
     const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
     TORCH_CHECK(counters.numel() >= grid.x, "counters: one per block column (", grid.x, ") needed");
-    if (cluster || pdl) {
-      cudaLaunchConfig_t launch = {};
-      launch.gridDim = grid;
-      launch.blockDim = dim3(C::W * 32);
-      launch.dynamicSmemBytes = C::SMEM;
-      launch.stream = stream;
-      cudaLaunchAttribute attribute[2];
-      int n = 0;
-      if (cluster) {
-        attribute[n].id = cudaLaunchAttributeClusterDimension;
-        attribute[n].val.clusterDim.x = 1;
-        attribute[n].val.clusterDim.y = s;
-        attribute[n++].val.clusterDim.z = 1;
-      }
-      if (pdl) {
-        attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attribute[n++].val.programmaticStreamSerializationAllowed = 1;
-      }
-      launch.attrs = attribute;
-      launch.numAttrs = n;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(
-          &launch, C::kernel, reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), (int64_t)x.stride(0),
-          reinterpret_cast<const uint4*>(qw.data_ptr()), reinterpret_cast<const __half*>(scales.data_ptr()),
-          reinterpret_cast<const uint8_t*>(zeros.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-          s > 1 && !cluster ? ws.data_ptr<float>() : nullptr, counters.data_ptr<int>(), M, N, K, (int)group,
-          chunks, cluster));
-      return;
-    }
-    C::kernel<<<grid, C::W * 32, C::SMEM, stream>>>(
+    C::kernel<<<grid, WARPS * 32, C::SMEM, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint4*>(qw.data_ptr()),
         reinterpret_cast<const __half*>(scales.data_ptr()), zeros.data_ptr<uint8_t>(),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), s > 1 ? ws.data_ptr<float>() : nullptr,
-        counters.data_ptr<int>(), M, N, K, (int)group, chunks, false);
+        counters.data_ptr<int>(), M, N, K, (int)group, chunks);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -680,7 +498,7 @@ std::tuple<int64_t, int64_t> kernel_shape(int64_t group, int64_t rows, int64_t v
   dispatch((int)group, rows > 16 ? 2 : 1, (int)variant, [&](auto config) {
     using C = decltype(config);
     C::prepare();
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, C::kernel, C::W * 32, C::SMEM));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, C::kernel, WARPS * 32, C::SMEM));
     outputs = 16 * WARPS;
   });
   return {outputs, blocks};

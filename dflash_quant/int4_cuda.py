@@ -158,10 +158,6 @@ class CudaWeights:
         # one counter per block column (of 16 * WARPS outputs or more: enough for every variant of the kernel)
         columns = -(-self.out_features // (16 * WARPS))
         self.counters = torch.zeros(columns, dtype=torch.int32, device=codes.device)
-        # a kernel launched as a programmatic dependent (development variants 8-10) reads its weights before
-        # waiting for the kernel before it, so no kernel still writing them may be left in the stream
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(codes.device).synchronize()
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros, "counters": self.counters}
