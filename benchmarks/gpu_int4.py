@@ -112,29 +112,23 @@ def cuda_variant(mod: torch.nn.Module, options: list[str]) -> None:
     scaled."""
     from dflash_quant.int4_cuda import config
 
-    order = {"v": 0, "b": 1, "x": 2}  # the variant first, then the split from the rule, then scaled
-    for option in sorted(options, key=lambda o: order.get(o[:1], 3)):
-        if option.startswith("v"):
-            mod._cuda_variant = int(option[1:])
-            mod._cuda_split = config(
-                mod.out_features, mod.in_features, mod.group_size, mod.qweight.device, mod._cuda_variant
-            )
-        elif option.startswith("b"):
-            mod._cuda_split = config(
-                mod.out_features,
-                mod.in_features,
-                mod.group_size,
-                mod.qweight.device,
-                mod._cuda_variant,
-                per_sm=int(option[1:]),
-            )
-        elif option.startswith("x"):
-            mod._cuda_split = max(1, round(mod._cuda_split * float(option[1:])))
+    per_sm, scale = None, 1.0
+    for option in options:
+        if option[:1] in ("v", "b", "x") and option[1:]:
+            value = option[1:]
+            if option[0] == "v":
+                mod._cuda_variant = int(value)
+            elif option[0] == "b":
+                per_sm = int(value)
+            else:
+                scale = float(value)
         else:
             raise ValueError(
                 f"cuda variant {option!r}: use vN (kernel variant), bN (split as if N blocks an SM) or xF (split-K"
                 " scaled), e.g. v3:b4"
             )
+    split = config(mod.out_features, mod.in_features, mod.group_size, mod.qweight.device, mod._cuda_variant, per_sm)
+    mod._cuda_split = max(1, round(split * scale))
 
 
 def gemm(args) -> dict:

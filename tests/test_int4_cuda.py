@@ -126,6 +126,38 @@ def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatc
     assert int4_cuda.config(24576, 4096, 128, cuda, per_sm=8) == 5
 
 
+def test_the_benchmarks_kernel_options_set_the_variant_and_split(monkeypatch):
+    """benchmarks/gpu_int4.py's cuda:OPT[:OPT]: vN the variant, bN the rule's blocks an SM, xF the split scaled;
+    anything else is refused by name."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    import dflash_quant.int4_cuda as int4_cuda
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_int4.py"
+    spec = importlib.util.spec_from_file_location("gpu_int4_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(int4_cuda, "_kernel_shape", lambda group, device, variant: (128, 5 if variant else 4))
+    monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
+
+    def gate_up(options: list[str]) -> tuple[int, int]:
+        mod = types.SimpleNamespace(out_features=24576, in_features=4096, group_size=128, qweight=torch.empty(0))
+        mod._cuda_variant, mod._cuda_split = 0, 2
+        bench.cuda_variant(mod, options)
+        return mod._cuda_variant, mod._cuda_split
+
+    assert gate_up(["x2"]) == (0, 4)
+    assert gate_up(["v3"]) == (3, 3)  # 5 blocks an SM: 660 slots over 192 columns
+    assert gate_up(["b4", "v3"]) == (3, 2)  # the order of the options does not matter
+    assert gate_up(["v3", "x0.5"]) == (3, 2)  # round(1.5)
+    for bad in (["q1"], ["v"], ["x"]):
+        with pytest.raises(ValueError, match="cuda variant"):
+            gate_up(bad)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
