@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from int4_cuda_scaling import per_launch_us  # noqa: E402
+from int4_cuda_scaling import per_launch_us, random_weights  # noqa: E402
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
-from dflash_quant.int4_cuda import CudaWeights, module  # noqa: E402
+from dflash_quant.int4_cuda import module  # noqa: E402
 
 # (name, out, in, GEMMs of this shape in a step)
 SHAPES = [
@@ -65,10 +65,7 @@ def main() -> None:
     for rows in (16, 32, 8):
         shapes, step = [], {"old": 0.0, "new": 0.0}
         for name, n, k, count in SHAPES:
-            codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8, device="cuda")
-            zeros = torch.randint(1, 16, (k // 128, n), generator=gen, device="cuda")
-            scales = (torch.rand(k // 128, n, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.float16)
-            w = CudaWeights(codes, zeros, scales, 128)
+            w = random_weights(n, k, gen)
             x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
             calls = {
                 b: (

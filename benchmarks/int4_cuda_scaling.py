@@ -49,11 +49,16 @@ def per_launch_us(fn) -> float:
     return statistics.median(times)
 
 
-def measure(k: int, split: int, gen: torch.Generator, n: int = 4096) -> dict:
+def random_weights(n: int, k: int, gen: torch.Generator) -> CudaWeights:
+    """A random int4 [n, k] Linear in the kernel's layout, group 128."""
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8, device="cuda")
     zeros = torch.randint(1, 16, (k // 128, n), generator=gen, device="cuda")
     scales = (torch.rand(k // 128, n, generator=gen, device="cuda") * 0.02 + 1e-3).to(torch.float16)
-    w = CudaWeights(codes, zeros, scales, 128)
+    return CudaWeights(codes, zeros, scales, 128)
+
+
+def measure(k: int, split: int, gen: torch.Generator, n: int = 4096) -> dict:
+    w = random_weights(n, k, gen)
     x = torch.randn(ROWS, k, generator=gen, device="cuda").bfloat16()
     bf16 = torch.randn(n, k, generator=gen, device="cuda").bfloat16()
     chunks = -(-(k // 128) // split)
@@ -65,7 +70,7 @@ def measure(k: int, split: int, gen: torch.Generator, n: int = 4096) -> dict:
         "blocks": -(-n // 128) * -(-(k // 128) // chunks),
         "int4_us": per_launch_us(lambda: matmul(x, w.qweight, w.scales, w.zeros, w.counters, 128, split)),
         "bf16_us": per_launch_us(lambda: x @ bf16.T),
-        "int4_mb": (codes.numel() // 2 + scales.numel() * 3) / 1e6,
+        "int4_mb": (n * k // 2 + w.scales.numel() * 3) / 1e6,
     }
     return row
 
