@@ -1,8 +1,9 @@
-"""Where the shipped int4 kernel's time goes (issue #16, development probe): builds of `dflash_quant/int4_cuda.cu`
-with one stage left out each (no loads after the pipeline's fill, no split-K sum, no multiply, no zero subtraction,
-no MMA), timed on the drafter's GEMM shapes at 16 rows next to the shipped build and bf16, in one run. The builds
-that leave something out compute wrong results: they exist only to be timed. Each timing is a CUDA graph cycling
-through enough copies of the weight that nothing is served from L2.
+"""Where the int4 kernel's time goes (issue #16, development probe): builds of `dflash_quant/int4_cuda.cu` with one
+stage left out each (no loads after the pipeline's fill, no split-K sum, no multiply, no zero subtraction, no MMA),
+each timed on the drafter's GEMM shapes at 16 rows as the kernel variants asked for (`--variants 0,8`: the default
+and variant 8), next to the unchanged build and bf16, in one run. A part left out of one kernel leaves the other
+as it is. The builds that leave something out compute wrong results: they exist only to be timed. Each timing is a
+CUDA graph cycling through enough copies of the weight that nothing is served from L2.
 
 python benchmarks/int4_cuda_parts.py --out results/int4_cuda_dev/int4_cuda_parts.json
 """
@@ -24,6 +25,7 @@ from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import random_weights  # noqa: E402
 from int4_load_probe import ROTATE_BYTES, graph_us  # noqa: E402
 
+from dflash_quant import int4_cuda  # noqa: E402
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
 from dflash_quant.int4_cuda import SOURCE  # noqa: E402
 
@@ -45,6 +47,13 @@ PARTS: dict[str, list[tuple[str, str]]] = {
     "no_zero": [
         ("minus_zero(code_pair(bits), neg_zero[i])", "code_pair(bits)"),
         ("minus_zero(code_pair(bits >> 4), neg_zero[i])", "code_pair(bits >> 4)"),
+    ],
+    "bulk_no_multiply": [
+        (
+            "        tile.multiply(c, reinterpret_cast<const __nv_bfloat16*>(st + St::CODES + St::ZS) + 128 * ci, St::XROW / 2,\n"
+            "                      group_end, lane);",
+            "        tile.acc[0][0][0] += __int_as_float(c.w[0].x ^ c.w[1].y ^ c.z[0][0] ^ c.s[1][0]);",
+        )
     ],
     "no_mma": [
         (
@@ -69,11 +78,15 @@ def variant_source(edits: list[tuple[str, str]], folder: Path, name: str) -> Pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variants", default="0", help="kernel variants to time each build as, e.g. 0,8")
     args = ap.parse_args()
+    variants = [int(v) for v in args.variants.split(",")]
     from torch.utils.cpp_extension import load
 
     folder = Path(tempfile.mkdtemp(prefix="int4_parts_"))
-    sources = {"shipped": SOURCE} | {name: variant_source(e, folder, name) for name, e in PARTS.items()}
+    bulk = "w4a16_bulk_kernel" in SOURCE.read_text()  # the bulk-copy kernel's parts only where it is in the source
+    parts = {name: e for name, e in PARTS.items() if bulk or not name.startswith("bulk_")}
+    sources = {"shipped": SOURCE} | {name: variant_source(e, folder, name) for name, e in parts.items()}
 
     def build(item: tuple[str, Path]):
         name, src = item
@@ -95,14 +108,18 @@ def main() -> None:
             for _ in range(max(2, -(-ROTATE_BYTES // (2 * n * k))))
         ]
         timings = {"bf16": graph_us([lambda b=b, x=x: x @ b.T for b in bf])}
+        splits = {v: int4_cuda.config(n, k, 128, dev, v) for v in variants}
         for label, ext in builds.items():
-            timings[label] = graph_us(
-                [
-                    lambda c=c, e=ext, x=x: e.w4a16_mm(x, c.qweight, c.scales, c.zeros, c.counters, 128, c.split, 0)
-                    for c in cw
-                ]
-            )
-        rows.append({"shape": name, "n": n, "k": k, "split": cw[0].split, "us": timings})
+            for v in variants:  # the same build's kernels: a part left out of one leaves the other as it is
+                timings[f"{label} v{v}"] = graph_us(
+                    [
+                        lambda c=c, e=ext, x=x, v=v, sp=splits[v]: e.w4a16_mm(
+                            x, c.qweight, c.scales, c.zeros, c.counters, 128, sp, v
+                        )
+                        for c in cw
+                    ]
+                )
+        rows.append({"shape": name, "n": n, "k": k, "splits": splits, "us": timings})
         print(name, {key: round(v, 2) for key, v in timings.items()}, flush=True)
         del cw, bf
         torch.cuda.empty_cache()

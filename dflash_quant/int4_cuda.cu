@@ -225,13 +225,7 @@ struct Tile {
 // The block's results: bf16 straight to y (one block along K), else fp32 partials to the workspace and the last
 // block of the column adds them up in split order. The two store loops are written out on purpose: one helper
 // taking the store as a lambda gave the same bits 2 % slower at 16 rows on the H200 (session 10's A/B).
-template <bool ALL>
-__device__ __forceinline__ void sync_consumers() {  // the block's WARPS computing warps (ALL: every thread)
-  if (ALL) __syncthreads();
-  else asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
-}
-
-template <int MT, bool ALL = true>
+template <int MT>
 __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out,
                                        float* __restrict__ ws, int* __restrict__ counters, int M, int N, int tile0,
                                        bool live, int lane) {
@@ -271,14 +265,14 @@ __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat
   // count in: the barrier orders every thread's partials before thread 0's arrival, whose release (at GPU scope)
   // publishes them and whose acquire, in the last block, makes the others' partials visible to it (then its
   // barrier to all its threads): no full fences
-  sync_consumers<ALL>();
+  __syncthreads();
   __shared__ int last;
   if (threadIdx.x == 0) {
     int before;
     asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(before) : "l"(counters + blockIdx.x) : "memory");
     last = before == split - 1;
   }
-  sync_consumers<ALL>();
+  __syncthreads();
   if (!last) return;
   // the last block adds up the column's partials (M rows x its 128 outputs) in split order, four outputs a
   // thread at a time and eight splits' loads in flight: few round trips to L2 whatever the fragment layout
@@ -375,175 +369,6 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
   finish<MT>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
 }
 
-// Development variants (sm_90 only): the same multiply fed by the copy engine. A ninth, producer warp issues each
-// stage's bulk copies (cp.async.bulk: each pair's CPB chunks of codes, 1 KB a chunk, contiguous in the pair layout;
-// x's rows; the block's zeros and scales of each group), which complete on the stage's "full" mbarrier; the eight
-// computing warps wait on it and release the stage on its "empty" mbarrier. No block barrier a chunk, and the
-// computing warps issue no copies.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define DQ_SM90 1
-#endif
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-#ifdef DQ_SM90
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, int bytes) {  // arrive, and expect `bytes` to land
-#ifdef DQ_SM90
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#ifdef DQ_SM90
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {  // until phase `parity` completed
-#ifdef DQ_SM90
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra WAIT;\n}" ::
-          "r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-#endif
-}
-
-__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, int bytes, uint64_t* bar) {
-#ifdef DQ_SM90
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(smem)),
-               "l"(gmem), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-#endif
-}
-
-// One stage: each warp's pair's CPB chunks of codes (1 KB a chunk), then per chunk and group the block's 128 zeros
-// and 128 fp16 scales (384 bytes), then x (16 * MT rows of the stage's CPB * 128 inputs).
-template <int NG, int MT, int CPB>
-struct Stage {
-  static constexpr int XROW = CPB * 256 + 16;  // bytes a row of x: +16 so that ldmatrix's eight rows hit distinct banks
-  static constexpr int CODES = WARPS * CPB * 1024;
-  static constexpr int ZS = CPB * NG * 384;
-  static constexpr int BYTES = CODES + ZS + 16 * MT * XROW;
-};
-
-template <int GK, int MT, int S, int CPB, int BLOCKS>
-__global__ void __launch_bounds__((WARPS + 1) * 32, BLOCKS) w4a16_bulk_kernel(
-    const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
-    const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
-    int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
-#ifdef DQ_SM90
-  using TileT = Tile<GK, MT>;
-  constexpr int NG = TileT::NG;
-  using St = Stage<NG, MT, CPB>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * St::BYTES);
-  uint64_t* empty = full + S;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int NP = N >> 4, KT = K >> 7;
-  const int kt0 = blockIdx.y * chunks;
-  const int kt1 = min(kt0 + chunks, KT);
-  const int stages = (kt1 - kt0 + CPB - 1) / CPB;
-  const int group_chunks = group >> 7;  // GK == 16 only
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + s, 1);
-      mbar_init(empty + s, WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == WARPS) {  // the producer
-    const int n0 = blockIdx.x * WARPS * 16, outs = min(WARPS * 16, N - n0), rows = min(M, 16 * MT);
-    const unsigned char* codes = reinterpret_cast<const unsigned char*>(qw);
-    const unsigned char* xb = reinterpret_cast<const unsigned char*>(x);
-    const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
-    int s = 0, phase = 0;
-    for (int t = 0; t < stages; ++t) {
-      if (t >= S) mbar_wait(empty + s, phase ^ 1);
-      const int k = kt0 + t * CPB, n = min(CPB, kt1 - k), zs_copies = n * NG;
-      unsigned char* st = smem + s * St::BYTES;
-      if (lane == 0) mbar_expect(full + s, WARPS * n * 1024 + rows * n * 256 + zs_copies * 3 * outs);
-      __syncwarp();
-      for (int c = lane; c < WARPS + rows + 2 * zs_copies; c += 32) {
-        if (c < WARPS) {  // pair c's chunks (a pair past the last output copies the last pair again)
-          const int p = min((int)blockIdx.x * WARPS + c, NP - 1);
-          bulk_copy(st + c * CPB * 1024, codes + ((int64_t)p * KT + k) * 1024, n * 1024, full + s);
-        } else if (c < WARPS + rows) {  // a row of x
-          const int r = c - WARPS;
-          bulk_copy(st + St::CODES + St::ZS + r * St::XROW, xb + r * sx * 2 + k * 256, n * 256, full + s);
-        } else {  // zeros, then scales, of chunk z / NG's group z % NG
-          const int zc = c - WARPS - rows, z = zc < zs_copies ? zc : zc - zs_copies;
-          const int g = GK == 16 ? (k + z / NG) / group_chunks : (k + z / NG) * NG + z % NG;
-          if (zc < zs_copies)
-            bulk_copy(st + St::CODES + z * 384, zeros + (int64_t)g * N + n0, outs, full + s);
-          else
-            bulk_copy(st + St::CODES + z * 384 + 128, sb + 2 * ((int64_t)g * N + n0), 2 * outs, full + s);
-        }
-      }
-      if (++s == S) s = 0, phase ^= 1;
-    }
-    return;
-  }
-
-  const int pair = blockIdx.x * WARPS + warp;
-  const bool live = pair < NP;
-  const int tile0 = 2 * min(pair, NP - 1);
-  const int gid = lane >> 2, tig = lane & 3;
-  TileT tile;
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = 0.f;
-  int group_left = GK == 16 ? group_chunks - kt0 % group_chunks : 1;
-  int s = 0, phase = 0;
-  for (int t = 0; t < stages; ++t) {
-    mbar_wait(full + s, phase);
-    const unsigned char* st = smem + s * St::BYTES;
-    const int k = kt0 + t * CPB;
-#pragma unroll
-    for (int ci = 0; ci < CPB; ++ci) {
-      if (ci == 0 || k + ci < kt1) {
-        Chunk<NG> c;
-        const unsigned char* mine = st + (warp * CPB + ci) * 1024;
-        const unsigned char* zs = st + St::CODES + ci * NG * 384;
-#pragma unroll
-        for (int i = 0; i < T; ++i) {
-          c.w[i] = *reinterpret_cast<const uint4*>(mine + 512 * i + 16 * lane);
-#pragma unroll
-          for (int g = 0; g < NG; ++g) {
-            c.z[i][g] = zs[384 * g + 16 * warp + 8 * i + gid];
-            c.s[i][g] = *reinterpret_cast<const uint32_t*>(zs + 384 * g + 128 + 2 * (16 * warp + 8 * i + 2 * tig));
-          }
-        }
-        bool group_end = true;
-        if (GK == 16) {
-          group_end = --group_left == 0 || k + ci + 1 == kt1;
-          if (group_left == 0) group_left = group_chunks;
-        }
-        tile.multiply(c, reinterpret_cast<const __nv_bfloat16*>(st + St::CODES + St::ZS) + 128 * ci, St::XROW / 2,
-                      group_end, lane);
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty + s);
-    if (++s == S) s = 0, phase ^= 1;
-  }
-  finish<MT, false>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
-#endif
-}
-
 // The bf16 weight [N, K] from the packed codes, each element bf16((q - z) * s) computed in fp32 (the
 // dequantized path's weight): for inputs of many rows, where a bf16 GEMM is compute-bound.
 __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __restrict__ scales,
@@ -572,56 +397,31 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
 
 constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
 
-// Let the kernel of config C have its shared memory (more than 48 KB needs asking), once per device.
-template <typename C>
-void raise_smem() {
-  static uint64_t raised = 0;  // one per config: this template's instance
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !(raised >> device & 1)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(C::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
-    if (device < 64) raised |= uint64_t{1} << device;
-  }
-}
-
 // One instance of the kernel: group steps, row tiles, slots.
 template <int GK_, int MT_, int S_>
 struct Config {
-  static constexpr int GK = GK_, MT = MT_, S = S_, THREADS = WARPS * 32;
+  static constexpr int GK = GK_, MT = MT_, S = S_;
   static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
   static constexpr auto kernel = w4a16_kernel<GK, MT, S>;
-  static void prepare() { raise_smem<Config>(); }
-};
 
-// One instance of the bulk-copy development kernel: S stages of CPB chunks, BLOCKS an SM asked of the compiler.
-template <int GK_, int MT_, int S_, int CPB, int BLOCKS>
-struct BulkConfig {
-  static constexpr int GK = GK_, MT = MT_, S = S_, THREADS = (WARPS + 1) * 32;
-  static constexpr int SMEM = S * Stage<GK < 8 ? 8 / GK : 1, MT, CPB>::BYTES + 2 * S * 8;
-  static constexpr auto kernel = w4a16_bulk_kernel<GK, MT, S, CPB, BLOCKS>;
-  static void prepare() {
-    int device = 0, major = 0;
+  static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
+    static uint64_t raised = 0;
+    int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    TORCH_CHECK(major >= 9, "the bulk-copy variants of the int4 kernel need compute capability 9.0 (Hopper)");
-    raise_smem<BulkConfig>();
+    if (device >= 64 || !(raised >> device & 1)) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+      if (device < 64) raised |= uint64_t{1} << device;
+    }
   }
 };
 
-// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants at group
-// 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots; 3-7: the bulk-copy kernel with
-// (stages, chunks a stage, blocks an SM) (4, 1, 4), (3, 1, 4), (5, 1, 3), (2, 2, 4), (3, 2, 2).
+// f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
+// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
-  TORCH_CHECK(variant >= 0 && variant <= 7, "kernel variant ", variant, ": 0..7");
   if (mt == 1 && group == 128 && variant) {
     if (variant == 1) f(Config<8, 1, 4>{});
-    else if (variant == 2) f(Config<8, 1, 2>{});
-    else if (variant == 3) f(BulkConfig<8, 1, 4, 1, 4>{});
-    else if (variant == 4) f(BulkConfig<8, 1, 3, 1, 4>{});
-    else if (variant == 5) f(BulkConfig<8, 1, 5, 1, 3>{});
-    else if (variant == 6) f(BulkConfig<8, 1, 2, 2, 4>{});
-    else f(BulkConfig<8, 1, 3, 2, 2>{});
+    else f(Config<8, 1, 2>{});
     return;
   }
   if (mt == 1) {
@@ -681,7 +481,7 @@ at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     C::prepare();
     const dim3 grid((N / 16 + WARPS - 1) / WARPS, s);  // a block: 8 warps of 16 outputs
     TORCH_CHECK(counters.numel() >= grid.x, "counters: one per block column (", grid.x, ") needed");
-    C::kernel<<<grid, C::THREADS, C::SMEM, stream>>>(
+    C::kernel<<<grid, WARPS * 32, C::SMEM, stream>>>(
         reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint4*>(qw.data_ptr()),
         reinterpret_cast<const __half*>(scales.data_ptr()), zeros.data_ptr<uint8_t>(),
         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), s > 1 ? ws.data_ptr<float>() : nullptr,
@@ -699,7 +499,7 @@ std::tuple<int64_t, int64_t> kernel_shape(int64_t group, int64_t rows, int64_t v
   dispatch((int)group, rows > 16 ? 2 : 1, (int)variant, [&](auto config) {
     using C = decltype(config);
     C::prepare();
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, C::kernel, C::THREADS, C::SMEM));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, C::kernel, WARPS * 32, C::SMEM));
     outputs = 16 * WARPS;
   });
   return {outputs, blocks};

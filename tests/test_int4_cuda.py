@@ -237,14 +237,12 @@ def test_a_cuda_graph_replays_the_split_k_kernel():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304)])
 def test_development_variants_against_the_fp32_dequantized_matmul(variant, split, out_f, in_f):
     from dflash_quant.int4_cuda import matmul
 
-    if variant >= 3 and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk-copy variants need a Hopper GPU")
     c, w = _layer(out_f, in_f, 128, seed=variant + split)
     ref_w = c.dequantize().double()
     for rows in (1, 16):
@@ -308,9 +306,3 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry" in line and "w4a16_kernel" in line]
     kernels = {line.split("w4a16_kernel")[1].split("v")[0] for line in entries}  # the template arguments
     assert len(kernels) == 10, kernels  # 4 groups x 2 row tiles + 2 development variants
-    bulk = {
-        line.split("w4a16_bulk_kernel")[1].split("v")[0]
-        for line in proc.stderr.splitlines()
-        if "Compiling entry" in line and "w4a16_bulk_kernel" in line
-    }
-    assert len(bulk) == 5, bulk  # the bulk-copy development variants 3-7 (empty bodies below sm_90)
