@@ -26,17 +26,18 @@ from dflash_quant.int4_cuda import CudaWeights, matmul  # noqa: E402
 ROWS, LAUNCHES, REPLAYS = 16, 20, 15
 
 
-def per_launch_us(fn) -> float:
-    """Median over replays of a graph of LAUNCHES calls, per call, in microseconds."""
+def graph_us(fns: list) -> float:
+    """Median over REPLAYS replays of one CUDA graph calling each of fns once, per call, in microseconds (the first
+    three calls made once before capture: builds, allocations)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for fn in fns[:3]:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
+        for fn in fns:
             fn()
     times = []
     for _ in range(REPLAYS):
@@ -45,8 +46,13 @@ def per_launch_us(fn) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAUNCHES)
+        times.append(start.elapsed_time(end) * 1000 / len(fns))
     return statistics.median(times)
+
+
+def per_launch_us(fn) -> float:
+    """A graph of LAUNCHES back-to-back calls of fn, per call, in microseconds."""
+    return graph_us([fn] * LAUNCHES)
 
 
 def random_weights(n: int, k: int, gen: torch.Generator) -> CudaWeights:

@@ -9,7 +9,6 @@ python benchmarks/int4_load_probe.py --out results/int4_cuda_dev/int4_load_probe
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_ab import SHAPES  # noqa: E402
-from int4_cuda_scaling import random_weights  # noqa: E402
+from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
 from dflash_quant.int4_cuda import module  # noqa: E402
@@ -27,30 +26,6 @@ from dflash_quant.int4_cuda import module  # noqa: E402
 ROWS = 16
 CHUNK_BYTES = 8192 + 384
 ROTATE_BYTES = 400 << 20  # copies of each weight cycled per graph: several times the 60 MB of L2
-REPLAYS = 15
-
-
-def graph_us(fns: list) -> float:
-    """Median over replays of one graph calling every fn once, per call, in microseconds."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(fns))
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -126,6 +126,37 @@ def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatc
     assert int4_cuda.config(24576, 4096, 128, cuda, per_sm=8) == 5
 
 
+def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
+    """benchmarks/int4_cuda_parts.py leaves one stage out of the kernel by replacing its text: every edit of a part
+    must find its text exactly once in the shipped source (a kernel change that moves it fails here, not on the
+    GPU), and must change the source."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from dflash_quant.int4_cuda import SOURCE
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location("int4_cuda_parts_bench", folder / "int4_cuda_parts.py")
+        assert spec is not None and spec.loader is not None
+        parts = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(parts)
+    finally:
+        sys.path.remove(str(folder))
+    shipped = SOURCE.read_text()
+    applied = [name for name in parts.PARTS if not name.startswith("bulk_") or "w4a16_bulk_kernel" in shipped]
+    assert {"no_loads", "no_sum", "no_multiply", "no_zero", "no_mma"} <= set(applied)
+    for name in applied:
+        edited = parts.variant_source(parts.PARTS[name], tmp_path, name).read_text()
+        assert edited != shipped
+        for old, new in parts.PARTS[name]:
+            assert old not in edited and new in edited
+    with pytest.raises(SystemExit, match="occurs 0 times"):
+        parts.variant_source([("no such line in the kernel", "")], tmp_path, "missing")
+
+
 def test_the_benchmarks_kernel_options_set_the_variant_and_split(monkeypatch):
     """benchmarks/gpu_int4.py's cuda:OPT[:OPT]: vN the variant, bN the rule's blocks an SM, xF the split scaled;
     anything else is refused by name."""
