@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_cuda_scaling import per_launch_us, random_weights  # noqa: E402
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
-from dflash_quant.int4_cuda import module  # noqa: E402
+from dflash_quant.int4_cuda import build, module  # noqa: E402
 
 # (name, out, in, GEMMs of this shape in a step)
 SHAPES = [
@@ -42,17 +42,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    from torch.utils.cpp_extension import load
-
     builds = {
-        "old": load(
-            name="dflash_quant_int4_ab_old", sources=[str(args.old)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]
-        ),
-        "new": module()
-        if args.new is None
-        else load(
-            name="dflash_quant_int4_ab_new", sources=[str(args.new)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]
-        ),
+        "old": build(args.old, "dflash_quant_int4_ab"),
+        "new": module() if args.new is None else build(args.new, "dflash_quant_int4_ab"),
     }
     gen = torch.Generator(device="cuda").manual_seed(0)
     result: dict = {

@@ -27,7 +27,6 @@ from int4_load_probe import ROTATE_BYTES  # noqa: E402
 
 from dflash_quant import int4_cuda  # noqa: E402
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
-from dflash_quant.int4_cuda import SOURCE  # noqa: E402
 
 ROWS = 16
 # name -> [(text in the shipped source, its replacement)]: each must occur exactly once
@@ -64,11 +63,17 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def parts_for(source: str) -> dict[str, list[tuple[str, str]]]:
+    """The parts that this kernel source has: the bulk-copy kernel's only where it is in the source."""
+    bulk = "w4a16_bulk_kernel" in source
+    return {name: edits for name, edits in PARTS.items() if bulk or not name.startswith("bulk_")}
+
+
 def variant_source(edits: list[tuple[str, str]], folder: Path, name: str) -> Path:
-    text = SOURCE.read_text()
+    text = int4_cuda.SOURCE.read_text()
     for old, new in edits:
         if text.count(old) != 1:
-            raise SystemExit(f"{name}: {old!r} occurs {text.count(old)} times in {SOURCE.name}")
+            raise SystemExit(f"{name}: {old!r} occurs {text.count(old)} times in {int4_cuda.SOURCE.name}")
         text = text.replace(old, new)
     path = folder / f"int4_cuda_{name}.cu"
     path.write_text(text)
@@ -81,21 +86,18 @@ def main() -> None:
     ap.add_argument("--variants", default="0", help="kernel variants to time each build as, e.g. 0,8")
     args = ap.parse_args()
     variants = [int(v) for v in args.variants.split(",")]
-    from torch.utils.cpp_extension import load
-
     folder = Path(tempfile.mkdtemp(prefix="int4_parts_"))
-    bulk = "w4a16_bulk_kernel" in SOURCE.read_text()  # the bulk-copy kernel's parts only where it is in the source
-    parts = {name: e for name, e in PARTS.items() if bulk or not name.startswith("bulk_")}
-    sources = {"shipped": SOURCE} | {name: variant_source(e, folder, name) for name, e in parts.items()}
-
-    def build(item: tuple[str, Path]):
-        name, src = item
-        return name, load(
-            name=f"dflash_quant_int4_part_{name}", sources=[str(src)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"]
-        )
-
+    sources = {"shipped": int4_cuda.SOURCE} | {
+        name: variant_source(e, folder, name) for name, e in parts_for(int4_cuda.SOURCE.read_text()).items()
+    }
     with ThreadPoolExecutor(len(sources)) as pool:  # nvcc runs in subprocesses: the builds overlap
-        builds = dict(pool.map(build, sources.items()))
+        builds = dict(
+            zip(
+                sources,
+                pool.map(lambda src: int4_cuda.build(src, "dflash_quant_int4_part"), sources.values()),
+                strict=True,
+            )
+        )
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")
     rows: list[dict] = []

@@ -102,19 +102,21 @@ def build_problem(device: torch.device) -> str | None:
     return None
 
 
-@functools.cache
-def module() -> Any:
-    """The compiled extension (built once per source version, then loaded from torch's extension cache)."""
+def build(source: Path, prefix: str = "dflash_quant_int4") -> Any:
+    """An extension compiled from `source` (this module's kernel, or another version of it for the benchmarks), named
+    by its content so that each version is built once and then loaded from torch's extension cache."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
     return load(
-        name=f"dflash_quant_int4_{digest}",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"],
-        verbose=False,
+        name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], verbose=False
     )
+
+
+@functools.cache
+def module() -> Any:
+    """The compiled kernel."""
+    return build(SOURCE)
 
 
 @functools.cache

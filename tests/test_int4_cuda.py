@@ -114,6 +114,24 @@ def test_the_split_fills_one_wave_with_at_least_4_chunks_and_at_most_8_splits(mo
     assert int4_cuda.config(n, k, 128, torch.device("cuda")) == split
 
 
+def test_each_kernel_source_is_built_under_a_name_of_its_content(monkeypatch, tmp_path):
+    """int4_cuda.build: the shipped kernel and the benchmarks' other versions of it are cached by torch under a name
+    that carries their content, so an edited source is never served from an older build."""
+    from torch.utils import cpp_extension
+
+    from dflash_quant import int4_cuda
+
+    seen: list[dict] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or kw["name"])
+    a, b = tmp_path / "a.cu", tmp_path / "b.cu"
+    a.write_text("// one version\n")
+    b.write_text("// another version\n")
+    names = [int4_cuda.build(a, "x"), int4_cuda.build(b, "x"), int4_cuda.build(a, "x")]
+    assert names[0] == names[2] != names[1] and all(n.startswith("x_") for n in names)
+    assert seen[0]["sources"] == [str(a)] and "-O3" in seen[0]["extra_cuda_cflags"]
+    assert int4_cuda.build(int4_cuda.SOURCE).startswith("dflash_quant_int4_")  # the shipped module's name
+
+
 def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatch):
     """benchmarks/gpu_int4.py's cuda:bN: a kernel variant that fits 5 blocks an SM measured at the split of 4."""
     import dflash_quant.int4_cuda as int4_cuda
@@ -146,12 +164,13 @@ def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
     finally:
         sys.path.remove(str(folder))
     shipped = SOURCE.read_text()
-    applied = [name for name in parts.PARTS if not name.startswith("bulk_") or "w4a16_bulk_kernel" in shipped]
+    applied = parts.parts_for(shipped)
     assert {"no_loads", "no_sum", "no_multiply", "no_zero", "no_mma"} <= set(applied)
-    for name in applied:
-        edited = parts.variant_source(parts.PARTS[name], tmp_path, name).read_text()
+    assert "bulk_no_multiply" not in parts.parts_for(shipped.replace("w4a16_bulk_kernel", "w4a16_kernel"))
+    for name, edits in applied.items():
+        edited = parts.variant_source(edits, tmp_path, name).read_text()
         assert edited != shipped
-        for old, new in parts.PARTS[name]:
+        for old, new in edits:
             assert old not in edited and new in edited
     with pytest.raises(SystemExit, match="occurs 0 times"):
         parts.variant_source([("no such line in the kernel", "")], tmp_path, "missing")
