@@ -289,6 +289,27 @@ def test_lock_of_a_killed_run_is_reclaimed(tmp_path):
     assert leftovers(tmp_path, "art") == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=["SIGHUP", "SIGTERM", "SIGINT"])
+def test_a_signal_while_the_lock_is_taken_leaves_no_lock_file(tmp_path, monkeypatch, sig):
+    """CI caught a SIGHUP between creating `.art.lock` and owning it (the file stayed); it now waits until owned."""
+    real_flock = atomic.fcntl.flock
+
+    def flock_then_signal(fd, op):
+        real_flock(fd, op)
+        if op & atomic.fcntl.LOCK_EX:
+            os.kill(os.getpid(), sig)  # lands right after the lock file exists, before guard_output's try
+
+    monkeypatch.setattr(atomic.fcntl, "flock", flock_then_signal)
+    expected = KeyboardInterrupt if sig == signal.SIGINT else atomic.Terminated
+    entered = []
+    with pytest.raises(expected):
+        with atomic.guard_output(tmp_path / "art", False):
+            entered.append(True)
+    assert entered == []  # the deferred signal stops the run before its body
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # handlers restored
+
+
 # --- whole runs -----------------------------------------------------------------------------------------
 
 

@@ -305,14 +305,18 @@ def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = (
         if final in _held:
             yield final
             return
-        fd = _acquire(final)
-        _held[final] = fd
+        fd: int | None = None
         try:
+            with _signals_blocked():  # a signal between creating the lock file and owning it would leave it behind
+                fd = _acquire(final)
+                _held[final] = fd
             remove_stale(final)
             yield final
         finally:
-            del _held[final]
-            _release(final, fd)
+            if fd is not None:
+                del _held[final]
+                with _signals_blocked():
+                    _release(final, fd)
 
 
 # --- staging and publishing ------------------------------------------------------------------------------
