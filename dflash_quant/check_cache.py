@@ -14,13 +14,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_quant import __version__
+from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.decode import GreedyResult, SpecResult
 from dflash_quant.loading import weight_files, weights_sha256
 
@@ -113,14 +113,8 @@ class CheckCache:
             "type": type(runs[0]).__name__ if runs else "",
             "runs": [dataclasses.asdict(r) for r in runs],
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(body, fh)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        text = json.dumps(body)
+        replace_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def cached_runs(cache: CheckCache, kind: str, key: dict[str, Any], cls: type, compute):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from hub_fixtures import SOURCE_ID, TARGET_ID, make_artifact
@@ -89,6 +91,30 @@ def test_rewriting_the_card_keeps_it(reference_artifact, tmp_path):
     assert (art / "README.md").read_text() == before
     assert verify_manifest(art) == []
     assert Provenance.read(art).source_drafter.kind == "shipped"
+
+
+def test_concurrent_card_runs_leave_one_whole_card_and_a_consistent_manifest(reference_artifact, tmp_path):
+    """Three processes re-render one artifact's card (different --repo-id) at once, six times each."""
+    art = tmp_path / "copy"
+    shutil.copytree(reference_artifact, art)
+    code = (
+        "import sys\nfrom dflash_quant.model_cards.card import write_card\n"
+        "for _ in range(6): write_card(sys.argv[1], repo_id=sys.argv[2])"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(art), f"org/run{k}"], stderr=subprocess.PIPE, text=True)
+        for k in range(3)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    text = (art / "README.md").read_text()
+    winner = set(re.findall(r"org/run\d", text))
+    assert len(winner) == 1
+    alone = tmp_path / "alone"
+    shutil.copytree(reference_artifact, alone)
+    assert text == write_card(alone, repo_id=winner.pop()).read_text()  # that run's card, whole
+    assert verify_manifest(art) == []  # README and chart recorded as they are on disk
+    assert sorted(p.name for p in art.iterdir() if p.name.startswith(".")) == []  # no temp or lock files
 
 
 # --------------------------------------------------------------------------- hand-made edge cases

@@ -6,6 +6,7 @@ budget inside it) or manifest.json goes through this package; nothing else parse
 
 from dflash_quant.artifact.files import (
     portable_path,
+    replace_atomic,
     sha256_file,
     sha256_files,
     write_json_atomic,
@@ -35,6 +36,7 @@ __all__ = [
     "QuantReport",
     "SourceRef",
     "portable_path",
+    "replace_atomic",
     "sha256_file",
     "sha256_files",
     "write_json_atomic",

@@ -6,29 +6,40 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 
-def write_json_atomic(path: Path, data: Any) -> Path:
-    """Write JSON to a hidden temp file beside `path`, then rename it over `path` (readers never see half a file).
+def replace_atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """Have `write` fill a fresh hidden temp file beside `path`, then rename it over `path`.
 
-    The file gets the permissions of the umask (mkstemp creates 0600).
+    Readers never see half a file and concurrent writers never share a temp file; on an error, or a signal
+    under signals_raise, the temp file is removed. The file gets the umask's permissions (mkstemp: 0600).
     """
-    from dflash_quant.export.atomic import current_umask
+    from dflash_quant.export.atomic import current_umask, deferred_signals
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp: Path | None = None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=2) + "\n")
+        with deferred_signals():  # a signal between mkstemp creating the file and `tmp` naming it would leave it
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            tmp = Path(name)
+        write(tmp)
         os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON through replace_atomic (readers never see half a file)."""
+    text = json.dumps(data, indent=2) + "\n"
+    return replace_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _update(digest, fh: BinaryIO, chunk: int = 1 << 20) -> None:

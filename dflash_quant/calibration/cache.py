@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +10,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_quant.artifact.files import write_json_atomic
+from dflash_quant.artifact.files import replace_atomic, write_json_atomic
 from dflash_quant.calibration.capture import CalibrationStats, DraftCall
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.atomic import check_writable_dir, current_umask
+from dflash_quant.export.atomic import check_writable_dir
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 STATS = "hessians.safetensors"
@@ -56,10 +55,7 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.chmod(tmp, 0o666 & ~current_umask())  # safetensors writes 0600; a shared cache should follow the umask
-    os.replace(tmp, path)
+    replace_atomic(path, lambda tmp: save_file(tensors, str(tmp)))  # with the umask's permissions: a shared cache
 
 
 def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.device) -> CalibrationStats | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.calibration.capture import CaptureState, DraftCall
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.atomic import current_umask
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 FILE = "calib-checkpoint.safetensors"
@@ -42,14 +41,7 @@ def save(directory: Path, key: dict[str, Any], state: CaptureState) -> Path:
                 tensors[f"r.{p}.{c}.{part}"] = getattr(call, part).contiguous()
     meta = {"key": json.dumps(key, sort_keys=True), "done": str(state.done), "replay": str(state.replay is not None)}
     path = directory / FILE
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return replace_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def load(directory: Path, key: dict[str, Any], device: torch.device) -> CaptureState | None:

@@ -141,77 +141,104 @@ def apply_umask(root: Path) -> None:
 # --- signals ----------------------------------------------------------------------------------------------
 
 _signal_depth = 0
-_installed: set[int] = set()  # the signals signals_raise turned into Terminated
-_deferred = 0  # depth of _signals_blocked sections in the main thread
-_pending: int | None = None  # a terminating signal that arrived inside one
+_installed: set[int] = set()  # the signals signals_raise gave to _handler
+_deferred = 0  # depth of deferred_signals sections (and of handler set-up) in the main thread
+_pending: int | None = None  # the first signal that arrived inside one
+
+# Python runs a signal's handler between bytecodes, at the end of a call at the latest, so a handler that
+# raises can land between any two calls of the code below. Each counter change is one statement without a
+# call (no handler can run inside it), and while the counter is up the handler only records the signal.
 
 
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn terminating signals into Terminated for the duration (main thread only; nests; restores handlers)."""
-    global _signal_depth
-    if threading.current_thread() is not threading.main_thread() or _signal_depth:
-        yield  # an outer level (or no main thread) owns the handlers
-        return
-    previous: dict[int, Any] = {}
-
-    def handler(signum, frame):
-        global _pending
-        if _deferred:  # inside _signals_blocked: raised when it ends
+def _handler(signum: int, frame: Any) -> None:
+    global _pending
+    if _deferred:  # inside deferred_signals: raised when it ends
+        if _pending is None:
             _pending = signum
-            return
-        _stop(signum)
-
-    for sig in TERMINATING:
-        if signal.getsignal(sig) == signal.SIG_DFL:
-            previous[sig] = signal.signal(sig, handler)
-    _installed.update(previous)
-    _signal_depth = 1
-    try:
-        yield
-    finally:
-        _signal_depth = 0
-        _installed.clear()
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        return
+    _stop(signum)
 
 
 def _stop(signum: int) -> None:
     for sig in _installed:  # a second signal must not interrupt the cleanup the first one started
         signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signum)
 
 
+def _raise_pending() -> None:
+    global _pending
+    if not _deferred and _pending is not None:
+        signum, _pending = _pending, None
+        _stop(signum)
+
+
 @contextlib.contextmanager
-def _signals_blocked() -> Iterator[None]:
-    """Hold signals back while renames (or a temp dir's naming) are half done; they raise right after.
+def signals_raise() -> Iterator[None]:
+    """Turn terminating signals into Terminated (Ctrl-C stays KeyboardInterrupt) through one handler that
+    deferred_signals can hold back, for the duration (main thread only; nests; restores the handlers)."""
+    global _signal_depth, _deferred
+    if threading.current_thread() is not threading.main_thread() or _signal_depth:
+        yield  # an outer level (or no main thread) owns the handlers
+        return
+    previous: dict[int, Any] = {}
+    _deferred += 1  # a signal while the handlers go in is held back like in a section
+    try:
+        for sig in (*TERMINATING, signal.SIGINT):
+            current = signal.getsignal(sig)
+            if current == signal.SIG_DFL or (sig == signal.SIGINT and current is signal.default_int_handler):
+                previous[sig] = current
+                signal.signal(sig, _handler)
+        _installed.update(previous)
+        _signal_depth = 1
+        _deferred -= 1
+        _raise_pending()
+        yield
+    finally:
+        if _signal_depth:  # else set-up was interrupted and still holds its count
+            _deferred += 1  # the handlers come out with signals held back, raised after
+        _signal_depth = 0
+        _installed.clear()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        _deferred -= 1
+        _raise_pending()
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold signals back while renames (or a temp file's naming) are half done; they raise right after.
 
     Blocking in this thread is not enough: the kernel hands a process-directed signal to any thread that does
     not block it (torch and the hashing pool have threads), and Python then runs the handler in the main
-    thread at once. So signals_raise's handler defers while a section is open, and the end raises."""
-    global _deferred, _pending
+    thread at once. So the handler defers while a section is open, and the end raises. Ctrl-C is held back
+    too: outside signals_raise its default handler is swapped for ours for the section."""
+    global _deferred
     sigs = {*TERMINATING, signal.SIGINT}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    main = threading.current_thread() is threading.main_thread()
-    ctrl_c: list[bool] = []
-    int_handler = None
-    if main:
-        if not _deferred and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            int_handler = signal.signal(signal.SIGINT, lambda signum, frame: ctrl_c.append(True))  # Ctrl-C: the same
-        _deferred += 1
+    if threading.current_thread() is not threading.main_thread():
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return
+    _deferred += 1
+    swapped = False
+    old_mask: set[Any] | None = None
     try:
+        if _deferred == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _handler)
+            swapped = True
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # a single-threaded process: not even SIG_DFL
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        if main:
-            _deferred -= 1
-            if int_handler is not None:
-                signal.signal(signal.SIGINT, int_handler)
-            if not _deferred and _pending is not None:
-                signum, _pending = _pending, None
-                _stop(signum)
-            if ctrl_c:
-                raise KeyboardInterrupt
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        _deferred -= 1
+        if swapped:  # were this skipped by a signal, _handler outside a section raises KeyboardInterrupt too
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _raise_pending()
 
 
 # --- lock -------------------------------------------------------------------------------------------------
@@ -307,7 +334,7 @@ def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = (
             return
         fd: int | None = None
         try:
-            with _signals_blocked():  # a signal between creating the lock file and owning it would leave it behind
+            with deferred_signals():  # a signal between creating the lock file and owning it would leave it behind
                 fd = _acquire(final)
                 _held[final] = fd
             remove_stale(final)
@@ -315,7 +342,7 @@ def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = (
         finally:
             if fd is not None:
                 del _held[final]
-                with _signals_blocked():
+                with deferred_signals():
                     _release(final, fd)
 
 
@@ -367,29 +394,33 @@ def _fill(tmp: Path, final: Path) -> None:
 
 def _publish(tmp: Path, final: Path, overwrite: bool) -> None:
     apply_umask(tmp)
-    with _signals_blocked():
-        try:
-            if not os.path.lexists(final):
+    old: Path | None = None
+    try:
+        with deferred_signals():
+            try:
+                if not os.path.lexists(final):
+                    rename_noreplace(tmp, final)
+                    return
+                if final.is_dir() and not any(final.iterdir()):
+                    _fill(tmp, final)
+                    return
+            except FileExistsError:
+                pass
+            if not (overwrite and final.is_dir() and is_artifact(final)):
+                raise UsageError(
+                    f"--output {final} appeared while this run was writing it; nothing was replaced, choose another --output"
+                )
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{os.getpid()}-", dir=final.parent))
+            os.rename(final, old / "artifact")  # into our own fresh dir: never replaces anything
+            try:
                 rename_noreplace(tmp, final)
-                return
-            if final.is_dir() and not any(final.iterdir()):
-                _fill(tmp, final)
-                return
-        except FileExistsError:
-            pass
-        if not (overwrite and final.is_dir() and is_artifact(final)):
-            raise UsageError(
-                f"--output {final} appeared while this run was writing it; nothing was replaced, choose another --output"
-            )
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-{os.getpid()}-", dir=final.parent))
-        os.rename(final, old / "artifact")  # into our own fresh dir: never replaces anything
-        try:
-            rename_noreplace(tmp, final)
-        except BaseException:
-            os.rename(old / "artifact", final)
-            old.rmdir()
-            raise
-    shutil.rmtree(old, ignore_errors=True)
+            except BaseException:
+                os.rename(old / "artifact", final)
+                raise
+    finally:
+        if old is not None:  # the replaced artifact, or the empty dir after a failed swap; also after a signal
+            with deferred_signals():  # a signal must not stop the removal half-way
+                shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -400,14 +431,15 @@ def staging(final: Path, overwrite: bool = False) -> Iterator[Path]:
     try:
         # a signal between mkdtemp creating the directory and `tmp` naming it would leave it behind: held back
         # until then, it raises inside this try and the finally removes the directory
-        with _signals_blocked():
+        with deferred_signals():
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
             os.chmod(tmp, 0o777 & ~current_umask())
         yield tmp
         _publish(tmp, final, overwrite)
     finally:
         if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            with deferred_signals():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager

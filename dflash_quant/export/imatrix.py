@@ -13,12 +13,12 @@ File format: the imatrix GGUF that `llama-imatrix` writes in the llama.cpp vendo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.calibration.capture import CalibrationStats, input_group
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.gguf import gguf_name
@@ -48,8 +48,8 @@ def write_imatrix(
     path = Path(path)
     if not entries:
         raise DFlashQuantError("no Linear has calibration statistics; nothing to write into the imatrix")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch="imatrix")  # llama-imatrix writes no general.architecture
         writer.kv_data[0].pop("general.architecture", None)
         writer.add_type("imatrix")
@@ -64,10 +64,8 @@ def write_imatrix(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+
+    return replace_atomic(path, write)
 
 
 def read_imatrix(path: Path) -> dict[str, np.ndarray]:

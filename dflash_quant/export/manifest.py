@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import stat
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -28,7 +29,6 @@ from dflash_quant.artifact.reports import Manifest
 from dflash_quant.errors import DFlashQuantError
 
 MANIFEST = Manifest.FILE
-LOCK = ".manifest.lock"
 REEXPORT = "re-export the artifact with `dflash-quant gptq`"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SHOWN = 3  # problems named in a one-line refusal
@@ -252,23 +252,39 @@ def write_manifest(root: Path) -> dict:
     return manifest
 
 
+_updating = threading.local()  # per thread: the artifacts whose lock it holds (flock would block on itself)
+
+
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """Serialise read-modify-write of the manifest between concurrent `card` / `memory` runs."""
+def updating(root: Path) -> Iterator[None]:
+    """Serialise in-place updates of a finished artifact (`card`, `memory`): check, write, record, as one.
+
+    The lock is a flock on the artifact directory itself, so a refused run leaves no file behind. Re-entrant
+    in a thread; another process or thread waits for it.
+    """
     import fcntl
 
-    with open(Path(root) / LOCK, "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+    key = Path(root).resolve()
+    held = _updating.__dict__.setdefault("roots", set())
+    if key in held:
+        yield
+        return
+    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.add(key)
         try:
             yield
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            held.discard(key)
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def record_files(root: Path, names: Iterable[str]) -> dict:
     """After `require_intact`: set (or drop, when the file is gone) the entries of `names` only."""
     root = Path(root)
-    with _locked(root):
+    with updating(root):
         listed, problem = read_manifest(root)
         if problem:
             raise DFlashQuantError(f"cannot update {root / MANIFEST}: {problem}; {REEXPORT}")

@@ -4,6 +4,7 @@ optionally a 24 GB budget."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -118,20 +119,22 @@ def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = N
     Into an artifact with a manifest: its recorded files are checked first (a mismatch is refused) and
     only memory.json's entry is updated; weights are never re-hashed into the manifest here.
     """
-    from dflash_quant.export.manifest import has_manifest, record_files, require_intact
+    from dflash_quant.export.atomic import signals_raise
+    from dflash_quant.export.manifest import has_manifest, record_files, require_intact, updating
 
     own = Path(artifact) / MEMORY_JSON
     target = Path(out) if out else own
     in_artifact = target.resolve() == own.resolve()
     manifest = in_artifact and has_manifest(artifact)
-    if manifest:
-        require_intact(Path(artifact), stage="memory", skip=(MEMORY_JSON,))
-    if in_artifact:
-        report.write(artifact)
-    else:
-        from dflash_quant.artifact.files import write_json_atomic
+    with signals_raise(), updating(Path(artifact)) if manifest else contextlib.nullcontext():
+        if manifest:
+            require_intact(Path(artifact), stage="memory", skip=(MEMORY_JSON,))
+        if in_artifact:
+            report.write(artifact)
+        else:
+            from dflash_quant.artifact.files import write_json_atomic
 
-        write_json_atomic(target, report.to_dict())
-    if manifest:
-        record_files(Path(artifact), (MEMORY_JSON,))
+            write_json_atomic(target, report.to_dict())
+        if manifest:
+            record_files(Path(artifact), (MEMORY_JSON,))
     return target

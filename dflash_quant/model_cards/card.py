@@ -7,6 +7,7 @@ parity.json, memory.json, config.json). A report that is missing or unreadable m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -17,10 +18,12 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import metadata_load
 
 from dflash_quant import __version__
+from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.artifact.reports import Budget, MemoryReport, Parity, Provenance, QuantReport, SourceRef
 from dflash_quant.artifact.sources import portable_command
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.manifest import has_manifest, record_files, require_intact
+from dflash_quant.export.atomic import signals_raise
+from dflash_quant.export.manifest import has_manifest, record_files, require_intact, updating
 from dflash_quant.model_cards.chart import CHART_NAME, MIX_CHART_NAME, write_acceptance_chart, write_tradeoff_chart
 
 README = "README.md"
@@ -1174,11 +1177,38 @@ def _write_mix_chart(artifact_dir: Path, parity) -> bool:
         return False
     uniform = [(str(p["setting"]), float(p["bytes"]), float(p["tau_ratio"])) for p in mix.tau_calibration]
     measured = parity.tau_ratio if parity is not None else None
-    tmp = path.with_name(".mix_tradeoff.png.tmp")
-    write_tradeoff_chart(tmp, uniform, (float(mix.predicted_bytes or 0), mix.predicted_tau_ratio, measured),
-                         title="Bytes vs acceptance: uniform GPTQ and the chosen mix")  # fmt: skip
-    tmp.replace(path)
+    point = (float(mix.predicted_bytes or 0), mix.predicted_tau_ratio, measured)
+    title = "Bytes vs acceptance: uniform GPTQ and the chosen mix"
+    replace_atomic(path, lambda tmp: write_tradeoff_chart(tmp, uniform, point, title=title))
     return True
+
+
+def _write_card_files(artifact_dir: Path, command: list[str] | None, repo_id: str | None) -> Path:
+    parity, _ = Parity.problem(artifact_dir)
+    chart_path = artifact_dir / CHART_NAME
+    chart = False
+    if parity is not None:
+        base, quant = parity.baseline, parity.quantized
+        pb = base.per_position_acceptance if base else None
+        pq = quant.per_position_acceptance if quant else None
+        if pb or pq:
+            replace_atomic(
+                chart_path,
+                lambda tmp: write_acceptance_chart(
+                    tmp,
+                    pb,
+                    pq,
+                    baseline_tau=base.tau if base else None,
+                    quantized_tau=quant.tau if quant else None,
+                    title="Per-position acceptance: bf16 vs quantized drafter",
+                ),
+            )
+            chart = True
+    if not chart and chart_path.exists():
+        chart_path.unlink()  # a stale chart from an earlier parity report must not outlive it
+    mix_chart = _write_mix_chart(artifact_dir, parity)
+    card = build_card(artifact_dir, command=command, repo_id=repo_id, chart=chart, mix_chart=mix_chart)
+    return replace_atomic(artifact_dir / README, card.save)
 
 
 def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id: str | None = None) -> Path:
@@ -1195,35 +1225,11 @@ def write_card(artifact_dir: Path, *, command: list[str] | None = None, repo_id:
             f"artifact directory {artifact_dir} does not exist; pass the --output of `dflash-quant gptq`"
         )
     manifest = has_manifest(artifact_dir)
-    if manifest:
-        require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME, MIX_CHART_NAME))
-    parity, _ = Parity.problem(artifact_dir)
-    chart_path = artifact_dir / CHART_NAME
-    chart = False
-    if parity is not None:
-        base, quant = parity.baseline, parity.quantized
-        pb = base.per_position_acceptance if base else None
-        pq = quant.per_position_acceptance if quant else None
-        if pb or pq:
-            tmp = chart_path.with_name(".acceptance.png.tmp")
-            write_acceptance_chart(
-                tmp,
-                pb,
-                pq,
-                baseline_tau=base.tau if base else None,
-                quantized_tau=quant.tau if quant else None,
-                title="Per-position acceptance: bf16 vs quantized drafter",
-            )
-            tmp.replace(chart_path)
-            chart = True
-    if not chart and chart_path.exists():
-        chart_path.unlink()  # a stale chart from an earlier parity report must not outlive it
-    mix_chart = _write_mix_chart(artifact_dir, parity)
-    card = build_card(artifact_dir, command=command, repo_id=repo_id, chart=chart, mix_chart=mix_chart)
-    readme = artifact_dir / README
-    tmp = readme.with_name(".README.md.tmp")
-    card.save(tmp)
-    tmp.replace(readme)
-    if manifest:
-        record_files(artifact_dir, (README, CHART_NAME, MIX_CHART_NAME))
+    # a finished artifact is updated in place: one run at a time, and a signal removes the temp files
+    with signals_raise(), updating(artifact_dir) if manifest else contextlib.nullcontext():
+        if manifest:
+            require_intact(artifact_dir, stage="card", skip=(README, CHART_NAME, MIX_CHART_NAME))
+        readme = _write_card_files(artifact_dir, command, repo_id)
+        if manifest:
+            record_files(artifact_dir, (README, CHART_NAME, MIX_CHART_NAME))
     return readme
