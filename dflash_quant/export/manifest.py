@@ -269,7 +269,12 @@ def updating(root: Path) -> Iterator[None]:
     if key in held:
         yield
         return
-    fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise DFlashQuantError(
+            f"cannot lock {key} for the update ({exc.strerror}); it must be a readable directory"
+        ) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         held.add(key)
