@@ -129,6 +129,22 @@ def test_memory_report_on_quantized_artifact(artifact, tiny_pair, tmp_path):
     assert "memory.json" in manifest["files"]
 
 
+def test_memory_out_replaces_its_own_report_only(artifact, tmp_path):
+    """--out elsewhere writes there, and a second run replaces that report; the artifact is left as it was."""
+    before = {p.name: p.read_bytes() for p in artifact.iterdir() if p.is_file()}
+    out = tmp_path / "reports" / "memory.json"
+    out.parent.mkdir()
+    for _ in range(2):
+        r = runner.invoke(app, ["memory", str(artifact), "--device", "none", "--out", str(out)])
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(out.read_text())["disk_bytes"] > 0
+    assert {p.name: p.read_bytes() for p in artifact.iterdir() if p.is_file()} == before
+    out.write_text('{"mine": true}')  # a file that is not a report is refused, and kept
+    r = runner.invoke(app, ["memory", str(artifact), "--device", "none", "--out", str(out)])
+    assert r.exit_code == 2 and "is not a memory report" in r.stderr
+    assert out.read_text() == '{"mine": true}'
+
+
 def test_memory_bad_directory(tmp_path):
     r = runner.invoke(app, ["memory", str(tmp_path / "nope")])
     assert r.exit_code == 1 and "not a directory" in r.stderr

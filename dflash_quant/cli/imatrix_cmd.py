@@ -44,6 +44,10 @@ def make_imatrix(
         raise UsageError(f"--output {output} exists; pass --overwrite to replace it")
     if not output.parent.is_dir():
         raise UsageError(f"the directory of --output {output} does not exist; create it first")
+    from dflash_quant.export.atomic import check_not_an_input
+    from dflash_quant.preflight import input_paths
+
+    check_not_an_input(output, "--output", input_paths(drafter, target, [calib_prompts], calib_cache))
 
     from dflash_quant.devmap import make_placement
 

@@ -13,6 +13,22 @@ from dflash_quant.memory.plan import budget_objects as _budget_objects
 from dflash_quant.memory.plan import budget_report, mtp_comparison, parse_mtp_tokens, with_mtp_comparison
 
 
+def _check_out(out: Path, artifact: Path, baseline: Path | None) -> None:
+    """--out elsewhere than the artifact's memory.json: never an input's file, never a file that is not a report."""
+    import os
+
+    from dflash_quant.export.atomic import check_not_an_input, resolve_output
+    from dflash_quant.memory.report import MEMORY_JSON, is_memory_report
+
+    if resolve_output(out) == resolve_output(artifact / MEMORY_JSON):
+        return  # the artifact's own report, updated in place
+    check_not_an_input(out, "--out", [artifact, *([baseline] if baseline is not None else [])])
+    if os.path.lexists(out) and not is_memory_report(out):
+        raise UsageError(
+            f"--out {out} exists and is not a memory report (only a previous memory.json is replaced); choose another path"
+        )
+
+
 def _dflash2_lines(drafter: dict) -> list[str]:
     """A DFlash2 drafter's conv and selector bytes, which every engine keeps bf16, and their share."""
     from dflash_quant.memory.gpus import fmt_bytes
@@ -241,6 +257,8 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--out {out} is a directory; pass a file path such as {out / 'memory.json'}")
         if out is not None and not out.parent.is_dir():
             raise UsageError(f"--out {out}: its folder {out.parent} does not exist; create it or pick another path")
+        if out is not None and not no_write:
+            _check_out(out, artifact, baseline)
         dev = None if device.lower() in ("none", "") else device.lower()
         if dev not in (None, "cpu", "cuda") and not dev.startswith("cuda:"):
             raise UsageError(f"unknown --device {device!r}; use cpu, cuda or none")

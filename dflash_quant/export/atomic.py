@@ -80,16 +80,23 @@ def check_writable_dir(path: Path | str, flag: str) -> Path:
     return path
 
 
+def check_not_an_input(output: Path | str, flag: str, inputs: Iterable[Path | str]) -> Path:
+    """Refuse an output that is, contains or lies inside an input (symlinks resolved); returns it resolved."""
+    final = resolve_output(output)
+    for item in inputs:
+        src = resolve_output(item)
+        if _overlaps(final, src):
+            how = "is" if final == src else "contains" if src.is_relative_to(final) else "lies inside"
+            raise UsageError(f"{flag} {final} {how} the input {src}; choose {flag} outside every input")
+    return final
+
+
 def check_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = ()) -> Path:
     """Refuse outputs that would lose data; returns the resolved output path. Creates nothing."""
     final = resolve_output(output)
     if final.parent == final:
         raise UsageError(f"--output {final} is the filesystem root; choose a new directory")
-    for item in inputs:
-        src = resolve_output(item)
-        if _overlaps(final, src):
-            how = "is" if final == src else "contains" if src.is_relative_to(final) else "lies inside"
-            raise UsageError(f"--output {final} {how} the input {src}; choose an --output outside every input")
+    check_not_an_input(final, "--output", inputs)
     check_writable_dir(final.parent, "--output parent")
     if not os.path.lexists(final):
         return final

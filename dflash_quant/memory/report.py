@@ -113,6 +113,14 @@ def build_memory_report(
     return MemoryReport.from_dict(report)
 
 
+def is_memory_report(path: Path) -> bool:
+    """A file `memory --out` may replace: a previous report (JSON with its weights and disk bytes), nothing else."""
+    if Path(path).is_symlink() or not Path(path).is_file():
+        return False
+    data, problem = MemoryReport.loads(Path(path).read_bytes())
+    return not problem and isinstance(data, dict) and {"weights", "disk_bytes"} <= data.keys()
+
+
 def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = None) -> Path:
     """Write memory.json (into the artifact by default).
 
