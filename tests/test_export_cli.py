@@ -1,6 +1,7 @@
 """`dflash-quant export` and `gptq --format` on the shipped reference pair (RTN: no calibration, seconds)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,12 @@ def test_bad_inputs(arts, tmp_path):
     (tmp_path / "taken" / "notes.txt").write_text("mine")  # a user's directory, not an artifact: never replaced
     res = export(arts["g32"], "mlx", tmp_path / "taken")
     assert res.returncode == 2 and (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    target = tmp_path / "target"  # the GGUF's vocabulary comes from it: nothing is written into it
+    shutil.copytree("dflash_quant/reference/pair/target", target)
+    before = sorted(p.name for p in target.iterdir())
+    res = export(arts["g32"], "gguf", target / "gguf", "--target", str(target))
+    assert res.returncode == 2 and "lies inside the input" in res.stderr, res.stderr
+    assert sorted(p.name for p in target.iterdir()) == before
 
 
 def test_gptq_format_writes_the_format_directly(arts):

@@ -34,7 +34,10 @@ def export_artifact(
     src, dst = artifact.resolve(), output.resolve()
     if src == dst or src in dst.parents or dst in src.parents:
         raise UsageError(f"--output {output} overlaps the source artifact {artifact}; choose a separate directory")
-    with atomic_dir(output, overwrite) as tmp:
+    from dflash_quant.preflight import input_paths
+
+    # the target (given, or the artifact's recorded one) is read for GGUF's vocabulary: never written into either
+    with atomic_dir(output, overwrite, input_paths(str(artifact), target, [], None)) as tmp:
         summary = convert_artifact(
             artifact, tmp, fmt, target=target, requantize=requantize, command=command, gguf_pre=gguf_pre
         )
