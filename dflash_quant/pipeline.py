@@ -371,7 +371,9 @@ def run_gptq(job: GptqJob, progress: Progress = _noop_progress) -> GptqResult:
             raise UsageError(problem)
     # Output, inputs and cache are checked and the output locked before anything is loaded or computed.
     specs = (job.calib_prompts, job.eval_prompts)
-    with guard_run(job.output, job.overwrite, job.drafter, job.target, specs, job.calib_cache) as final:
+    with guard_run(
+        job.output, job.overwrite, job.drafter, job.target, specs, job.calib_cache, job.check_cache
+    ) as final:
         return _run(job, final, progress)
 
 

@@ -50,7 +50,11 @@ def _default_target(drafter: str) -> str | None:
 
 
 def input_paths(
-    drafter: str, target: str | None, prompt_specs: Iterable[str | None], calib_cache: Path | None
+    drafter: str,
+    target: str | None,
+    prompt_specs: Iterable[str | None],
+    calib_cache: Path | None,
+    check_cache: Path | None = None,
 ) -> list[Path]:
     paths = _model_paths(drafter)
     target = target or _default_target(drafter)
@@ -59,8 +63,7 @@ def input_paths(
     for spec in prompt_specs:
         if spec and not spec.startswith(("builtin", "reference")):
             paths.append(Path(spec).expanduser())
-    if calib_cache is not None:
-        paths.append(Path(calib_cache))
+    paths += [Path(cache) for cache in (calib_cache, check_cache) if cache is not None]
     return paths
 
 
@@ -72,11 +75,13 @@ def guard_run(
     target: str | None,
     prompt_specs: Iterable[str | None],
     calib_cache: Path | None,
+    check_cache: Path | None = None,
 ) -> Iterator[Path]:
     """Every path check of a gptq run, then its output lock (see export.atomic.guard_output); yields the resolved output."""
     if calib_cache is not None:
         check_writable_dir(calib_cache, "--calib-cache")  # what calibration.cache.check_location checks, without torch
-    with guard_output(output, overwrite, input_paths(drafter, target, prompt_specs, calib_cache)) as final:
+    inputs = input_paths(drafter, target, prompt_specs, calib_cache, check_cache)
+    with guard_output(output, overwrite, inputs) as final:
         yield final
 
 

@@ -123,6 +123,8 @@ def test_output_overlapping_prompts_or_calib_cache_is_refused(pair, tmp_path):
     cache = tmp_path / "cache"
     one_error(gptq(pair, cache / "art", "--calib-cache", str(cache)), 2, "lies inside the input")
     assert not cache.exists()
+    one_error(gptq(pair, tmp_path / "art2", "--check-cache", str(tmp_path / "art2" / "runs")), 2, "contains the input")
+    assert not (tmp_path / "art2").exists()
 
 
 def test_non_artifact_directory_is_never_replaced(pair, tmp_path):

@@ -328,7 +328,8 @@ def gptq(
         look.check()
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
-        with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache):
+        # (a --check-cache given here is an input too; the default one lies in ~/.cache)
+        with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache, check_cache):
             from dflash_quant.calibration.store import default_dir as calib_store_dir
             from dflash_quant.check_cache import default_dir
             from dflash_quant.pipeline import GptqJob, run_gptq
