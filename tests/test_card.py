@@ -117,6 +117,37 @@ def test_concurrent_card_runs_leave_one_whole_card_and_a_consistent_manifest(ref
     assert sorted(p.name for p in art.iterdir() if p.name.startswith(".")) == []  # no temp or lock files
 
 
+def test_where_a_directory_cannot_be_locked_a_lock_file_serialises_updates(reference_artifact, tmp_path, monkeypatch):
+    """NFS refuses flock on a directory (its flock needs a file open for writing): `card` then locks a hidden file."""
+    import errno
+    import fcntl
+    import os
+    import stat
+
+    from dflash_quant.export import manifest
+
+    real = fcntl.flock
+
+    def nfs_like(fd, op):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_like)
+    art = tmp_path / "copy"
+    shutil.copytree(reference_artifact, art)
+    with manifest.updating(art):
+        other = os.open(art / manifest.LOCK, os.O_WRONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # held: another run waits
+                real(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    before = (art / "README.md").read_text()
+    write_card(art)
+    assert (art / "README.md").read_text() == before and verify_manifest(art) == []
+
+
 # --------------------------------------------------------------------------- hand-made edge cases
 
 

@@ -255,28 +255,54 @@ def write_manifest(root: Path) -> dict:
 _updating = threading.local()  # per thread: the artifacts whose lock it holds (flock would block on itself)
 
 
+LOCK = ".manifest.lock"  # only where a directory cannot be locked itself (NFS)
+
+
+def _lock(directory: Path) -> int:
+    """An fd holding an exclusive flock for the directory: on the directory itself (nothing is created), or, where
+    the filesystem refuses that (NFS emulates flock with fcntl locks, which need a file open for writing), on a
+    hidden lock file inside it."""
+    import errno
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    fd = os.open(directory / LOCK, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @contextlib.contextmanager
 def updating(root: Path) -> Iterator[None]:
     """Serialise in-place updates of a finished artifact (`card`, `memory`): check, write, record, as one.
 
-    The lock is a flock on the artifact directory itself, so a refused run leaves no file behind. Re-entrant
-    in a thread; another process or thread waits for it.
+    Re-entrant in a thread; another process or thread waits for the lock (see _lock).
     """
-    import fcntl
-
     key = Path(root).resolve()
     held = _updating.__dict__.setdefault("roots", set())
     if key in held:
         yield
         return
     try:
-        fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = _lock(key)
     except OSError as exc:
         raise DFlashQuantError(
-            f"cannot lock {key} for the update ({exc.strerror}); it must be a readable directory"
+            f"cannot lock {key} for the update ({exc.strerror}); it must be a writable directory"
         ) from exc
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         held.add(key)
         try:
             yield
