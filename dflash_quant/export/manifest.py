@@ -252,7 +252,14 @@ def write_manifest(root: Path) -> dict:
     return manifest
 
 
-_updating = threading.local()  # per thread: the artifacts whose lock it holds (flock would block on itself)
+class _Held(threading.local):
+    roots: set[Path]
+
+    def __init__(self) -> None:
+        self.roots = set()
+
+
+_updating = _Held()  # per thread: the artifacts whose lock it holds (flock would block on itself)
 
 
 LOCK = ".manifest.lock"  # only where a directory cannot be locked itself (NFS)
@@ -292,7 +299,7 @@ def updating(root: Path) -> Iterator[None]:
     Re-entrant in a thread; another process or thread waits for the lock (see _lock).
     """
     key = Path(root).resolve()
-    held = _updating.__dict__.setdefault("roots", set())
+    held = _updating.roots
     if key in held:
         yield
         return
