@@ -2,7 +2,10 @@
 
 gemm: the 36 GEMMs of one Qwen3-8B-DFlash-b16 drafter step (fc 4096 x 5*4096; per layer q 4096x4096,
   k/v 1024x4096, o 4096x4096, gate/up 12288x4096, down 4096x12288; 5 layers), distinct random weights per
-  layer, at 8 and 16 rows: bf16 (F.linear on the dequantized weights) against each int4 kernel. CUDA events
+  layer, at 8 and 16 rows: bf16 (F.linear on the dequantized weights) against each int4 kernel. A `+fused`
+  candidate runs k|v and gate|up as one GEMM each, `+qkv` q|k|v and gate|up (the int4 drafter's runtime);
+  `bf16+fused` / `bf16+qkv` are the bf16 baseline with the same fusion, and every candidate is also reported
+  against them (vs_bf16+qkv). CUDA events
   around the whole step, warm-up first (autotuning included), candidates in alternating order every repeat,
   median and quartiles reported; once launched eagerly and once replayed from a CUDA graph (launch cost out).
   Each kernel's error against the fp32 dequantized matmul is reported per shape.
@@ -64,6 +67,21 @@ def random_codes(out_f: int, in_f: int, group: int, sym: bool, gen: torch.Genera
         zeros = torch.randint(1, 16, (g, out_f), generator=gen, device="cuda")
     g_idx = torch.arange(in_f, device="cuda") // group
     return Int4Codes(codes, zeros, scales, g_idx, group)
+
+
+def fusion(kernel: str) -> str | None:
+    """How a candidate groups the Linears of one input: `qkv` (q|k|v and gate|up as one GEMM each: the int4
+    drafter's runtime), `fused` (k|v and gate|up), or None (one GEMM a Linear, as the bf16 drafter runs)."""
+    base = kernel.split(":")[0]
+    return "qkv" if base.endswith("+qkv") else "fused" if base.endswith("+fused") else None
+
+
+def bf16_linear(codes: Int4Codes) -> torch.nn.Linear:
+    """A bf16 Linear holding the dequantized weight (the baseline's GEMM)."""
+    lin = torch.nn.Linear(codes.shape[1], codes.shape[0], bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(codes.dequantize().to(torch.bfloat16))
+    return lin
 
 
 def quartiles(xs: list[float]) -> dict[str, float]:
@@ -146,14 +164,17 @@ def gemm(args) -> dict:
     def add(kernel: str, codes: Int4Codes, kind: str) -> None:
         if kernel in skipped:
             return
-        base = kernel.split(":")[0].removesuffix("+fused")
-        problem = kernel_problem(base, codes, torch.device("cuda"))
+        base = kernel.split(":")[0].split("+")[0]
+        problem = None if base == "bf16" else kernel_problem(base, codes, torch.device("cuda"))
         if problem is None:
             try:
-                mod = Int4Linear(codes, None, base)
+                if base == "bf16":  # bf16+fused / bf16+qkv: the baseline with the same Linears fused
+                    mod: torch.nn.Module = bf16_linear(codes)
+                else:
+                    mod = Int4Linear(codes, None, base)
                 if ":" in kernel and base == "cuda":  # a config variant: xF times the split, vN a kernel variant
                     cuda_variant(mod, kernel.split(":")[1:])
-                elif ":" in kernel:  # a forced gemlite matmul type
+                elif ":" in kernel and isinstance(mod, Int4Linear):  # a forced gemlite matmul type
                     mtype = kernel.split(":")[1]
                     glm = mod._gemlite
                     mod.forward = lambda x, glm=glm, mtype=mtype: glm.forward_manual(x.contiguous(), mtype)  # type: ignore[method-assign]
@@ -169,9 +190,7 @@ def gemm(args) -> dict:
     for name, out_f, in_f in shapes:
         kind = name.split(".")[-1]
         codes = random_codes(out_f, in_f, args.group_size, args.sym, gen)
-        lin = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(codes.dequantize().to(torch.bfloat16))
+        lin = bf16_linear(codes)
         plans["bf16"].append((in_f, lin, kind))
         bf16_bytes += out_f * in_f * 2
         int4_bytes += out_f * in_f // 2 + 2 * 2 * out_f * (in_f // args.group_size)  # codes + fp16 scales/zeros
@@ -179,18 +198,20 @@ def gemm(args) -> dict:
         if shape_key not in errors.setdefault("bf16", {}):
             errors["bf16"][shape_key] = round(int4_matmul_error(lin, codes, 16), 6)
         for kernel in kernels:
-            if "+fused" not in kernel:
+            mode = fusion(kernel)
+            if mode is None or kind in ("fc", "o", "down") or (kind == "q" and mode == "fused"):
                 add(kernel, codes, kind)
-            elif kind in ("fc", "q", "o", "down"):
-                add(kernel, codes, kind)
-            elif kind in ("k", "gate"):
+            elif kind in ("q", "k", "gate"):
                 kept[kind] = codes
+            elif kind == "v" and mode == "qkv":
+                add(kernel, concat_outputs([kept["q"], kept["k"], codes]), "qkv")
             elif kind == "v":
                 add(kernel, concat_outputs([kept["k"], codes]), "kv")
             elif kind == "up":
                 add(kernel, concat_outputs([kept["gate"], codes]), "gateup")
-        if kind in ("v", "up"):  # every fused candidate has its pair
-            kept.pop("k" if kind == "v" else "gate", None)
+        if kind in ("v", "up"):  # every fused candidate has its group
+            for member in ("q", "k") if kind == "v" else ("gate",):
+                kept.pop(member, None)
         del codes
         print(f"{time.perf_counter() - t0:.1f}s built {name} {out_f}x{in_f}", flush=True)
     result: dict = {
@@ -252,8 +273,12 @@ def gemm(args) -> dict:
         entry: dict = {"eager": {}, "cuda_graph": {}, "cuda_graph_failed": graph_fail, "graph_ms_per_gemm": per_kind}
         for mode, times in (("eager", t_eager), ("cuda_graph", t_graph)):
             base = statistics.median(times["bf16"]) if "bf16" in times else None
+            # every candidate also against each bf16 baseline with fused Linears (bf16+fused, bf16+qkv)
+            fused_bases = {b: statistics.median(ts) for b, ts in times.items() if b.startswith("bf16+")}
             for k, ts in times.items():
                 entry[mode][k] = {**quartiles(ts), "vs_bf16": round(statistics.median(ts) / base, 3) if base else None}
+                for b, t in fused_bases.items():
+                    entry[mode][k][f"vs_{b}"] = round(statistics.median(ts) / t, 3)
         result["rows"][str(rows)] = entry
         print(f"rows {rows}: " + json.dumps(entry), flush=True)
         save(args.out, result)  # a step cut short by its time limit keeps what it measured
@@ -328,11 +353,16 @@ def e2e(args) -> dict:
     drafters["bf16"] = bf16.model
     block = bf16.config.block_size
     for label in ["dequant", *args.kernels.split(",")]:
-        choice, _, option = label.partition(":")  # KERNEL:nofuse keeps k/v and gate/up as separate GEMMs
+        choice, _, option = label.partition(":")  # KERNEL:nofuse: one GEMM a Linear; KERNEL:noqkv: q alone
         loaded = load_drafter(args.artifact, device=device, dtype=dtype)
         try:
             info = use_int4_kernel(
-                loaded.model, loaded.source.path, loaded.quantization, choice, fuse=option != "nofuse"
+                loaded.model,
+                loaded.source.path,
+                loaded.quantization,
+                choice,
+                fuse=option != "nofuse",
+                qkv=option != "noqkv",
             )
         except Exception as exc:  # noqa: BLE001
             kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -387,7 +417,7 @@ def e2e_full(args) -> dict:
         model = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
         model.load_state_dict(deq.state_dict())
         try:
-            kernel_info[label] = use_int4_codes(model, codes, [kernel], fuse=option != "nofuse")
+            kernel_info[label] = use_int4_codes(model, codes, [kernel], fuse=option != "nofuse", qkv=option != "noqkv")
         except Exception as exc:  # noqa: BLE001
             kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
@@ -418,8 +448,8 @@ def main() -> None:
     g.add_argument(
         "--kernels",
         default="cuda+fused,triton+fused,gemlite,tinygemm",
-        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the drafter "
-        "runs them), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
+        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each), KERNEL+qkv "
+        "(q/k/v and gate/up, as the int4 drafter runs them), bf16+fused / bf16+qkv (bf16 baselines fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
         "kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant N: cuda+fused:x0.5:v2)",
     )
     g.add_argument("--repeats", type=int, default=30)
@@ -427,7 +457,9 @@ def main() -> None:
     e = sub.add_parser("e2e")
     e.add_argument("artifact", type=Path)
     e.add_argument(
-        "--kernels", default="triton,triton:nofuse,tinygemm", help="KERNEL or KERNEL:nofuse, comma-separated"
+        "--kernels",
+        default="triton,triton:nofuse,tinygemm",
+        help="KERNEL, KERNEL:nofuse or KERNEL:noqkv, comma-separated",
     )
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
@@ -435,7 +467,9 @@ def main() -> None:
     e.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (kernels: dequant)")
     e.add_argument("--out", type=Path, required=True)
     f = sub.add_parser("e2e-full")
-    f.add_argument("--kernels", default="triton,triton:nofuse", help="KERNEL or KERNEL:nofuse, comma-separated")
+    f.add_argument(
+        "--kernels", default="triton,triton:nofuse", help="KERNEL, KERNEL:nofuse or KERNEL:noqkv, comma-separated"
+    )
     f.add_argument("--num-prompts", type=int, default=4)
     f.add_argument("--prompt-tokens", type=int, default=256)
     f.add_argument("--max-new-tokens", type=int, default=32)

@@ -227,9 +227,9 @@ def plan(
 
 
 def use_int4_kernel(
-    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True
+    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = True
 ) -> dict[str, Any]:
-    """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`); returns what ran
+    """Replace the drafter's GPTQ Linears by Int4Linear (q/k/v and gate/up fused when `fuse`); returns what ran
     (`kernel`, `linears`, `fused_groups`, `reason`).
 
     A kernel that cannot run one of the Linears is passed over for the next; with none left the drafter
@@ -242,7 +242,7 @@ def use_int4_kernel(
     assert qcfg is not None
     layers = {n: (c.to(device), b) for n, (c, b) in gptq_codes(path, qcfg).items()}
     try:
-        return use_int4_codes(model, layers, kernels, fuse)
+        return use_int4_codes(model, layers, kernels, fuse, qkv)
     except KernelUnavailable as exc:
         if choice != "auto":
             raise UsageError(f"--int4-kernel {choice} cannot run this drafter ({exc}); use auto or dequant") from exc
@@ -254,10 +254,15 @@ class KernelUnavailable(Exception):
 
 
 def use_int4_codes(
-    model: nn.Module, layers: dict[str, tuple[Int4Codes, torch.Tensor | None]], kernels: list[str], fuse: bool = True
+    model: nn.Module,
+    layers: dict[str, tuple[Int4Codes, torch.Tensor | None]],
+    kernels: list[str],
+    fuse: bool = True,
+    qkv: bool = True,
 ) -> dict[str, Any]:
     """Replace the Linears named in `layers` (codes on the model's device) with the first kernel of `kernels`
-    that runs them all; raises KernelUnavailable when none does (the weights are then left as they were)."""
+    that runs them all; raises KernelUnavailable when none does (the weights are then left as they were). With
+    `fuse`, Linears on one input run as one GEMM (q|k|v only with `qkv` too)."""
     device = next(model.parameters()).device
     problems: list[str] = []
     for kernel in kernels:
@@ -272,7 +277,11 @@ def use_int4_codes(
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != codes.shape:
             raise UsageError(f"quantized {name} does not match the drafter's Linear; re-export the artifact")
     layers = dict(layers)
-    groups = shared_input_groups(layers) if fuse else []
+    # q joins k|v only where the attention can run the fused GEMM itself (DFlashAttention's qkv_proj)
+    qkv = qkv and all(
+        hasattr(model.get_submodule(n.rpartition(".")[0]), "qkv_proj") for n in layers if n.endswith(QKV[0])
+    )
+    groups = shared_input_groups(layers, qkv) if fuse else []
     for members in groups:
         parts = [layers.pop(n) for n in members]
         bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])  # type: ignore[misc]
@@ -282,6 +291,8 @@ def use_int4_codes(
         for name, (codes, _) in zip(members, parts, strict=True):
             _replace(model, name, Int4Member(fused, start, start + codes.shape[0], state))
             start += codes.shape[0]
+        if members[0].endswith("." + QKV[0]):  # the attention runs the one GEMM itself (q's input is k's last rows)
+            model.get_submodule(members[0].rpartition(".")[0]).qkv_proj = fused
     for name, (codes, bias) in layers.items():
         _replace(model, name, Int4Linear(codes, bias, kernel))
     linears = len(layers) + sum(len(m) for m in groups)
@@ -293,27 +304,32 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-# Linears a drafter layer calls one after another on one tensor: each group runs as one GEMM (fewer launches).
-SHARED_INPUTS = (("self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+# Linears a drafter layer runs on one input, each group as one GEMM (fewer launches), the longest group first. q
+# reads the block's rows h and k/v cat(ctx, h): DFlashAttention runs q|k|v over cat(ctx, h) through its
+# `qkv_proj` and drops q's context rows; a layer whose q cannot join still fuses k|v.
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+SHARED_INPUTS = (QKV, ("self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
-def shared_input_groups(layers: dict[str, tuple[Int4Codes, torch.Tensor | None]]) -> list[list[str]]:
+def shared_input_groups(layers: dict[str, tuple[Int4Codes, torch.Tensor | None]], qkv: bool = True) -> list[list[str]]:
     """Member names of each fusable group: all quantized, same width and grid layout, in-order groups, and all
-    with or all without bias."""
-    groups = []
-    for name in layers:
-        for suffixes in SHARED_INPUTS:
+    with or all without bias; q|k|v only with `qkv`."""
+    groups: list[list[str]] = []
+    taken: set[str] = set()
+    for suffixes in SHARED_INPUTS if qkv else SHARED_INPUTS[1:]:
+        for name in layers:
             if not name.endswith("." + suffixes[0]):
                 continue
             prefix = name[: -len(suffixes[0])]
             members = [prefix + s for s in suffixes]
-            if not all(m in layers for m in members):
+            if not all(m in layers and m not in taken for m in members):
                 continue
             codes = [layers[m][0] for m in members]
             same = {(c.shape[1], c.group_size, c.scales.dtype) for c in codes}
             biased = {layers[m][1] is None for m in members}
             if len(same) == 1 and len(biased) == 1 and all(c.in_order()[1] is None for c in codes):
                 groups.append(members)
+                taken.update(members)
     return groups
 
 

@@ -82,6 +82,9 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.is_causal, self.sliding_window = config.attention_kind(layer_idx)
+        # q|k|v as one Linear over cat(ctx, h) (set by int4_linear's fusion: one GEMM launch instead of two; q's
+        # rows for the context are computed and dropped, which costs the memory-bound kernel next to nothing)
+        self.qkv_proj: nn.Module | None = None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [b, n, t, d]
@@ -99,10 +102,16 @@ class DFlashAttention(nn.Module):
         q_len, c_len = h.shape[1], ctx.shape[1]
         if isinstance(attention_mask, dict):  # one mask per layer kind (batched decoding: per-row masks)
             attention_mask = attention_mask[(self.is_causal, self.sliding_window)]
-        q = self.q_norm(self._heads(self.q_proj(h), self.n_heads))
         kv_in = torch.cat([ctx, h], dim=1)
-        k = self.k_norm(self._heads(self.k_proj(kv_in), self.n_kv))
-        v = self._heads(self.v_proj(kv_in), self.n_kv)
+        if self.qkv_proj is None:
+            q_lin, k_lin, v_lin = self.q_proj(h), self.k_proj(kv_in), self.v_proj(kv_in)
+        else:
+            qkv = self.qkv_proj(kv_in)
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q_lin, k_lin, v_lin = qkv[:, c_len:, :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+        q = self.q_norm(self._heads(q_lin, self.n_heads))
+        k = self.k_norm(self._heads(k_lin, self.n_kv))
+        v = self._heads(v_lin, self.n_kv)
         q = _rope(q, cos[:, None, -q_len:], sin[:, None, -q_len:])
         k = _rope(k, cos[:, None], sin[:, None])
         k_pos = positions

@@ -392,6 +392,57 @@ def test_fused_members_share_one_gemm_per_input():
     assert fused.calls == 6
 
 
+class _Exact(torch.nn.Module):
+    """A CPU stand-in for Int4Linear: the fp32 dequantized matmul, counting its GEMMs and the rows they took."""
+
+    def __init__(self, codes: Int4Codes, bias, kernel: str):
+        super().__init__()
+        self.weight, self.bias, self.kernel = codes.dequantize(), bias, kernel
+        self.out_features, self.in_features = codes.shape
+        self.rows: list[int] = []
+
+    def forward(self, x):
+        self.rows.append(x.reshape(-1, self.in_features).shape[0])
+        return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypatch):
+    """Fused, each drafter layer runs q|k|v as one GEMM over cat(ctx, h) and gate|up as one; the speculative
+    tokens, acceptance and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel)."""
+    import dflash_quant.int4_linear as il
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.runtime import encode_prompts, stop_tokens
+    from dflash_quant.verify import CheckSettings, spec_runs
+
+    monkeypatch.setattr(il, "Int4Linear", _Exact)
+    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["exact"], None))
+    monkeypatch.setattr(il, "kernel_problem", lambda name, codes, device: None)
+    target = load_target("reference:target")
+    prompts = encode_prompts(target, "reference:heldout", 2, False, 24)
+    runs, hidden, models = {}, {}, {}
+    for fuse in (False, True):
+        loaded = load_drafter(rtn_artifact)
+        info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse=fuse)
+        layers = loaded.model.layers
+        assert info["linears"] == 1 + 7 * len(layers) and info["fused_groups"] == (2 * len(layers) if fuse else 0)
+        assert all((a.self_attn.qkv_proj is not None) == fuse for a in layers)
+        settings = CheckSettings(24, 0.0, loaded.config.block_size, 0, stop_tokens(target))
+        with torch.no_grad():
+            runs[fuse] = spec_runs(loaded.model, target.model, prompts, settings)
+        hidden[fuse] = _first_block(loaded.model, target.model, prompts[0])
+        models[fuse] = loaded.model
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+    assert [r.acceptance_lengths for r in runs[True]] == [r.acceptance_lengths for r in runs[False]]
+    torch.testing.assert_close(hidden[True], hidden[False], rtol=1e-5, atol=1e-5)
+    attn, unfused = models[True].layers[0].self_attn, models[False].layers[0].self_attn
+    qkv = attn.qkv_proj
+    assert qkv.out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    # one GEMM for q|k|v per forward (none through the members), over k/v's rows: the context's and the block's
+    assert qkv.rows == unfused.k_proj.rows and len(qkv.rows) == len(unfused.q_proj.rows)
+    assert any(r > q for r, q in zip(qkv.rows, unfused.q_proj.rows, strict=True))
+    assert models[True].layers[0].mlp.up_proj.fused is models[True].layers[0].mlp.gate_proj.fused
+
+
 def test_shared_input_groups_need_equal_layouts():
     from dflash_quant.int4_linear import shared_input_groups
 
@@ -410,6 +461,12 @@ def test_shared_input_groups_need_equal_layouts():
         "layers.2.mlp.gate_proj": (codes(64), None),  # up_proj kept bf16: not fused
     }
     assert shared_input_groups(layers) == [["layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj"]]
+    qkv = ["layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj"]
+    layers["layers.0.self_attn.q_proj"] = (codes(32), None)  # q joins k and v in one group
+    assert shared_input_groups(layers) == [qkv]
+    assert shared_input_groups(layers, qkv=False) == [qkv[1:]]  # the attention cannot run q|k|v: k|v alone
+    layers["layers.0.self_attn.q_proj"] = (codes(32, act_order=True), None)  # q cannot join: k|v still fused
+    assert shared_input_groups(layers) == [qkv[1:]]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
