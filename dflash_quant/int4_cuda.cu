@@ -416,11 +416,13 @@ struct Config {
 };
 
 // f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
-// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots.
+// pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots, 3: 5 slots
+// (3 blocks an SM; at 16 rows the drafter's split-K grids have at most 3 blocks an SM anyway).
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
     if (variant == 1) f(Config<8, 1, 4>{});
+    else if (variant == 3) f(Config<8, 1, 5>{});
     else f(Config<8, 1, 2>{});
     return;
   }
