@@ -29,6 +29,7 @@ from dflash_quant.errors import UsageError
 from dflash_quant.int4_choice import KERNEL_ORDER, check_int4_kernel
 
 MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows go through a bf16 GEMM
+DEQUANTIZING = ("cuda", "triton")  # kernels whose Int4Linear rebuilds its bf16 weight (Int4QKV needs it)
 
 
 @dataclass
@@ -152,6 +153,17 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, kernel={self.kernel}"
+
+    def dequantized(self) -> torch.Tensor:
+        """The bf16 weight [out, in] rebuilt from the codes (the dequantized path's bits; input columns in the
+        kernel's order), for inputs of many rows: cuda and triton only (DEQUANTIZING)."""
+        if self.kernel == "cuda":
+            return int4_cuda.module().w4_dequant(self.qweight, self.scales, self.zeros, self.group_size)
+        if self.kernel == "triton":
+            from dflash_quant.int4_triton import dequantize_t
+
+            return dequantize_t(self.qweight, self.scales, self.zeros, self.group_size).T
+        raise NotImplementedError(f"the {self.kernel} kernel's layout is not rebuilt in bf16 here")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -278,8 +290,10 @@ def use_int4_codes(
             raise UsageError(f"quantized {name} does not match the drafter's Linear; re-export the artifact")
     layers = dict(layers)
     # q joins k|v only where the attention can run the fused GEMM itself (DFlashAttention's qkv_proj)
-    qkv = qkv and all(
-        hasattr(model.get_submodule(n.rpartition(".")[0]), "qkv_proj") for n in layers if n.endswith(QKV[0])
+    qkv = (
+        qkv
+        and kernel in DEQUANTIZING
+        and all(hasattr(model.get_submodule(n.rpartition(".")[0]), "qkv_proj") for n in layers if n.endswith(QKV[0]))
     )
     groups = shared_input_groups(layers, qkv) if fuse else []
     for members in groups:
@@ -291,8 +305,8 @@ def use_int4_codes(
         for name, (codes, _) in zip(members, parts, strict=True):
             _replace(model, name, Int4Member(fused, start, start + codes.shape[0], state))
             start += codes.shape[0]
-        if members[0].endswith("." + QKV[0]):  # the attention runs the one GEMM itself (q's input is k's last rows)
-            model.get_submodule(members[0].rpartition(".")[0]).qkv_proj = fused
+        if members[0].endswith("." + QKV[0]):  # the attention runs q|k|v itself (q's input is k's last rows)
+            model.get_submodule(members[0].rpartition(".")[0]).qkv_proj = Int4QKV(fused, parts[0][0].shape[0])
     for name, (codes, bias) in layers.items():
         _replace(model, name, Int4Linear(codes, bias, kernel))
     linears = len(layers) + sum(len(m) for m in groups)
@@ -305,8 +319,8 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 # Linears a drafter layer runs on one input, each group as one GEMM (fewer launches), the longest group first. q
-# reads the block's rows h and k/v cat(ctx, h): DFlashAttention runs q|k|v over cat(ctx, h) through its
-# `qkv_proj` and drops q's context rows; a layer whose q cannot join still fuses k|v.
+# reads the block's rows h and k/v cat(ctx, h): DFlashAttention runs q|k|v through its `qkv_proj` (Int4QKV); a
+# layer whose q cannot join, or a kernel that cannot rebuild its bf16 weight, still fuses k|v.
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 SHARED_INPUTS = (QKV, ("self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
@@ -380,6 +394,33 @@ class Int4Member(nn.Module):
         if st.left == 0:  # every member has its columns: let go of the input and output
             st.x = st.y = None
         return y[..., self.start : self.end]
+
+
+class Int4QKV(nn.Module):
+    """q|k|v of a DFlash attention layer held as one int4 Linear. q reads the block's rows h, k and v the context's
+    and the block's, cat(ctx, h), whose tail is h. While the kernel takes cat(ctx, h) (a decode step: at most
+    `rows` rows) the three run as one kernel over it and q's context rows are dropped (the kernel streams the same
+    weight whatever the rows); past that (a prompt's context) the bf16 weight is rebuilt once and q multiplies h
+    alone, so a long prompt pays no q over its context."""
+
+    def __init__(self, fused: Int4Linear, q_features: int, rows: int = MAX_KERNEL_ROWS):
+        super().__init__()
+        self.fused, self.q_features, self.rows = fused, q_features, rows
+
+    def extra_repr(self) -> str:
+        return f"q={self.q_features}, k|v={self.fused.out_features - self.q_features}, one GEMM up to {self.rows} rows"
+
+    def forward(self, h: torch.Tensor, kv_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q of h, k|v of kv_in), last dims q_features and the rest."""
+        nq = self.q_features
+        if kv_in.numel() // kv_in.shape[-1] <= self.rows:
+            y = self.fused(kv_in)
+            return y[..., kv_in.shape[-2] - h.shape[-2] :, :nq], y[..., nq:]
+        w = self.fused.dequantized()
+        b = self.fused.bias
+        q = F.linear(h.to(w.dtype), w[:nq], None if b is None else b[:nq]).to(h.dtype)
+        kv = F.linear(kv_in.to(w.dtype), w[nq:], None if b is None else b[nq:]).to(kv_in.dtype)
+        return q, kv
 
 
 def int4_matmul_error(layer: nn.Module, codes: Int4Codes, rows: int = 16, seed: int = 0) -> float:

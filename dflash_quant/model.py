@@ -82,8 +82,8 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.is_causal, self.sliding_window = config.attention_kind(layer_idx)
-        # q|k|v as one Linear over cat(ctx, h) (set by int4_linear's fusion: one GEMM launch instead of two; q's
-        # rows for the context are computed and dropped, which costs the memory-bound kernel next to nothing)
+        # q|k|v held as one Linear: called (h, cat(ctx, h)), returns (q, k|v) (int4_linear.Int4QKV, set by the
+        # int4 drafter's fusion: one kernel launch a step instead of two)
         self.qkv_proj: nn.Module | None = None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,9 +106,8 @@ class DFlashAttention(nn.Module):
         if self.qkv_proj is None:
             q_lin, k_lin, v_lin = self.q_proj(h), self.k_proj(kv_in), self.v_proj(kv_in)
         else:
-            qkv = self.qkv_proj(kv_in)
-            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q_lin, k_lin, v_lin = qkv[:, c_len:, :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+            q_lin, kv_lin = self.qkv_proj(h, kv_in)
+            k_lin, v_lin = kv_lin.split(self.n_kv * self.head_dim, dim=-1)
         q = self.q_norm(self._heads(q_lin, self.n_heads))
         k = self.k_norm(self._heads(k_lin, self.n_kv))
         v = self._heads(v_lin, self.n_kv)

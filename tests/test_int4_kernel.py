@@ -405,17 +405,45 @@ class _Exact(torch.nn.Module):
         self.rows.append(x.reshape(-1, self.in_features).shape[0])
         return torch.nn.functional.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
+    def dequantized(self):
+        self.rows.append(0)  # the weight rebuilt: no GEMM through the kernel
+        return self.weight
+
+
+def test_int4_qkv_runs_one_gemm_for_a_step_and_no_q_over_a_prompt():
+    """Int4QKV: up to its rows, q|k|v is one GEMM over cat(ctx, h) with q's context rows dropped; past them (a
+    prompt's context) the weight is rebuilt once and q multiplies h alone. Both equal three separate Linears."""
+    from dflash_quant.int4_linear import Int4QKV
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [_codes(_quantized(n, 128, 32, False, False, seed=i), 32) for i, n in enumerate((64, 32, 32))]
+    from dflash_quant.int4_linear import concat_outputs
+
+    fused = _Exact(concat_outputs(parts), torch.randn(128, generator=gen), "cuda")
+    qkv = Int4QKV(fused, 64, rows=40)
+    w, b = fused.weight, fused.bias
+    for batch, ctx, block in ((1, 4, 16), (2, 4, 16), (1, 0, 16), (2, 30, 16), (1, 200, 16)):
+        kv_in = torch.randn(batch, ctx + block, 128, generator=gen)
+        h = kv_in[:, ctx:]
+        fused.rows.clear()
+        q, kv = qkv(h, kv_in)
+        torch.testing.assert_close(q, torch.nn.functional.linear(h, w[:64], b[:64]))
+        torch.testing.assert_close(kv, torch.nn.functional.linear(kv_in, w[64:], b[64:]))
+        one_gemm = batch * (ctx + block) <= 40
+        assert fused.rows == ([batch * (ctx + block)] if one_gemm else [0]), (batch, ctx, fused.rows)
+
 
 def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypatch):
-    """Fused, each drafter layer runs q|k|v as one GEMM over cat(ctx, h) and gate|up as one; the speculative
-    tokens, acceptance and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel)."""
+    """Fused, each drafter layer runs q|k|v as one GEMM over cat(ctx, h) in a decode step (a prompt's forward:
+    the rebuilt weight, q over h alone) and gate|up as one; the speculative tokens, acceptance and the first
+    block's hidden states equal one GEMM a Linear (exact stand-in kernel)."""
     import dflash_quant.int4_linear as il
     from dflash_quant.loading import load_drafter, load_target
     from dflash_quant.runtime import encode_prompts, stop_tokens
     from dflash_quant.verify import CheckSettings, spec_runs
 
-    monkeypatch.setattr(il, "Int4Linear", _Exact)
-    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["exact"], None))
+    monkeypatch.setattr(il, "Int4Linear", _Exact)  # named cuda: a kernel that rebuilds its bf16 weight
+    monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["cuda"], None))
     monkeypatch.setattr(il, "kernel_problem", lambda name, codes, device: None)
     target = load_target("reference:target")
     prompts = encode_prompts(target, "reference:heldout", 2, False, 24)
@@ -426,6 +454,8 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypa
         layers = loaded.model.layers
         assert info["linears"] == 1 + 7 * len(layers) and info["fused_groups"] == (2 * len(layers) if fuse else 0)
         assert all((a.self_attn.qkv_proj is not None) == fuse for a in layers)
+        for a in layers if fuse else []:  # the reference's short prompts take the rebuilt weight too
+            a.self_attn.qkv_proj.rows = 16
         settings = CheckSettings(24, 0.0, loaded.config.block_size, 0, stop_tokens(target))
         with torch.no_grad():
             runs[fuse] = spec_runs(loaded.model, target.model, prompts, settings)
@@ -435,11 +465,14 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypa
     assert [r.acceptance_lengths for r in runs[True]] == [r.acceptance_lengths for r in runs[False]]
     torch.testing.assert_close(hidden[True], hidden[False], rtol=1e-5, atol=1e-5)
     attn, unfused = models[True].layers[0].self_attn, models[False].layers[0].self_attn
-    qkv = attn.qkv_proj
+    qkv = attn.qkv_proj.fused
     assert qkv.out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
-    # one GEMM for q|k|v per forward (none through the members), over k/v's rows: the context's and the block's
-    assert qkv.rows == unfused.k_proj.rows and len(qkv.rows) == len(unfused.q_proj.rows)
-    assert any(r > q for r, q in zip(qkv.rows, unfused.q_proj.rows, strict=True))
+    # one GEMM for q|k|v per forward (none through the members), over k/v's rows, the context's and the block's,
+    # while they fit the kernel; the prompt's forward rebuilds the weight (0) and runs no q over the prompt
+    kernel_rows = [r if r <= 16 else 0 for r in unfused.k_proj.rows]
+    assert qkv.rows == kernel_rows and len(qkv.rows) == len(unfused.q_proj.rows)
+    assert any(r > q for r, q in zip(qkv.rows, unfused.q_proj.rows, strict=True) if r)  # context rows in the GEMM
+    assert 0 in qkv.rows  # the prompt's forward
     assert models[True].layers[0].mlp.up_proj.fused is models[True].layers[0].mlp.gate_proj.fused
 
 
