@@ -15,6 +15,8 @@ columns permuted once at load so each group is contiguous; forward gathers the i
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,6 +313,24 @@ def use_int4_codes(
         _replace(model, name, Int4Linear(codes, bias, kernel))
     linears = len(layers) + sum(len(m) for m in groups)
     return {"kernel": kernel, "linears": linears, "fused_groups": len(groups), "reason": None}
+
+
+@functools.cache
+def runtime_revision() -> str:
+    """A digest of the int4 runtime's sources (the kernels, their split-K rules, the fusion of Linears): a change
+    there changes an int4 drafter's summation order, so cached runs are keyed by it."""
+    here = Path(__file__)
+    digest = hashlib.sha256()
+    for path in (here, here.with_name("int4_triton.py"), Path(int4_cuda.__file__), int4_cuda.SOURCE):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def run_key(info: dict[str, Any]) -> str | None:
+    """What a check cache key adds for a drafter run as `use_int4_kernel` reported (None: the dequantized path,
+    whose runs are the weights' alone)."""
+    kernel = info.get("kernel")
+    return None if kernel in (None, "dequant") else f"{kernel}@{runtime_revision()}"
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -476,6 +476,24 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypa
     assert models[True].layers[0].mlp.up_proj.fused is models[True].layers[0].mlp.gate_proj.fused
 
 
+def test_cached_int4_runs_are_keyed_by_the_runtime_sources(tmp_path, monkeypatch):
+    """verify's check cache keeps an int4 kernel's runs apart per kernel and per revision of the int4 runtime's
+    sources (a new split-K rule or fusion sums in another order); the dequantized path's runs need neither."""
+    import dflash_quant.int4_linear as il
+
+    assert il.run_key({"kernel": "dequant", "linears": 0, "reason": "CPU"}) is None
+    before = il.run_key({"kernel": "cuda", "linears": 8, "fused_groups": 2})
+    assert before == f"cuda@{il.runtime_revision()}" and before != il.run_key({"kernel": "triton"})
+    edited = tmp_path / "int4_cuda.cu"
+    edited.write_bytes(il.int4_cuda.SOURCE.read_bytes() + b"\n// another split-K rule\n")
+    monkeypatch.setattr(il.int4_cuda, "SOURCE", edited)
+    il.runtime_revision.cache_clear()
+    try:
+        assert il.run_key({"kernel": "cuda"}) != before
+    finally:
+        il.runtime_revision.cache_clear()
+
+
 def test_shared_input_groups_need_equal_layouts():
     from dflash_quant.int4_linear import shared_input_groups
 

@@ -224,7 +224,7 @@ class DrafterKernel(Record):
         "(weights dequantized to the compute dtype)"
     )
     linears: int | None = doc("Linears run through the int4 kernel (0 for dequant)")
-    fused_groups: int | None = doc("groups of Linears on one input (k/v, gate/up) run as one GEMM each", omit_none=True)
+    fused_groups: int | None = doc("groups of Linears run as one GEMM each (q|k|v or k|v, gate|up)", omit_none=True)
     reason: str | None = doc("why the dequantized path ran (CPU, not 4 bits, not GPTQ, `--int4-kernel dequant`)")
     extra: E = doc("", factory=dict)
 

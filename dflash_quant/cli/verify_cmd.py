@@ -196,7 +196,7 @@ def verify(
         other = load_drafter(compare, device=dev, dtype=dt)
         check_pair(other.config, tgt.model)
         drafters = [other, loaded]  # baseline first, like a recovery table
-    from dflash_quant.int4_linear import use_int4_kernel
+    from dflash_quant.int4_linear import run_key, use_int4_kernel
 
     kernels = {d.source.id: use_int4_kernel(d.model, d.source.path, d.quantization, int4_kernel) for d in drafters}
     block = block_size or min(d.config.block_size for d in drafters)
@@ -243,8 +243,8 @@ def verify(
                 dtype=dt,
                 drafter=weights_sha256(d.source.path),
             )
-            if kernels[d.source.id]["kernel"] != "dequant":  # an int4 kernel sums in another order: its own runs
-                dkey["int4_kernel"] = kernels[d.source.id]["kernel"]
+            if (int4_key := run_key(kernels[d.source.id])) is not None:  # an int4 kernel sums in another order
+                dkey["int4_kernel"] = int4_key
             runs = cached_runs(
                 cache,
                 "spec",
