@@ -106,15 +106,26 @@ def test_kernel_problems_name_the_shape():
     assert shape_problem(64, 256, 256) is None and shape_problem(16, 128, 32) is None
 
 
-@pytest.fixture(scope="module")
-def rtn_artifact(tmp_path_factory) -> Path:
-    """The reference drafter, RTN 4-bit g32 asym, exported as GPTQ v1 by the real CLI."""
-    out = tmp_path_factory.mktemp("int4") / "rtn"
-    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", "reference", "--method", "rtn", "--no-verify"]
+def _rtn_artifact(pair: str, out: Path) -> Path:
+    """A reference drafter, RTN 4-bit g32 asym, exported as GPTQ v1 by the real CLI."""
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", pair, "--method", "rtn", "--no-verify"]
     cmd += ["--no-card", "--format", "gptq", "--device", "cpu", "--group-size", "32", "--asym", "-o", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(tmp_path_factory) -> Path:
+    """The reference drafter, RTN 4-bit g32 asym, exported as GPTQ v1 by the real CLI."""
+    return _rtn_artifact("reference", tmp_path_factory.mktemp("int4") / "rtn")
+
+
+@pytest.fixture(scope="module")
+def rtn_artifacts(rtn_artifact, tmp_path_factory) -> dict[str, Path]:
+    """Both reference pairs' drafters (DFlash v1 and DFlash2), RTN 4-bit g32 asym as GPTQ v1."""
+    dflash2 = _rtn_artifact("reference-dflash2", tmp_path_factory.mktemp("int4") / "rtn2")
+    return {"reference": rtn_artifact, "reference-dflash2": dflash2}
 
 
 def test_cpu_drafter_keeps_the_dequantized_weights(rtn_artifact):
@@ -433,10 +444,12 @@ def test_int4_qkv_runs_one_gemm_for_a_step_and_no_q_over_a_prompt():
         assert fused.rows == ([batch * (ctx + block)] if one_gemm else [0]), (batch, ctx, fused.rows)
 
 
-def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypatch):
+@pytest.mark.parametrize("pair", ["reference", "reference-dflash2"])
+def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, monkeypatch):
     """Fused, each drafter layer runs q|k|v as one GEMM over cat(ctx, h) in a decode step (a prompt's forward:
-    the rebuilt weight, q over h alone) and gate|up as one; the speculative tokens, acceptance and the first
-    block's hidden states equal one GEMM a Linear (exact stand-in kernel)."""
+    the rebuilt weight, q over h alone) and gate|up as one; the speculative tokens, acceptance (one by one and
+    batched) and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel), DFlash v1
+    and DFlash2."""
     import dflash_quant.int4_linear as il
     from dflash_quant.loading import load_drafter, load_target
     from dflash_quant.runtime import encode_prompts, stop_tokens
@@ -445,24 +458,26 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifact, monkeypa
     monkeypatch.setattr(il, "Int4Linear", _Exact)  # named cuda: a kernel that rebuilds its bf16 weight
     monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["cuda"], None))
     monkeypatch.setattr(il, "kernel_problem", lambda name, codes, device: None)
-    target = load_target("reference:target")
-    prompts = encode_prompts(target, "reference:heldout", 2, False, 24)
+    target = load_target(f"{pair}:target")
+    prompts = encode_prompts(target, f"{pair}:heldout", 4, False, 24)
     runs, hidden, models = {}, {}, {}
     for fuse in (False, True):
-        loaded = load_drafter(rtn_artifact)
+        loaded = load_drafter(rtn_artifacts[pair])
         info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse=fuse)
         layers = loaded.model.layers
-        assert info["linears"] == 1 + 7 * len(layers) and info["fused_groups"] == (2 * len(layers) if fuse else 0)
+        assert info["fused_groups"] == (2 * len(layers) if fuse else 0)
         assert all((a.self_attn.qkv_proj is not None) == fuse for a in layers)
         for a in layers if fuse else []:  # the reference's short prompts take the rebuilt weight too
             a.self_attn.qkv_proj.rows = 16
-        settings = CheckSettings(24, 0.0, loaded.config.block_size, 0, stop_tokens(target))
-        with torch.no_grad():
-            runs[fuse] = spec_runs(loaded.model, target.model, prompts, settings)
+        for batch in (1, 2):
+            settings = CheckSettings(24, 0.0, loaded.config.block_size, 0, stop_tokens(target), batch=batch)
+            with torch.no_grad():
+                runs[fuse, batch] = spec_runs(loaded.model, target.model, prompts, settings)
         hidden[fuse] = _first_block(loaded.model, target.model, prompts[0])
         models[fuse] = loaded.model
-    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
-    assert [r.acceptance_lengths for r in runs[True]] == [r.acceptance_lengths for r in runs[False]]
+    for batch in (1, 2):
+        assert [r.tokens for r in runs[True, batch]] == [r.tokens for r in runs[False, batch]]
+        assert [r.acceptance_lengths for r in runs[True, batch]] == [r.acceptance_lengths for r in runs[False, batch]]
     torch.testing.assert_close(hidden[True], hidden[False], rtol=1e-5, atol=1e-5)
     attn, unfused = models[True].layers[0].self_attn, models[False].layers[0].self_attn
     qkv = attn.qkv_proj.fused
