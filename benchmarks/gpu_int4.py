@@ -3,7 +3,7 @@
 gemm: the 36 GEMMs of one Qwen3-8B-DFlash-b16 drafter step (fc 4096 x 5*4096; per layer q 4096x4096,
   k/v 1024x4096, o 4096x4096, gate/up 12288x4096, down 4096x12288; 5 layers), distinct random weights per
   layer, at 8 and 16 rows: bf16 (F.linear on the dequantized weights) against each int4 kernel. A `+fused`
-  candidate runs k|v and gate|up as one GEMM each, `+qkv` q|k|v and gate|up (the int4 drafter's runtime);
+  candidate runs k|v and gate|up as one GEMM each (the int4 drafter's runtime), `+qkv` q|k|v and gate|up (Int4QKV);
   `bf16+fused` / `bf16+qkv` are the bf16 baseline with the same fusion, and every candidate is also reported
   against them (vs_bf16+qkv). CUDA events
   around the whole step, warm-up first (autotuning included), candidates in alternating order every repeat,
@@ -70,8 +70,8 @@ def random_codes(out_f: int, in_f: int, group: int, sym: bool, gen: torch.Genera
 
 
 def fusion(kernel: str) -> str | None:
-    """How a candidate groups the Linears of one input: `qkv` (q|k|v and gate|up as one GEMM each: the int4
-    drafter's runtime), `fused` (k|v and gate|up), or None (one GEMM a Linear, as the bf16 drafter runs)."""
+    """How a candidate groups the Linears of one input: `qkv` (q|k|v and gate|up as one GEMM each: Int4QKV),
+    `fused` (k|v and gate|up: the int4 drafter's runtime), or None (one GEMM a Linear, as the bf16 drafter runs)."""
     base = kernel.split(":")[0]
     return "qkv" if base.endswith("+qkv") else "fused" if base.endswith("+fused") else None
 
@@ -353,7 +353,7 @@ def e2e(args) -> dict:
     drafters["bf16"] = bf16.model
     block = bf16.config.block_size
     for label in ["dequant", *args.kernels.split(",")]:
-        choice, _, option = label.partition(":")  # KERNEL:nofuse: one GEMM a Linear; KERNEL:noqkv: q alone
+        choice, _, option = label.partition(":")  # KERNEL:nofuse: one GEMM a Linear; KERNEL:qkv: q|k|v as one
         loaded = load_drafter(args.artifact, device=device, dtype=dtype)
         try:
             info = use_int4_kernel(
@@ -362,7 +362,7 @@ def e2e(args) -> dict:
                 loaded.quantization,
                 choice,
                 fuse=option != "nofuse",
-                qkv=option != "noqkv",
+                qkv=option == "qkv",
             )
         except Exception as exc:  # noqa: BLE001
             kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -417,7 +417,7 @@ def e2e_full(args) -> dict:
         model = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
         model.load_state_dict(deq.state_dict())
         try:
-            kernel_info[label] = use_int4_codes(model, codes, [kernel], fuse=option != "nofuse", qkv=option != "noqkv")
+            kernel_info[label] = use_int4_codes(model, codes, [kernel], fuse=option != "nofuse", qkv=option == "qkv")
         except Exception as exc:  # noqa: BLE001
             kernel_info[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             continue
@@ -448,8 +448,8 @@ def main() -> None:
     g.add_argument(
         "--kernels",
         default="cuda+fused,triton+fused,gemlite,tinygemm",
-        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each), KERNEL+qkv "
-        "(q/k/v and gate/up, as the int4 drafter runs them), bf16+fused / bf16+qkv (bf16 baselines fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
+        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the int4 drafter runs them), KERNEL+qkv "
+        "(q/k/v and gate/up, Int4QKV), bf16+fused / bf16+qkv (bf16 baselines fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
         "kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant N: cuda+fused:x0.5:v2)",
     )
     g.add_argument("--repeats", type=int, default=30)
@@ -459,7 +459,7 @@ def main() -> None:
     e.add_argument(
         "--kernels",
         default="triton,triton:nofuse,tinygemm",
-        help="KERNEL, KERNEL:nofuse or KERNEL:noqkv, comma-separated",
+        help="KERNEL, KERNEL:nofuse or KERNEL:qkv, comma-separated",
     )
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)
@@ -468,7 +468,7 @@ def main() -> None:
     e.add_argument("--out", type=Path, required=True)
     f = sub.add_parser("e2e-full")
     f.add_argument(
-        "--kernels", default="triton,triton:nofuse", help="KERNEL, KERNEL:nofuse or KERNEL:noqkv, comma-separated"
+        "--kernels", default="triton,triton:nofuse", help="KERNEL, KERNEL:nofuse or KERNEL:qkv, comma-separated"
     )
     f.add_argument("--num-prompts", type=int, default=4)
     f.add_argument("--prompt-tokens", type=int, default=256)

@@ -241,9 +241,9 @@ def plan(
 
 
 def use_int4_kernel(
-    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = True
+    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = False
 ) -> dict[str, Any]:
-    """Replace the drafter's GPTQ Linears by Int4Linear (q/k/v and gate/up fused when `fuse`); returns what ran
+    """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`, q/k/v with `qkv`); returns what ran
     (`kernel`, `linears`, `fused_groups`, `reason`).
 
     A kernel that cannot run one of the Linears is passed over for the next; with none left the drafter
@@ -272,11 +272,12 @@ def use_int4_codes(
     layers: dict[str, tuple[Int4Codes, torch.Tensor | None]],
     kernels: list[str],
     fuse: bool = True,
-    qkv: bool = True,
+    qkv: bool = False,
 ) -> dict[str, Any]:
     """Replace the Linears named in `layers` (codes on the model's device) with the first kernel of `kernels`
     that runs them all; raises KernelUnavailable when none does (the weights are then left as they were). With
-    `fuse`, Linears on one input run as one GEMM (q|k|v only with `qkv` too)."""
+    `fuse`, Linears on one input run as one GEMM: k|v and gate|up; q|k|v (Int4QKV) only with `qkv` too, off by
+    default until it is timed on a GPU (benchmarks/int4_qkv_rows.py, gpu_int4.py gemm cuda+qkv / e2e cuda:qkv)."""
     device = next(model.parameters()).device
     problems: list[str] = []
     for kernel in kernels:

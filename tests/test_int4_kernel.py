@@ -265,7 +265,16 @@ def triton_one_config():
 @gpu
 @pytest.mark.parametrize(
     "kernel,fuse",
-    [("cuda", True), ("cuda", False), ("triton", True), ("triton", False), ("tinygemm", True), ("gemlite", True)],
+    [
+        ("cuda", "qkv"),
+        ("cuda", True),
+        ("cuda", False),
+        ("triton", "qkv"),
+        ("triton", True),
+        ("triton", False),
+        ("tinygemm", True),
+        ("gemlite", True),
+    ],
 )
 def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, kernel, fuse):
     """tau of the int4 drafter through the kernel within the parity gate's default tolerance (0.03) of the
@@ -281,11 +290,15 @@ def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, 
     for choice in ("dequant", kernel):
         loaded = load_drafter(rtn_artifact, device=dev, dtype=torch.bfloat16)
         try:
-            info = use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, choice, fuse=fuse)
+            info = use_int4_kernel(
+                loaded.model, loaded.source.path, loaded.quantization, choice, fuse=bool(fuse), qkv=fuse == "qkv"
+            )
         except UsageError as exc:  # a library this machine lacks (e.g. gemlite not installed)
             assert choice not in ("triton", "cuda"), exc
             pytest.skip(str(exc))
         assert info["kernel"] == choice and (choice == "dequant") == (info["linears"] == 0)
+        qkv = [layer.self_attn.qkv_proj is not None for layer in loaded.model.layers]
+        assert all(qkv) == (fuse == "qkv" and choice != "dequant") and (all(qkv) or not any(qkv))
         settings = CheckSettings(48, 0.0, loaded.config.block_size, 0, stop_tokens(target))
         with torch.inference_mode():
             runs = spec_runs(loaded.model, target.model, prompts, settings)
@@ -463,7 +476,7 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
     runs, hidden, models = {}, {}, {}
     for fuse in (False, True):
         loaded = load_drafter(rtn_artifacts[pair])
-        info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse=fuse)
+        info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse, qkv=fuse)
         layers = loaded.model.layers
         assert info["fused_groups"] == (2 * len(layers) if fuse else 0)
         assert all((a.self_attn.qkv_proj is not None) == fuse for a in layers)
