@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# Issue #16's next device calls. Two development patches under benchmarks/results/int4_cuda_dev/next/ must be applied
-# here first (the device gets the working tree):
-#   git apply benchmarks/results/int4_cuda_dev/next/v25_bulk_copies.patch benchmarks/results/int4_cuda_dev/next/v26_pdl.patch
-# v25: the bulk-copy kernel (sm_90 default with the patch; variant 8 is the cp.async kernel anywhere). v26: the
-# launch flags p (programmatic dependent launch, the first chunks' weights copied before waiting for the previous
-# kernel) and w (PDL alone), for both kernels. JSON and logs under $OUT.
-#   bash benchmarks/int4_next.sh          1. the int4 GPU tests (every path and launch flag against the fp32 reference,
-#                                            the same bits everywhere; chained PDL launches, eager and in a graph)
-#                                         2. one drafter step's GEMMs at 16 and 8 rows: cp.async (v8), bulk default,
-#                                            each with p and w; bulk variants 4-7
-#   bash benchmarks/int4_next.sh parts    3. where the time goes: builds with one stage left out (default and v8)
+# Issue #16's next device calls (written in session 13, when no device was lent; session 12's version, which
+# needed the v25/v26 patches, is in git history). JSON and logs under $OUT; each call fits the 10-minute limit.
+#   bash benchmarks/int4_next.sh         1. build; q|k|v as one launch at a decode step's real rows
+#                                           (int4_qkv_rows.py: context rows 0-16); one step's GEMMs at 16 rows:
+#                                           cuda+fused (shipped), cuda+qkv, cuda+qkv with 4 and 5 slots (v1, v3),
+#                                           bf16 as the drafter runs it, bf16+fused, bf16+qkv; the cuda GPU tests
+#   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
+#                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
+#   bash benchmarks/int4_next.sh parts   3. where the kernel's time goes (int4_cuda_parts.py: one stage left out)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tx}
+export MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
-if ! grep -q w4a16_bulk_kernel dflash_quant/int4_cuda.cu || ! grep -q griddepcontrol dflash_quant/int4_cuda.cu; then
-  echo "apply benchmarks/results/int4_cuda_dev/next/v25_bulk_copies.patch and v26_pdl.patch first (git apply)" >&2
-  exit 2
-fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-if [ "${1:-}" = parts ]; then
-  timeout 540 $PY benchmarks/int4_cuda_parts.py --variants 0,8 --out "$OUT/int4_cuda_parts.json" > "$OUT/parts.log" 2>&1
-  echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
-  exit 0
-fi
-timeout 220 $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_int4_cuda.py > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -2 "$OUT/gpu_tests.log"
-timeout 300 $PY benchmarks/gpu_int4.py gemm --rows 16,8 --repeats 15 --out "$OUT/int4_gemm_cuda_sweep22.json" \
-  --kernels "cuda+fused:v8,cuda+fused:v8:p,cuda+fused:v8:w,cuda+fused,cuda+fused:p,cuda+fused:w,cuda+fused:v4,cuda+fused:v6" \
-  > "$OUT/sweep22.log" 2>&1
-echo "sweep rc=$?"; grep -E '^rows' "$OUT/sweep22.log" | cut -c1-900
+$PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
+case "${1:-}" in
+  e2e)
+    timeout 150 $PY -m dflash_quant.cli.app gptq reference --device cuda --no-verify --no-card -o /tmp/ref-int4-next \
+      > "$OUT/e2e_artifact.log" 2>&1
+    timeout 150 $PY benchmarks/gpu_int4.py e2e /tmp/ref-int4-next --kernels cuda,cuda:qkv --out "$OUT/int4_e2e_qkv.json" \
+      > "$OUT/e2e.log" 2>&1
+    echo "e2e rc=$?"
+    timeout 250 $PY benchmarks/gpu_int4.py e2e-full --kernels cuda,cuda:qkv --out "$OUT/int4_e2e_full_qkv.json" \
+      > "$OUT/e2e_full.log" 2>&1
+    echo "e2e-full rc=$?"
+    ;;
+  parts)
+    timeout 540 $PY benchmarks/int4_cuda_parts.py --variants 0 --out "$OUT/int4_cuda_parts.json" > "$OUT/parts.log" 2>&1
+    echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
+    ;;
+  *)
+    timeout 100 $PY benchmarks/int4_qkv_rows.py --out "$OUT/int4_qkv_rows.json" > "$OUT/qkv_rows.log" 2>&1
+    echo "qkv rows rc=$?"; tail -5 "$OUT/qkv_rows.log"
+    timeout 280 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 10 --out "$OUT/int4_gemm_qkv.json" \
+      --kernels "cuda+fused,cuda+qkv,cuda+qkv:v1,cuda+qkv:v3,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
+    echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm.log" | cut -c1-1500
+    timeout 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k cuda tests/test_int4_kernel.py tests/test_int4_cuda.py \
+      > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; tail -2 "$OUT/gpu_tests.log"
+    ;;
+esac
