@@ -448,9 +448,11 @@ def main() -> None:
     g.add_argument(
         "--kernels",
         default="cuda+fused,triton+fused,gemlite,tinygemm",
-        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the int4 drafter runs them), KERNEL+qkv "
-        "(q/k/v and gate/up, Int4QKV), bf16+fused / bf16+qkv (bf16 baselines fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F times our CUDA "
-        "kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant N: cuda+fused:x0.5:v2)",
+        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the "
+        "int4 drafter runs them), KERNEL+qkv (q/k/v and gate/up, Int4QKV), bf16+fused / bf16+qkv (bf16 baselines "
+        "fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F "
+        "times our CUDA kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant "
+        "N: cuda+fused:x0.5:v2)",
     )
     g.add_argument("--repeats", type=int, default=30)
     g.add_argument("--out", type=Path, required=True)

@@ -243,8 +243,8 @@ def plan(
 def use_int4_kernel(
     model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = False
 ) -> dict[str, Any]:
-    """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`, q/k/v with `qkv`); returns what ran
-    (`kernel`, `linears`, `fused_groups`, `reason`).
+    """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`, q/k/v with `qkv`);
+    returns what ran (`kernel`, `linears`, `fused_groups`, `reason`).
 
     A kernel that cannot run one of the Linears is passed over for the next; with none left the drafter
     keeps its dequantized weights and `reason` says why. An explicit kernel that cannot run is an error."""
