@@ -549,7 +549,7 @@ def test_shared_input_groups_need_equal_layouts():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
-@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("fuse", [False, True, "qkv"])
 def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, monkeypatch, fuse):
     """The whole int4 drafter (GPTQ v1 artifact -> Int4Linear/Int4Member) on CPU in bf16 against the dequantized
     bf16 drafter: the same speculative tokens and tau on the reference pair."""
@@ -573,7 +573,12 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
     for name in ("dequant", "triton"):
         loaded = load_drafter(rtn_artifact, dtype=torch.bfloat16)
         if name == "triton":
-            info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "triton", fuse=fuse)
+            info = il.use_int4_kernel(
+                loaded.model, loaded.source.path, loaded.quantization, "triton", bool(fuse), qkv=fuse == "qkv"
+            )
+            assert all((layer.self_attn.qkv_proj is not None) == (fuse == "qkv") for layer in loaded.model.layers)
+            for layer in loaded.model.layers if fuse == "qkv" else []:  # the prompt's forward: the rebuilt weight
+                layer.self_attn.qkv_proj.rows = 16
             assert info["kernel"] == "triton" and info["fused_groups"] == (
                 2 * loaded.config.num_hidden_layers if fuse else 0
             )
