@@ -169,6 +169,8 @@ def gemm(args) -> dict:
         if problem is None:
             try:
                 if base == "bf16":  # bf16+fused / bf16+qkv: the baseline with the same Linears fused
+                    if ":" in kernel:
+                        raise ValueError(f"{kernel}: a bf16 baseline takes no options")
                     mod: torch.nn.Module = bf16_linear(codes)
                 else:
                     mod = Int4Linear(codes, None, base)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
-from int4_load_probe import ROTATE_BYTES  # noqa: E402
+from int4_load_probe import rotate_copies  # noqa: E402
 
 from dflash_quant import int4_cuda  # noqa: E402
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
@@ -104,11 +104,8 @@ def main() -> None:
     for name, n, k, _count in SHAPES:
         x = torch.randn(ROWS, k, generator=gen, device=dev).bfloat16()
         w_bytes = n * k // 2
-        cw = [random_weights(n, k, gen) for _ in range(max(2, -(-ROTATE_BYTES // w_bytes)))]
-        bf = [
-            torch.randn(n, k, generator=gen, device=dev).bfloat16()
-            for _ in range(max(2, -(-ROTATE_BYTES // (2 * n * k))))
-        ]
+        cw = [random_weights(n, k, gen) for _ in range(rotate_copies(w_bytes))]
+        bf = [torch.randn(n, k, generator=gen, device=dev).bfloat16() for _ in range(rotate_copies(2 * n * k))]
         timings = {"bf16": graph_us([lambda b=b, x=x: x @ b.T for b in bf])}
         splits = {v: int4_cuda.config(n, k, 128, dev, v) for v in variants}
         for label, ext in builds.items():

@@ -28,6 +28,11 @@ CHUNK_BYTES = 8192 + 384
 ROTATE_BYTES = 400 << 20  # copies of each weight cycled per graph: several times the 60 MB of L2
 
 
+def rotate_copies(weight_bytes: int) -> int:
+    """Copies of a weight of this size that a graph cycles through so that none is served from L2."""
+    return max(2, -(-ROTATE_BYTES // weight_bytes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -57,16 +62,13 @@ def main() -> None:
     for name, n, k, _count in SHAPES:
         kt = k // 128
         w_bytes = (n // 128) * kt * CHUNK_BYTES
-        copies = max(2, -(-ROTATE_BYTES // w_bytes))
+        copies = rotate_copies(w_bytes)
         split = int4_cuda.config(n, k, 128, dev)
         x = torch.randn(ROWS, k, generator=gen, device=dev).bfloat16()
         row: dict = {"shape": name, "n": n, "k": k, "split": split, "copies": copies, "int4_bytes": w_bytes}
         out = torch.empty((n // 128) * kt * 256, dtype=torch.int32, device=dev)
         ws = [torch.randint(0, 255, (w_bytes,), generator=gen, dtype=torch.uint8, device=dev) for _ in range(copies)]
-        bf = [
-            torch.randn(n, k, generator=gen, device=dev).bfloat16()
-            for _ in range(max(2, -(-ROTATE_BYTES // (n * k * 2))))
-        ]
+        bf = [torch.randn(n, k, generator=gen, device=dev).bfloat16() for _ in range(rotate_copies(n * k * 2))]
         cw = [random_weights(n, k, gen) for _ in range(copies)]
         timings: dict[str, float] = {}
         timings["bf16"] = graph_us([lambda b=b, x=x: x @ b.T for b in bf])

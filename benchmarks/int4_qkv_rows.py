@@ -20,16 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
-from int4_load_probe import ROTATE_BYTES  # noqa: E402
+from int4_load_probe import rotate_copies  # noqa: E402
 
 from dflash_quant import int4_cuda  # noqa: E402
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
 
 H, KV, BLOCK = 4096, 1024, 16
-
-
-def copies(weight_bytes: int) -> int:
-    return max(2, -(-ROTATE_BYTES // weight_bytes))
 
 
 def run(w: int4_cuda.CudaWeights, x: torch.Tensor) -> torch.Tensor:
@@ -43,11 +39,11 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")
-    n_int4 = copies((H + 2 * KV) * H // 2)
+    n_int4 = rotate_copies((H + 2 * KV) * H // 2)
     q4 = [random_weights(H, H, gen) for _ in range(n_int4)]
     kv4 = [random_weights(2 * KV, H, gen) for _ in range(n_int4)]
     qkv4 = [random_weights(H + 2 * KV, H, gen) for _ in range(n_int4)]
-    n_bf16 = copies((H + 2 * KV) * H * 2)
+    n_bf16 = rotate_copies((H + 2 * KV) * H * 2)
     qb = [torch.randn(H, H, generator=gen, device=dev).bfloat16() for _ in range(n_bf16)]
     kb = [torch.randn(KV, H, generator=gen, device=dev).bfloat16() for _ in range(n_bf16)]
     vb = [torch.randn(KV, H, generator=gen, device=dev).bfloat16() for _ in range(n_bf16)]
