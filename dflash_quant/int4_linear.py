@@ -303,12 +303,16 @@ def use_int4_codes(
         parts = [layers.pop(n) for n in members]
         bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])  # type: ignore[misc]
         fused = Int4Linear(concat_outputs([c for c, _ in parts]), bias, kernel)
-        state = _SharedInput(len(members))
+        is_qkv = members[0].endswith("." + QKV[0])
+        # members called on one tensor share its output; q reads other rows than k|v (its own, when called alone)
+        sharing = members[1:] if is_qkv else members
+        state = _SharedInput(len(sharing))
         start = 0
         for name, (codes, _) in zip(members, parts, strict=True):
-            _replace(model, name, Int4Member(fused, start, start + codes.shape[0], state))
+            own = state if name in sharing else _SharedInput(1)
+            _replace(model, name, Int4Member(fused, start, start + codes.shape[0], own))
             start += codes.shape[0]
-        if members[0].endswith("." + QKV[0]):  # the attention runs q|k|v itself (q's input is k's last rows)
+        if is_qkv:  # the attention runs q|k|v itself (q's input is k's last rows)
             model.get_submodule(members[0].rpartition(".")[0]).qkv_proj = Int4QKV(fused, parts[0][0].shape[0])
     for name, (codes, bias) in layers.items():
         _replace(model, name, Int4Linear(codes, bias, kernel))

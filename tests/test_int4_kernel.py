@@ -503,6 +503,17 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
     assert any(r > q for r, q in zip(qkv.rows, unfused.q_proj.rows, strict=True) if r)  # context rows in the GEMM
     assert 0 in qkv.rows  # the prompt's forward
     assert models[True].layers[0].mlp.up_proj.fused is models[True].layers[0].mlp.gate_proj.fused
+    # the members still answer when called alone (q on h, k and v on cat(ctx, h)) and hold nothing afterwards
+    kv_in = torch.randn(1, 5, attn.q_proj.in_features)
+    h = kv_in[:, 2:].clone()
+    calls = [
+        (attn.q_proj, unfused.q_proj, h),
+        (attn.k_proj, unfused.k_proj, kv_in),
+        (attn.v_proj, unfused.v_proj, kv_in),
+    ]
+    for member, ref, x in calls:
+        torch.testing.assert_close(member(x), ref(x))
+    assert all(m.state.x is None and m.state.y is None for m in (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
 def test_cached_int4_runs_are_keyed_by_the_runtime_sources(tmp_path, monkeypatch):
