@@ -3,8 +3,9 @@
 # needed the v25/v26 patches, is in git history). JSON and logs under $OUT; each call fits the 10-minute limit.
 #   bash benchmarks/int4_next.sh         1. build; q|k|v as one launch at a decode step's real rows
 #                                           (int4_qkv_rows.py: context rows 0-16); one step's GEMMs at 16 rows:
-#                                           cuda+fused (shipped), cuda+qkv, cuda+qkv with 4 and 5 slots (v1, v3),
-#                                           bf16 as the drafter runs it, bf16+fused, bf16+qkv; the cuda GPU tests
+#                                           cuda+fused (shipped), with the zero through the rows' sums (v4: 3 slots,
+#                                           v5: 4), cuda+qkv, cuda+qkv with v4 and with 5 slots (v3), bf16 as the
+#                                           drafter runs it, bf16+fused, bf16+qkv; the cuda GPU tests
 #   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
 #                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
 #   bash benchmarks/int4_next.sh parts   3. where the kernel's time goes (int4_cuda_parts.py: one stage left out)
@@ -34,7 +35,7 @@ case "${1:-}" in
     timeout 100 $PY benchmarks/int4_qkv_rows.py --out "$OUT/int4_qkv_rows.json" > "$OUT/qkv_rows.log" 2>&1
     echo "qkv rows rc=$?"; tail -5 "$OUT/qkv_rows.log"
     timeout 280 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 10 --out "$OUT/int4_gemm_qkv.json" \
-      --kernels "cuda+fused,cuda+qkv,cuda+qkv:v1,cuda+qkv:v3,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
+      --kernels "cuda+fused,cuda+fused:v4,cuda+fused:v5,cuda+qkv,cuda+qkv:v4,cuda+qkv:v3,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
     echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm.log" | cut -c1-1500
     timeout 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k cuda tests/test_int4_kernel.py tests/test_int4_cuda.py \
       > "$OUT/gpu_tests.log" 2>&1

@@ -82,7 +82,7 @@ constexpr int T = 2;  // output tiles of 8 per warp (a pair: the layout interlea
 template <int NG>
 struct Chunk {
   uint4 w[T];
-  uint32_t z[T][NG];  // zero of output 8 * tile + lane / 4
+  uint32_t z[T][NG];  // zero of output 8 * tile + lane / 4 (ZR: the two zeros of the scales' outputs, low byte first)
   uint32_t s[T][NG];  // fp16 scales of outputs 8 * tile + 2 * (lane % 4) + {0, 1}
 };
 
@@ -157,7 +157,7 @@ struct Fetcher {
 };
 
 // The lane's part of a warp's chunk, from the warp's part of the slot.
-template <int NG>
+template <int NG, bool ZR>
 __device__ __forceinline__ void read_chunk(Chunk<NG>& c, const unsigned char* mine, int lane) {
   const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
@@ -165,58 +165,75 @@ __device__ __forceinline__ void read_chunk(Chunk<NG>& c, const unsigned char* mi
     c.w[i] = *reinterpret_cast<const uint4*>(mine + 512 * i + 16 * lane);
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
-      c.z[i][g] = mine[1024 + 16 * g + 8 * i + gid];
+      c.z[i][g] = ZR ? *reinterpret_cast<const uint16_t*>(mine + 1024 + 16 * g + 8 * i + 2 * tig)
+                     : mine[1024 + 16 * g + 8 * i + gid];
       c.s[i][g] = *reinterpret_cast<const uint32_t*>(mine + 1024 + 16 * NG + 32 * g + 2 * (8 * i + 2 * tig));
     }
   }
 }
 
 // GK: k16 steps per group (2 for group 32, 4 for 64, 8 for 128, 16 for any multiple of 256: groups of whole
-// chunks); MT: 16-row tiles of x (1 or 2).
-template <int GK, int MT>
+// chunks); MT: 16-row tiles of x (1 or 2). ZR (a development variant): the zero comes off after the MMAs instead
+// of from every code: the MMAs sum x (128 + q), one more MMA a k16 step sums x (times ones), and a group's
+// partial is s (sum x (128 + q) - (128 + z) sum x). Two fewer instructions a code register for one MMA a step
+// shared by the warp's tiles; the price is an fp32 difference of two sums ~128x the result's terms (relative
+// error ~2^-16 of the group's sum of |x|, far under the bf16 output's rounding), so it is not bit-equal.
+template <int GK, int MT, bool ZR = false>
 struct Tile {
   static constexpr int NG = GK < 8 ? 8 / GK : 1;  // groups a chunk touches
   float acc[MT][T][4];
   float part[MT][T][4];
+  float rows[MT][4];  // ZR: the rows' sums of x over the group so far (rows of the accumulator's layout)
 
   // multiply one chunk: xs is its x in shared memory (rows `row` elements apart); group_end_chunk: whether a
   // group ends with this chunk (GK >= 8)
   __device__ __forceinline__ void multiply(const Chunk<NG>& c, const __nv_bfloat16* xs, int row,
                                            bool group_end_chunk, int lane) {
     uint32_t neg_zero[T];
-    float2 scale[T];
+    float2 scale[T], zero[T];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j % (GK < 8 ? GK : 8) == 0) {  // a new group starts (or a new chunk of a long group)
 #pragma unroll
         for (int i = 0; i < T; ++i) {
-          neg_zero[i] = (0xC300u | c.z[i][j / (GK < 8 ? GK : 8)]) * 0x00010001u;  // bf16 -(128 + z), both halves
+          const uint32_t zv = c.z[i][j / (GK < 8 ? GK : 8)];
+          if (ZR)
+            zero[i] = make_float2(128.f + (float)(zv & 0xFF), 128.f + (float)(zv >> 8));
+          else
+            neg_zero[i] = (0xC300u | zv) * 0x00010001u;  // bf16 -(128 + z), both halves
           const uint32_t sv = c.s[i][j / (GK < 8 ? GK : 8)];
           scale[i] = __half22float2(*reinterpret_cast<const __half2*>(&sv));
         }
       }
       uint32_t a[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m)  // lanes 0-15: rows 0-15 at column 0 of the step, lanes 16-31 at column 8
+      for (int m = 0; m < MT; ++m) {  // lanes 0-15: rows 0-15 at column 0 of the step, lanes 16-31 at column 8
         ldmatrix_x4(a[m], xs + (16 * m + (lane & 15)) * row + 16 * j + 8 * (lane >> 4));
+        if (ZR) mma(rows[m], a[m], 0x3F803F80u, 0x3F803F80u);  // x times ones: every column holds the row's sum
+      }
 #pragma unroll
       for (int i = 0; i < T; ++i) {
         const uint32_t bits = word_of(c.w[i], j >> 1) >> (8 * (j & 1));
-        const uint32_t b0 = minus_zero(code_pair(bits), neg_zero[i]);
-        const uint32_t b1 = minus_zero(code_pair(bits >> 4), neg_zero[i]);
+        const uint32_t b0 = ZR ? code_pair(bits) : minus_zero(code_pair(bits), neg_zero[i]);
+        const uint32_t b1 = ZR ? code_pair(bits >> 4) : minus_zero(code_pair(bits >> 4), neg_zero[i]);
 #pragma unroll
         for (int m = 0; m < MT; ++m) mma(part[m][i], a[m], b0, b1);
       }
       if (GK < 8 ? (j % GK == GK - 1) : (j == 7 && group_end_chunk)) {
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
+        for (int m = 0; m < MT; ++m) {
 #pragma unroll
           for (int i = 0; i < T; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              acc[m][i][e] = fmaf(part[m][i][e], e & 1 ? scale[i].y : scale[i].x, acc[m][i][e]);
+              const float sum = ZR ? fmaf(-(e & 1 ? zero[i].y : zero[i].x), rows[m][e], part[m][i][e]) : part[m][i][e];
+              acc[m][i][e] = fmaf(sum, e & 1 ? scale[i].y : scale[i].x, acc[m][i][e]);
               part[m][i][e] = 0.f;
             }
+          if (ZR)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rows[m][e] = 0.f;
+        }
       }
     }
   }
@@ -310,12 +327,12 @@ constexpr int min_blocks() {
   return b > most ? most : b < 1 ? 1 : b;
 }
 
-template <int GK, int MT, int S>
+template <int GK, int MT, int S, bool ZR>
 __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
     int* __restrict__ counters, int M, int N, int K, int group, int chunks) {
-  using TileT = Tile<GK, MT>;
+  using TileT = Tile<GK, MT, ZR>;
   constexpr int NG = TileT::NG;
   using SlotT = Slot<NG, MT>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -334,7 +351,7 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = 0.f;
+      for (int e = 0; e < 4; ++e) tile.acc[m][i][e] = tile.part[m][i][e] = tile.rows[m][e] = 0.f;
 
   // the copies run S - 1 chunks ahead of the multiplications; every step commits one group of copies (empty
   // past the block's range) so that "all but the newest S - 2 groups" is always the chunk about to be used
@@ -356,7 +373,7 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
     fetch_next();     // chunk k + S - 1, into chunk k - 1's slot
     const unsigned char* sl = smem + slot * SlotT::BYTES;
     Chunk<NG> c;
-    read_chunk<NG>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
+    read_chunk<NG, ZR>(c, sl + SlotT::X_BYTES + warp * SlotT::WARP_BYTES, lane);
     bool group_end = true;
     if (GK == 16) {
       group_end = --group_left == 0 || k + 1 == kt1;
@@ -397,12 +414,12 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
 
 constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
 
-// One instance of the kernel: group steps, row tiles, slots.
-template <int GK_, int MT_, int S_>
+// One instance of the kernel: group steps, row tiles, slots, zero through the rows' sums.
+template <int GK_, int MT_, int S_, bool ZR = false>
 struct Config {
   static constexpr int GK = GK_, MT = MT_, S = S_;
   static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
-  static constexpr auto kernel = w4a16_kernel<GK, MT, S>;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S, ZR>;
 
   static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
     static uint64_t raised = 0;
@@ -417,12 +434,15 @@ struct Config {
 
 // f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
 // pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots, 3: 5 slots
-// (3 blocks an SM; at 16 rows the drafter's split-K grids have at most 3 blocks an SM anyway).
+// (3 blocks an SM; at 16 rows the drafter's split-K grids have at most 3 blocks an SM anyway); 4 and 5: the zero
+// through the rows' sums (Tile's ZR) with 3 and 4 slots.
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
     if (variant == 1) f(Config<8, 1, 4>{});
     else if (variant == 3) f(Config<8, 1, 5>{});
+    else if (variant == 4) f(Config<8, 1, STAGES, true>{});
+    else if (variant == 5) f(Config<8, 1, 4, true>{});
     else f(Config<8, 1, 2>{});
     return;
   }
