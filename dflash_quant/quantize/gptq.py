@@ -140,6 +140,34 @@ def _damped_inverse_factor(H: torch.Tensor, damp_percent: float, tries: int) -> 
     return None, damp
 
 
+def checked_inputs(
+    weight: torch.Tensor, hessian: torch.Tensor | HessianAccumulator, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of a weight [out, in] and its Hessian [in, in], checked, with dead inputs handled.
+
+    Inputs that were always zero carry no signal: their Hessian diagonal is pinned to 1 and their weight column
+    zeroed."""
+    if weight.dim() != 2:
+        raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    if isinstance(hessian, HessianAccumulator):
+        hessian = hessian.hessian()
+    in_features = weight.shape[1]
+    if tuple(hessian.shape) != (in_features, in_features):
+        raise DFlashQuantError(
+            f"layer {name!r}: Hessian shape {tuple(hessian.shape)} does not match the weight's input width {in_features}"
+        )
+    W = weight.detach().float().clone()
+    if not torch.isfinite(W).all():
+        raise DFlashQuantError(f"layer {name!r}: weight has NaN/inf values; fix the checkpoint before quantizing")
+    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()
+    if not torch.isfinite(H).all():
+        raise DFlashQuantError(f"layer {name!r}: Hessian has NaN/inf values; recollect calibration statistics")
+    dead = H.diagonal() == 0
+    H.diagonal().masked_fill_(dead, 1.0)
+    W.masked_fill_(dead.unsqueeze(0), 0.0)
+    return W, H
+
+
 def gptq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor | HessianAccumulator,
@@ -157,34 +185,16 @@ def gptq_quantize(
 
     clip: each group's scale/zero is chosen up front (static groups) with its range shrunk by the factor that
     minimises the Hessian-diagonal-weighted rounding error (`grid.clip_params`); plain GPTQ v1 parameters."""
-    if weight.dim() != 2:
-        raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
-    if isinstance(hessian, HessianAccumulator):
-        hessian = hessian.hessian()
-    out_features, in_features = weight.shape
-    if tuple(hessian.shape) != (in_features, in_features):
-        raise DFlashQuantError(
-            f"layer {name!r}: Hessian shape {tuple(hessian.shape)} does not match the weight's input width {in_features}"
-        )
     if not damp_percent > 0:
         raise UsageError(
             f"damp_percent must be > 0 (a fraction of the mean Hessian diagonal, e.g. 0.01), got {damp_percent}"
         )
     if block_size <= 0:
         raise UsageError(f"block_size must be positive, got {block_size}")
+    W, H = checked_inputs(weight, hessian, name)
+    out_features, in_features = W.shape
     width = spec.group_width(in_features, name)
     grouped = spec.group_size != -1
-    W = weight.detach().float().clone()
-    if not torch.isfinite(W).all():
-        raise DFlashQuantError(f"layer {name!r}: weight has NaN/inf values; fix the checkpoint before quantizing")
-    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()
-    if not torch.isfinite(H).all():
-        raise DFlashQuantError(f"layer {name!r}: Hessian has NaN/inf values; recollect calibration statistics")
-
-    # Inputs that were always zero carry no signal: pin their Hessian diagonal, drop the weight column.
-    dead = H.diagonal() == 0
-    H.diagonal().masked_fill_(dead, 1.0)
-    W.masked_fill_(dead.unsqueeze(0), 0.0)
 
     n_groups = in_features // width
     scales: list[torch.Tensor | None] = [None] * n_groups

@@ -23,11 +23,12 @@ from typing import cast
 
 import torch
 
-from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.errors import UsageError
 from dflash_quant.quantize.gptq import (
     DAMP_TRIES,
     HessianAccumulator,
     _damped_inverse_factor,
+    checked_inputs,
     rtn_fallback,
     split_rows,
 )
@@ -61,25 +62,9 @@ class _Prepared:
 
 def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip=False):
     """The textbook's set-up for one matrix; a QuantizedWeight (RTN fallback) when the Hessian is hopeless."""
-    if weight.dim() != 2:
-        raise DFlashQuantError(f"layer {name!r}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
-    if isinstance(hessian, HessianAccumulator):
-        hessian = hessian.hessian()
-    out_features, in_features = weight.shape
-    if tuple(hessian.shape) != (in_features, in_features):
-        raise DFlashQuantError(
-            f"layer {name!r}: Hessian shape {tuple(hessian.shape)} does not match the weight's input width {in_features}"
-        )
+    W, H = checked_inputs(weight, hessian, name)
+    out_features, in_features = W.shape
     width = spec.group_width(in_features, name)
-    W = weight.detach().float().clone()
-    if not torch.isfinite(W).all():
-        raise DFlashQuantError(f"layer {name!r}: weight has NaN/inf values; fix the checkpoint before quantizing")
-    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()
-    if not torch.isfinite(H).all():
-        raise DFlashQuantError(f"layer {name!r}: Hessian has NaN/inf values; recollect calibration statistics")
-    dead = H.diagonal() == 0
-    H.diagonal().masked_fill_(dead, 1.0)
-    W.masked_fill_(dead.unsqueeze(0), 0.0)
     grouped = spec.group_size != -1
     scales = zeros = None
     if not grouped or static_groups:
