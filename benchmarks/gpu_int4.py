@@ -38,7 +38,12 @@ from dflash_quant.int4_linear import (  # noqa: E402
 )
 
 H, KV, INTER, CTX_LAYERS, LAYERS = 4096, 1024, 12288, 5, 5
-HBM_BYTES_PER_S = 4.8e12  # H200
+# Spec-sheet memory bandwidth by device name, for the memory-bound floor (None elsewhere: no floor printed).
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12}
+
+
+def hbm_bytes_per_s(device_name: str) -> float | None:
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in device_name), None)
 
 
 def step_shapes() -> list[tuple[str, int, int]]:
@@ -216,6 +221,7 @@ def gemm(args) -> dict:
                 kept.pop(member, None)
         del codes
         print(f"{time.perf_counter() - t0:.1f}s built {name} {out_f}x{in_f}", flush=True)
+    bandwidth = hbm_bytes_per_s(torch.cuda.get_device_name())
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -223,9 +229,10 @@ def gemm(args) -> dict:
         "sym": args.sym,
         "gemms_per_step": {k: len(p) for k, p in plans.items()},
         "weight_bytes": {"bf16": bf16_bytes, "int4": int4_bytes},
+        "hbm_bytes_per_s": bandwidth,
         "memory_floor_ms": {
-            "bf16": round(bf16_bytes / HBM_BYTES_PER_S * 1e3, 4),
-            "int4": round(int4_bytes / HBM_BYTES_PER_S * 1e3, 4),
+            "bf16": round(bf16_bytes / bandwidth * 1e3, 4) if bandwidth else None,
+            "int4": round(int4_bytes / bandwidth * 1e3, 4) if bandwidth else None,
         },
         "max_rel_error_vs_fp32_dequant": errors,
         "skipped": skipped,
