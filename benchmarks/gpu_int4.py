@@ -3,7 +3,7 @@
 gemm: the 36 GEMMs of one Qwen3-8B-DFlash-b16 drafter step (fc 4096 x 5*4096; per layer q 4096x4096,
   k/v 1024x4096, o 4096x4096, gate/up 12288x4096, down 4096x12288; 5 layers), distinct random weights per
   layer, at 8 and 16 rows: bf16 (F.linear on the dequantized weights) against each int4 kernel. A `+fused`
-  candidate runs k|v and gate|up as one GEMM each (the int4 drafter's runtime), `+qkv` q|k|v and gate|up (Int4QKV);
+  candidate runs k|v and gate|up as one GEMM each, `+qkv` q|k|v and gate|up (Int4QKV, the int4 drafter's runtime);
   `bf16+fused` / `bf16+qkv` are the bf16 baseline with the same fusion, and every candidate is also reported
   against them (vs_bf16+qkv). CUDA events
   around the whole step, warm-up first (autotuning included), candidates in alternating order every repeat,
@@ -76,7 +76,7 @@ def random_codes(out_f: int, in_f: int, group: int, sym: bool, gen: torch.Genera
 
 def fusion(kernel: str) -> str | None:
     """How a candidate groups the Linears of one input: `qkv` (q|k|v and gate|up as one GEMM each: Int4QKV),
-    `fused` (k|v and gate|up: the int4 drafter's runtime), or None (one GEMM a Linear, as the bf16 drafter runs)."""
+    `fused` (k|v and gate|up), or None (one GEMM a Linear, as the bf16 drafter runs)."""
     base = kernel.split(":")[0]
     return "qkv" if base.endswith("+qkv") else "fused" if base.endswith("+fused") else None
 
@@ -457,8 +457,8 @@ def main() -> None:
     g.add_argument(
         "--kernels",
         default="cuda+fused,triton+fused,gemlite,tinygemm",
-        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each, as the "
-        "int4 drafter runs them), KERNEL+qkv (q/k/v and gate/up, Int4QKV), bf16+fused / bf16+qkv (bf16 baselines "
+        help="KERNEL (cuda | triton | gemlite | tinygemm), KERNEL+fused (k/v and gate/up as one GEMM each), "
+        "KERNEL+qkv (q/k/v and gate/up, Int4QKV, as the int4 drafter runs them), bf16+fused / bf16+qkv (bf16 baselines "
         "fused alike), gemlite:TYPE (a forced gemlite matmul type, e.g. GEMV_REVSPLITK) or cuda:OPT[:OPT] (xF: F "
         "times our CUDA kernel's split-K, bN: the split rule's as if N blocks fit an SM, vN: its development variant "
         "N: cuda+fused:x0.5:v2)",
@@ -470,7 +470,8 @@ def main() -> None:
     e.add_argument(
         "--kernels",
         default="triton,triton:nofuse,tinygemm",
-        help="KERNEL, KERNEL:nofuse or KERNEL:qkv, comma-separated",
+        help="KERNEL (k|v and gate|up fused), KERNEL:nofuse or KERNEL:qkv (q|k|v too: the runtime's default), "
+        "comma-separated",
     )
     e.add_argument("--num-prompts", type=int, default=16)
     e.add_argument("--max-new-tokens", type=int, default=64)

@@ -241,7 +241,7 @@ def plan(
 
 
 def use_int4_kernel(
-    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = False
+    model: nn.Module, path: Path, qcfg: dict[str, Any] | None, choice: str, fuse: bool = True, qkv: bool = True
 ) -> dict[str, Any]:
     """Replace the drafter's GPTQ Linears by Int4Linear (k/v and gate/up fused when `fuse`, q/k/v with `qkv`);
     returns what ran (`kernel`, `linears`, `fused_groups`, `reason`).
@@ -272,12 +272,14 @@ def use_int4_codes(
     layers: dict[str, tuple[Int4Codes, torch.Tensor | None]],
     kernels: list[str],
     fuse: bool = True,
-    qkv: bool = False,
+    qkv: bool = True,
 ) -> dict[str, Any]:
     """Replace the Linears named in `layers` (codes on the model's device) with the first kernel of `kernels`
     that runs them all; raises KernelUnavailable when none does (the weights are then left as they were). With
-    `fuse`, Linears on one input run as one GEMM: k|v and gate|up; q|k|v (Int4QKV) only with `qkv` too, off by
-    default until it is timed on a GPU (benchmarks/int4_qkv_rows.py, gpu_int4.py gemm cuda+qkv / e2e cuda:qkv)."""
+    `fuse`, Linears on one input run as one GEMM: k|v and gate|up, and q|k|v (Int4QKV) with `qkv`. q|k|v is on by
+    default since it was timed (H100, session 15): a step's GEMMs at 16 rows 0.371 ms against 0.398 with q and
+    k|v apart, one layer's q/k/v 11.7-15.0 us against 16.8-18.6 at 0-16 context rows, the same tokens as the
+    dequantized drafter (benchmarks/results/int4_cuda_dev/*_h100_s15*.json)."""
     device = next(model.parameters()).device
     problems: list[str] = []
     for kernel in kernels:
