@@ -460,7 +460,7 @@ def test_int4_qkv_runs_one_gemm_for_a_step_and_no_q_over_a_prompt():
 
 @pytest.mark.parametrize("pair", ["reference", "reference-dflash2"])
 def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, monkeypatch):
-    """Fused, each drafter layer runs q|k|v as one GEMM over cat(ctx, h) in a decode step (a prompt's forward:
+    """Fused (the default), each drafter layer runs q|k|v as one GEMM over cat(ctx, h) in a decode step (a prompt's forward:
     the rebuilt weight, q over h alone) and gate|up as one; the speculative tokens, acceptance (one by one and
     batched) and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel), DFlash v1
     and DFlash2."""
@@ -477,7 +477,8 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
     runs, hidden, models = {}, {}, {}
     for fuse in (False, True):
         loaded = load_drafter(rtn_artifacts[pair])
-        info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse, qkv=fuse)
+        # fused as `gptq` and `verify` call it: q|k|v is the runtime's default
+        info = il.use_int4_kernel(loaded.model, loaded.source.path, loaded.quantization, "auto", fuse)
         layers = loaded.model.layers
         assert info["fused_groups"] == (2 * len(layers) if fuse else 0)
         assert all((a.self_attn.qkv_proj is not None) == fuse for a in layers)
