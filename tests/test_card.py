@@ -15,7 +15,8 @@ from huggingface_hub import ModelCard
 from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.manifest import load_manifest, verify_manifest
-from dflash_quant.model_cards.card import NOT_MEASURED, fmt_bytes, fmt_float, write_card
+from dflash_quant.model_cards.card import write_card
+from dflash_quant.model_cards.fmt import NOT_MEASURED, fmt_bytes, fmt_float
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -344,9 +344,9 @@ def test_parity_and_card_record_how_the_quantized_drafter_ran(reference_artifact
 
 
 def test_card_line_for_an_int4_kernel_run():
-    from dflash_quant.model_cards.card import _drafter_kernel_line
+    from dflash_quant.model_cards.sections import drafter_kernel_line
 
-    line = _drafter_kernel_line(
+    line = drafter_kernel_line(
         {
             "drafter_kernel": {"kernel": "triton", "linears": 36, "reason": None},
             "spec_speed_ratio": 1.234,
@@ -357,7 +357,7 @@ def test_card_line_for_an_int4_kernel_run():
         "The quantized drafter ran in int4: 36 Linears through the `triton` kernel. Its spec tok/s is 1.23x the "
         "bf16 drafter's in the same check (the bf16 run's time comes from an earlier run's cache)."
     )
-    assert "not recorded" in _drafter_kernel_line({})
+    assert "not recorded" in drafter_kernel_line({})
 
 
 def test_verify_cli_reports_the_drafter_kernel(rtn_artifact):

@@ -264,16 +264,16 @@ def test_cli_no_mtp_head_is_a_one_line_error(tmp_path):
 def test_embedded_budget_and_card_gain_the_comparison_only_with_an_mtp_head():
     from dflash_quant.artifact.reports import MemoryReport
     from dflash_quant.memory.plan import embedded_budget
-    from dflash_quant.model_cards.card import _mtp_comparison, _section_mtp_comparison
+    from dflash_quant.model_cards.deployment import mtp_comparison, section_mtp_comparison
 
     with_head = embedded_budget("qwen3.5-27b", "qwen3.6-27b-dflash")
     cmp = with_head.compare_mtp
     # the head's KV in whole hybrid blocks: K=1, fp32 state -> 800-token blocks, 8192 -> 8800 tokens
     assert cmp["methods"]["mtp-k1"]["components"]["draft_kv"] == 4 * KiB * 8800
     ctx = {"memory": MemoryReport.from_dict({"budget_24gb": with_head.to_dict()})}
-    text = _section_mtp_comparison(ctx)
+    text = section_mtp_comparison(ctx)
     assert "MTP or DFlash" in text and "| state slots (1 or 2 + K) | 2 | 3 | 4 | 5 | 17 | 17 |" in text
     assert "810.05 MiB" in text and "kv group padding" in text
     without = embedded_budget("qwen3-8b", "qwen3-8b-dflash-b16")
     assert without.compare_mtp is None and "compare_mtp" not in without.to_dict()
-    assert _mtp_comparison({"memory": MemoryReport.from_dict({"budget_24gb": without.to_dict()})}) is None
+    assert mtp_comparison({"memory": MemoryReport.from_dict({"budget_24gb": without.to_dict()})}) is None

@@ -21,7 +21,8 @@ def register(app: typer.Typer) -> None:
         """Write README.md (Hub metadata, parity and memory tables, serving notes) and acceptance.png."""
         from dflash_quant.export.manifest import has_manifest
         from dflash_quant.export.provenance import check_provenance
-        from dflash_quant.model_cards.card import CHART_NAME, load_reports, write_card
+        from dflash_quant.model_cards.card import CHART_NAME, write_card
+        from dflash_quant.model_cards.reading import load_reports
 
         if not artifact.is_dir():
             raise UsageError(f"{artifact} is not a directory; pass the --output of `dflash-quant gptq`")
