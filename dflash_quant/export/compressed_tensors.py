@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
@@ -157,19 +156,7 @@ def pack_weight(qw) -> dict[str, torch.Tensor]:
 
 
 def write_compressed_tensors(dst: Path, art) -> dict[str, Any]:
-    tensors: dict[str, torch.Tensor] = {}
-    qbytes = 0
-    for name, qw in art.quantized.items():
-        for part, t in pack_weight(qw).items():
-            tensors[f"{name}.{part}"] = t.contiguous()
-            qbytes += t.numel() * t.element_size()
-    for key, value in art.dense.items():
-        tensors[key] = value.contiguous()
-    save_file(
-        tensors,
-        str(dst / "model.safetensors"),
-        metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"},
-    )
+    qbytes = art.save_packed(dst, pack_weight, "pt")
     config = dict(art.config)
     config["quantization_config"] = quantization_config(art)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")

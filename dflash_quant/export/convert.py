@@ -8,6 +8,7 @@ maps it exactly onto the format's grid or refuses, naming the `gptq` settings th
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,26 @@ class GptqArtifact:
     @property
     def sym(self) -> bool:
         return bool(self.qcfg.get("sym", True))
+
+    def save_packed(self, dst: Path, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]], fmt: str) -> int:
+        """model.safetensors with each quantized Linear as `pack` lays it out and the rest as stored; returns the
+        quantized tensors' bytes."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        qbytes = 0
+        for name, qw in self.quantized.items():
+            for part, t in pack(qw).items():
+                tensors[f"{name}.{part}"] = t.contiguous()
+                qbytes += t.numel() * t.element_size()
+        for key, value in self.dense.items():
+            tensors[key] = value.contiguous()
+        save_file(
+            tensors,
+            str(dst / "model.safetensors"),
+            metadata={"format": fmt, "quantized_by": f"dflash-quant {__version__}"},
+        )
+        return qbytes
 
 
 def read_gptq_artifact(path: Path) -> GptqArtifact:

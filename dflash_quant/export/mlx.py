@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.gptq_v1 import _pack_dim0, _unpack_dim0
 
@@ -58,19 +56,7 @@ def write_mlx(dst: Path, art) -> dict[str, Any]:
     )
     if problem:
         raise UsageError(problem)
-    tensors: dict[str, torch.Tensor] = {}
-    qbytes = 0
-    for name, qw in art.quantized.items():
-        for part, t in pack_weight(qw).items():
-            tensors[f"{name}.{part}"] = t
-            qbytes += t.numel() * t.element_size()
-    for key, value in art.dense.items():
-        tensors[key] = value.contiguous()
-    save_file(
-        tensors,
-        str(dst / "model.safetensors"),
-        metadata={"format": "mlx", "quantized_by": f"dflash-quant {__version__}"},
-    )
+    qbytes = art.save_packed(dst, pack_weight, "mlx")
     config = dict(art.config)
     config.pop("quantization_config", None)
     config["quantization"] = {"group_size": art.group_size, "bits": art.bits, "mode": "affine"}
