@@ -309,50 +309,35 @@ def test_development_variants_against_the_fp32_dequantized_matmul(variant, split
             assert not torch.equal(out, shipped) or rows == 1
 
 
-def _nvcc() -> str | None:
-    import os
-    import shutil
+def _sass_tool():
+    """benchmarks/int4_sass.py, which holds the nvcc command (torch's builder flags) and the SASS reading."""
+    import importlib.util
+    from pathlib import Path
 
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    found = shutil.which("nvcc") or (home and shutil.which("nvcc", path=os.path.join(home, "bin")))
-    return found or None
+    spec = importlib.util.spec_from_file_location(
+        "int4_sass", Path(__file__).resolve().parents[1] / "benchmarks" / "int4_sass.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+int4_sass = _sass_tool()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (set CUDA_HOME)")
+@pytest.mark.skipif(int4_sass.cuda_tool("nvcc") is None, reason="nvcc not found (set CUDA_HOME)")
 @pytest.mark.parametrize("arch", ["80", "90"])
 def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     """The CUDA source compiles for the oldest supported GPU (sm_80) and the H200's (sm_90) with the flags torch's
     extension builder passes, so a change that breaks the build fails here, not on the first GPU run. A CPU build
     of torch ships no c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in takes its place."""
     import subprocess
-    import sysconfig
-
-    from torch.utils import cpp_extension
 
     from dflash_quant.int4_cuda import SOURCE
 
-    stub = tmp_path / "inc" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    cmd = [
-        str(_nvcc()),
-        "-std=c++17",
-        "-O3",
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
-        "-Xptxas",
-        "-v",
-        *cpp_extension.COMMON_NVCC_FLAGS,
-        f"-I{tmp_path / 'inc'}",
-        *[f"-I{p}" for p in cpp_extension.include_paths()],
-        f"-I{sysconfig.get_paths()['include']}",
-        "-DTORCH_EXTENSION_NAME=int4_cuda_check",
-        "-D_GLIBCXX_USE_CXX11_ABI=1",
-        "-c",
-        str(SOURCE),
-        "-o",
-        str(tmp_path / "int4_cuda.o"),
-    ]
+    cmd = int4_sass.nvcc_command(SOURCE, tmp_path / "int4_cuda.o", arch, tmp_path / "inc")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "int4_cuda.o").stat().st_size > 0
@@ -360,3 +345,36 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry" in line and "w4a16_kernel" in line]
     kernels = {line.split("w4a16_kernel")[1].split("v")[0] for line in entries}  # the template arguments
     assert len(kernels) == 13, kernels  # 4 groups x 2 row tiles + 5 development variants
+
+
+def test_the_sass_reader_finds_the_loop_with_the_mmas_and_the_registers():
+    """benchmarks/int4_sass.py's reading of cuobjdump and ptxas output, on a hand-written listing: the innermost
+    backward-branch loop holding HMMAs, not the longer loop around it nor the MMA-free tail loop."""
+    sass = "\n".join(
+        f"        /*{addr:04x}*/                   {text} ;"
+        for addr, text in [
+            (0x0000, "S2R R0, SR_TID.X"),
+            (0x0010, "LDS R4, [R0]"),  # outer loop starts here
+            (0x0020, "LOP3.LUT R5, R4, 0xf000f, RZ, 0xc0, !PT"),  # main loop starts here
+            (0x0030, "HMMA.16816.F32.BF16 R8, R12, R5, R8"),
+            (0x0040, "@P0 BRA 0x20"),
+            (0x0050, "@P1 BRA 0x10"),
+            (0x0060, "LDG.E.128 R4, [R2.64]"),  # tail loop without MMAs
+            (0x0070, "FADD R8, R8, R4"),
+            (0x0080, "@P2 BRA 0x60"),
+            (0x0090, "EXIT"),
+        ]
+    )
+    loop = int4_sass.main_loop(sass)
+    assert loop == [
+        "LOP3.LUT R5, R4, 0xf000f, RZ, 0xc0, !PT",
+        "HMMA.16816.F32.BF16 R8, R12, R5, R8",
+        "@P0 BRA 0x20",
+    ]
+    log = (
+        "ptxas info    : Compiling entry function '_ZN1aw4a16_kernelILi2ELi1ELi3ELb0EEEv' for 'sm_90'\n"
+        "ptxas info    : Used 40 registers, used 1 barriers\n"
+        "ptxas info    : Compiling entry function '_ZN1aw4a16_kernelILi8ELi1ELi3ELb0EEEv' for 'sm_90'\n"
+        "ptxas info    : Used 64 registers, used 1 barriers\n"
+    )
+    assert int4_sass.registers(log) == ("_ZN1aw4a16_kernelILi8ELi1ELi3ELb0EEEv", 64)
