@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.artifact.files import portable_path
@@ -52,8 +53,6 @@ class GptqArtifact:
     def save_packed(self, dst: Path, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]], fmt: str) -> int:
         """model.safetensors with each quantized Linear as `pack` lays it out and the rest as stored; returns the
         quantized tensors' bytes."""
-        from safetensors.torch import save_file
-
         tensors: dict[str, torch.Tensor] = {}
         qbytes = 0
         for name, qw in self.quantized.items():
