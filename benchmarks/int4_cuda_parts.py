@@ -63,6 +63,26 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# probes of the split-K sum (session 17): builds that keep the sum's code but do not run it, that count in without
+# ordering (wrong results: timing only), and that discard the dead partials from L2 (the same bits as shipped)
+PROBES: dict[str, list[tuple[str, str]]] = {
+    "sum_not_run": [("  if (split == 1) {", "  if (split == 1 || M < 1000) {")],
+    "sum_relaxed": [("atom.add.acq_rel.gpu.s32", "atom.add.relaxed.gpu.s32")],
+    "discard": [
+        (
+            "  if (threadIdx.x == 0) counters[blockIdx.x] = 0;",
+            "  if (N % 128 == 0) {\n"
+            "    __syncthreads();\n"
+            "    for (int l = threadIdx.x; l < split * M * 4; l += WARPS * 32)\n"
+            '      asm volatile("discard.global.L2 [%0], 128;" ::"l"(ws + (int64_t)(l >> 2) * N + n0 + 32 * (l & 3)) '
+            ': "memory");\n'
+            "  }\n"
+            "  if (threadIdx.x == 0) counters[blockIdx.x] = 0;",
+        )
+    ],
+}
+
+
 def parts_for(source: str) -> dict[str, list[tuple[str, str]]]:
     """The parts that this kernel source has: the bulk-copy kernel's only where it is in the source."""
     bulk = "w4a16_bulk_kernel" in source
@@ -84,12 +104,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--variants", default="0", help="kernel variants to time each build as, e.g. 0,8")
+    ap.add_argument("--parts", help=f"builds to time (default: every part left out); also {', '.join(PROBES)}")
     args = ap.parse_args()
     variants = [int(v) for v in args.variants.split(",")]
     folder = Path(tempfile.mkdtemp(prefix="int4_parts_"))
-    sources = {"shipped": int4_cuda.SOURCE} | {
-        name: variant_source(e, folder, name) for name, e in parts_for(int4_cuda.SOURCE.read_text()).items()
-    }
+    known = parts_for(int4_cuda.SOURCE.read_text()) | PROBES
+    names = args.parts.split(",") if args.parts else list(parts_for(int4_cuda.SOURCE.read_text()))
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"unknown parts {unknown}: choose from {', '.join(known)}")
+    sources = {"shipped": int4_cuda.SOURCE} | {name: variant_source(known[name], folder, name) for name in names}
     with ThreadPoolExecutor(len(sources)) as pool:  # nvcc runs in subprocesses: the builds overlap
         builds = dict(
             zip(
