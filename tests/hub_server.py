@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -70,7 +70,7 @@ class Repo:
 
 class HubState:
     def __init__(self, token: str | None, upload_mode: str, lfs_threshold: int, send_verify: bool):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # routes answer while holding it, and answering logs the request
         self.token = token
         self.upload_mode = upload_mode
         self.lfs_threshold = lfs_threshold
@@ -108,6 +108,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _send(self, status: int, payload: Any = None, headers: dict | None = None) -> None:
+        self._record(status)  # before the client can see the response: a test reads the log as soon as its call returns
         body = b"" if payload is None else json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -117,7 +118,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if body:
             self.wfile.write(body)
-        self._status = status
+
+    def _record(self, status: int) -> None:
+        """Log this request once, with the status of its first response."""
+        if self._pending is None:
+            return
+        with self.server.state.lock:
+            self.server.state.requests.append(replace(self._pending, status=status))
+        self._pending = None
 
     def _handle(self, method: str) -> None:
         state = self.server.state
@@ -137,25 +145,22 @@ class _Handler(BaseHTTPRequestHandler):
                 body_json = json.loads(body)
             except ValueError:
                 body_json = None
-        self._status = 0
+        self._pending: Recorded | None = Recorded(
+            method,
+            path,
+            {k: v[0] for k, v in query.items()},
+            0,
+            auth is not None,
+            auth is not None and auth_ok,
+            self.headers.get("User-Agent", ""),
+            len(body),
+            body_json,
+        )
         try:
             self._dispatch(method, path, query, body, body_json, auth_ok)
         except Exception as exc:  # a server bug must show up as a 500, not a hang
             self._send(500, {"error": f"test server error: {exc!r}"})
-        with state.lock:
-            state.requests.append(
-                Recorded(
-                    method,
-                    path,
-                    {k: v[0] for k, v in query.items()},
-                    self._status,
-                    auth is not None,
-                    auth is not None and auth_ok,
-                    self.headers.get("User-Agent", ""),
-                    len(body),
-                    body_json,
-                )
-            )
+        self._record(0)  # a route that sent nothing (none should)
 
     def do_GET(self) -> None:
         self._handle("GET")
