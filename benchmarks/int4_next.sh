@@ -2,10 +2,11 @@
 # Issue #16's next device calls (session 17's version; earlier ones are in git history). JSON and logs under $OUT;
 # each call fits the 10-minute limit. The goal is named for an H200: compare ratios only within one run.
 #   bash benchmarks/int4_next.sh         1. build; one step's GEMMs at 16 rows: the shipped kernel with q|k|v as one
-#                                           launch (cuda+qkv, the runtime's default) and with q and k|v apart
-#                                           (cuda+fused), bf16 as the drafter runs it, bf16+fused, bf16+qkv; then
-#                                           what the split-K sum costs (int4_cuda_parts.py: its code kept but not
-#                                           run, its count-in unordered, its dead partials discarded from L2)
+#                                           launch (cuda+qkv, the runtime's default), the same discarding the
+#                                           split-K sum's dead partials from L2 (cuda+qkv:v6, the same bits), q and
+#                                           k|v apart (cuda+fused), bf16 as the drafter runs it, bf16+fused,
+#                                           bf16+qkv; then what the split-K sum costs (int4_cuda_parts.py: its code
+#                                           kept but not run, its count-in unordered)
 #   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
 #                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
 #   bash benchmarks/int4_next.sh tests   3. the cuda GPU tests and q|k|v at a decode step's real rows
@@ -37,9 +38,9 @@ case "${1:-}" in
     ;;
   *)  # the goal's number first: if the call runs out of time, the parts benchmark is what is lost
     timeout 240 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 20 --out "$OUT/int4_gemm_qkv.json" \
-      --kernels "cuda+fused,cuda+qkv,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
+      --kernels "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
     echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm.log" | cut -c1-1500
-    timeout 280 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_relaxed,discard \
+    timeout 280 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_relaxed \
       --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
     echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
     ;;

@@ -240,9 +240,11 @@ struct Tile {
 };
 
 // The block's results: bf16 straight to y (one block along K), else fp32 partials to the workspace and the last
-// block of the column adds them up in split order. The two store loops are written out on purpose: one helper
+// block of the column adds them up in split order. DISCARD (a development variant): the last block then drops the
+// dead partials from L2, so that they are not written back to DRAM when evicted (a step writes ~54 MB of them
+// against the 557 MB of codes it reads). The two store loops are written out on purpose: one helper
 // taking the store as a lambda gave the same bits 2 % slower at 16 rows on the H200 (session 10's A/B).
-template <int MT>
+template <int MT, bool DISCARD>
 __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out,
                                        float* __restrict__ ws, int* __restrict__ counters, int M, int N, int tile0,
                                        bool live, int lane) {
@@ -316,6 +318,11 @@ __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat
     dst[0] = __floats2bfloat162_rn(sum.x, sum.y);
     dst[1] = __floats2bfloat162_rn(sum.z, sum.w);
   }
+  if (DISCARD && N % 128 == 0) {  // whole 128-byte lines only
+    __syncthreads();               // after every thread's loads of them
+    for (int l = threadIdx.x; l < split * M * 4; l += WARPS * 32)
+      asm volatile("discard.global.L2 [%0], 128;" ::"l"(ws + (int64_t)(l >> 2) * N + n0 + 32 * (l & 3)) : "memory");
+  }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch
 }
 
@@ -327,7 +334,7 @@ constexpr int min_blocks() {
   return b > most ? most : b < 1 ? 1 : b;
 }
 
-template <int GK, int MT, int S, bool ZR>
+template <int GK, int MT, int S, bool ZR, bool DISCARD>
 __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_kernel(
     const __nv_bfloat16* __restrict__ x, int64_t sx, const uint4* __restrict__ qw, const __half* __restrict__ scales,
     const uint8_t* __restrict__ zeros, __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
@@ -383,7 +390,7 @@ __global__ void __launch_bounds__(WARPS * 32, (min_blocks<GK, MT, S>())) w4a16_k
     slot = slot == S - 1 ? 0 : slot + 1;
   }
 
-  finish<MT>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
+  finish<MT, DISCARD>(tile.acc, out, ws, counters, M, N, tile0, live, lane);
 }
 
 // The bf16 weight [N, K] from the packed codes, each element bf16((q - z) * s) computed in fp32 (the
@@ -415,11 +422,11 @@ __global__ void dequant_kernel(const uint4* __restrict__ qw, const __half* __res
 constexpr int STAGES = 3;  // chunks in a block's slots: two in flight while one is multiplied
 
 // One instance of the kernel: group steps, row tiles, slots, zero through the rows' sums.
-template <int GK_, int MT_, int S_, bool ZR = false>
+template <int GK_, int MT_, int S_, bool ZR = false, bool DISCARD = false>
 struct Config {
   static constexpr int GK = GK_, MT = MT_, S = S_;
   static constexpr int SMEM = S * Slot<GK < 8 ? 8 / GK : 1, MT>::BYTES;
-  static constexpr auto kernel = w4a16_kernel<GK, MT, S, ZR>;
+  static constexpr auto kernel = w4a16_kernel<GK, MT, S, ZR, DISCARD>;
 
   static void prepare() {  // allow the kernel its shared memory (more than 48 KB needs asking), once per device
     static uint64_t raised = 0;
@@ -435,7 +442,8 @@ struct Config {
 // f(Config<...>{}) for the kernel that runs `group` with mt row tiles. variant != 0: development variants of the
 // pipeline depth at group 128 and 16 rows (benchmarks/gpu_int4.py cuda:vN): 1: 4 slots, 2: 2 slots, 3: 5 slots
 // (3 blocks an SM; at 16 rows the drafter's split-K grids have at most 3 blocks an SM anyway); 4 and 5: the zero
-// through the rows' sums (Tile's ZR) with 3 and 4 slots.
+// through the rows' sums (Tile's ZR) with 3 and 4 slots; 6: the shipped kernel that discards the dead partials
+// (finish's DISCARD, the same bits).
 template <typename F>
 void dispatch(int group, int mt, int variant, F&& f) {
   if (mt == 1 && group == 128 && variant) {
@@ -443,6 +451,7 @@ void dispatch(int group, int mt, int variant, F&& f) {
     else if (variant == 3) f(Config<8, 1, 5>{});
     else if (variant == 4) f(Config<8, 1, STAGES, true>{});
     else if (variant == 5) f(Config<8, 1, 4, true>{});
+    else if (variant == 6) f(Config<8, 1, STAGES, false, true>{});
     else f(Config<8, 1, 2>{});
     return;
   }

@@ -288,9 +288,9 @@ def test_a_cuda_graph_replays_the_split_k_kernel():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("split", [1, 3, 16])
-@pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304)])
+@pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304), (1024, 1536)])  # the last: whole 128-wide columns
 def test_development_variants_against_the_fp32_dequantized_matmul(variant, split, out_f, in_f):
     from dflash_quant.int4_cuda import matmul
 
@@ -303,7 +303,7 @@ def test_development_variants_against_the_fp32_dequantized_matmul(variant, split
         assert float((out.double() - ref).abs().max() / ref.abs().max()) < 4e-3
         assert int(w.counters.abs().sum()) == 0
         shipped = matmul(x, w.qweight, w.scales, w.zeros, w.counters, 128, split, 0)
-        if variant <= 3:  # the same sums in the same order as the shipped kernel: the same bits
+        if variant not in (4, 5):  # the same sums in the same order as the shipped kernel: the same bits
             assert torch.equal(out, shipped)
         else:  # the zero through the rows' sums: another fp32 path, within the bf16 output's rounding of it
             assert float((out.double() - shipped.double()).abs().max() / ref.abs().max()) < 4e-3
@@ -345,7 +345,7 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     # every instance the dispatch can launch was compiled (ptxas names each kernel it compiles)
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry" in line and "w4a16_kernel" in line]
     kernels = {line.split("w4a16_kernel")[1].split("v")[0] for line in entries}  # the template arguments
-    assert len(kernels) == 13, kernels  # 4 groups x 2 row tiles + 5 development variants
+    assert len(kernels) == 14, kernels  # 4 groups x 2 row tiles + 6 development variants
 
 
 def test_the_sass_reader_finds_the_loop_with_the_mmas_and_the_registers():
