@@ -156,6 +156,30 @@ def test_500_then_success_on_commit(artifact):
         _assert_all_arrived(hub, artifact)
 
 
+def test_the_loopback_hub_logs_a_request_before_it_answers(monkeypatch):
+    """A test reads the request log as soon as its call returns, so the log must be written before the response
+    (logged after it, the retried commit above was missing under load)."""
+    import urllib.error
+    import urllib.request
+
+    import hub_server
+
+    logged_at_answer: list[int] = []
+    send_response = hub_server._Handler.send_response
+
+    def spy(handler, code, message=None):
+        logged_at_answer.append(len(handler.server.state.requests))
+        send_response(handler, code, message)
+
+    monkeypatch.setattr(hub_server._Handler, "send_response", spy)
+    with FakeHub(FAKE_TOKEN) as hub:
+        hub.fail("GET", r"/probe", 503)
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            urllib.request.urlopen(f"{hub.url}/probe", timeout=10)
+        assert [r.status for r in hub.requests("GET", "/probe")] == [503]
+    assert logged_at_answer == [1]
+
+
 def test_500_then_success_on_preupload(artifact):
     with FakeHub(FAKE_TOKEN, upload_mode="regular") as hub:
         hub.fail("POST", r"/preupload/", 503, times=1)
