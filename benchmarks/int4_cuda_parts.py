@@ -63,23 +63,12 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-# probes of the split-K sum (session 17): builds that keep the sum's code but do not run it, that count in without
-# ordering (wrong results: timing only), and that discard the dead partials from L2 (the same bits as shipped)
+# probes of the split-K sum (session 17): a build that keeps the sum's code but does not run it, and one that
+# counts in without ordering (wrong results: timing only). Discarding the dead partials is development variant 6
+# (`--variants 0,6`), not an edit.
 PROBES: dict[str, list[tuple[str, str]]] = {
     "sum_not_run": [("  if (split == 1) {", "  if (split == 1 || M < 1000) {")],
     "sum_relaxed": [("atom.add.acq_rel.gpu.s32", "atom.add.relaxed.gpu.s32")],
-    "discard": [
-        (
-            "  if (threadIdx.x == 0) counters[blockIdx.x] = 0;",
-            "  if (N % 128 == 0) {\n"
-            "    __syncthreads();\n"
-            "    for (int l = threadIdx.x; l < split * M * 4; l += WARPS * 32)\n"
-            '      asm volatile("discard.global.L2 [%0], 128;" ::"l"(ws + (int64_t)(l >> 2) * N + n0 + 32 * (l & 3)) '
-            ': "memory");\n'
-            "  }\n"
-            "  if (threadIdx.x == 0) counters[blockIdx.x] = 0;",
-        )
-    ],
 }
 
 

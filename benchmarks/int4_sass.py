@@ -21,7 +21,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-INSTANCE = "w4a16_kernelILi8ELi1ELi3ELb0E"  # group 128 (8 chunks a group step), one row tile, 3 slots, no ZR
+# group 128 (8 chunks a group step), one row tile, 3 slots, no ZR, no DISCARD (variant 6's name differs only there)
+INSTANCE = "w4a16_kernelILi8ELi1ELi3ELb0ELb0E"
 
 
 def cuda_tool(name: str) -> str | None:
