@@ -7,6 +7,8 @@
 #                                           k|v apart (cuda+fused), bf16 as the drafter runs it, bf16+fused,
 #                                           bf16+qkv; then what the split-K sum costs (int4_cuda_parts.py: its code
 #                                           kept but not run, its count-in unordered)
+#   bash benchmarks/int4_next.sh goal    1'. the goal's number alone, for a call with little device time left (~4 min on
+#                                           the H200 with the build): cuda+qkv, cuda+qkv:v6, cuda+fused, bf16+qkv
 #   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
 #                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
 #   bash benchmarks/int4_next.sh tests   3. the cuda GPU tests and q|k|v at a decode step's real rows
@@ -28,6 +30,11 @@ case "${1:-}" in
     timeout 250 $PY benchmarks/gpu_int4.py e2e-full --kernels cuda,cuda:qkv --out "$OUT/int4_e2e_full_qkv.json" \
       > "$OUT/e2e_full.log" 2>&1
     echo "e2e-full rc=$?"
+    ;;
+  goal)
+    timeout 230 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 12 --out "$OUT/int4_gemm_goal.json" \
+      --kernels "cuda+qkv,cuda+qkv:v6,cuda+fused,bf16+qkv" > "$OUT/gemm_goal.log" 2>&1
+    echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm_goal.log" | cut -c1-1500
     ;;
   tests)
     timeout 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k cuda tests/test_int4_kernel.py tests/test_int4_cuda.py \
