@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue #16's next device calls (session 17's version; earlier ones are in git history). JSON and logs under $OUT;
+# Issue #16's next device calls (session 18's version; earlier ones are in git history). JSON and logs under $OUT;
 # each call fits the 10-minute limit. The goal is named for an H200: compare ratios only within one run.
 #   bash benchmarks/int4_next.sh         1. build; one step's GEMMs at 16 rows: the shipped kernel with q|k|v as one
 #                                           launch (cuda+qkv, the runtime's default), the same discarding the
 #                                           split-K sum's dead partials from L2 (cuda+qkv:v6, the same bits), q and
 #                                           k|v apart (cuda+fused), bf16 as the drafter runs it, bf16+fused,
-#                                           bf16+qkv; then what the split-K sum costs (int4_cuda_parts.py: its code
-#                                           kept but not run, its count-in unordered)
+#                                           bf16+qkv; then what the split-K sum's pieces cost (int4_cuda_parts.py:
+#                                           its code kept but not run, its count-in unordered, partials stored with
+#                                           no count-in, a count-in with no last block's sum)
 #   bash benchmarks/int4_next.sh goal    1'. the goal's number alone, for a call with little device time left (~4 min on
 #                                           the H200 with the build): cuda+qkv, cuda+qkv:v6, cuda+fused, bf16+qkv
 #   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
@@ -47,7 +48,7 @@ case "${1:-}" in
     timeout 240 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 20 --out "$OUT/int4_gemm_qkv.json" \
       --kernels "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
     echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm.log" | cut -c1-1500
-    timeout 280 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_relaxed \
+    timeout 320 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
       --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
     echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
     ;;

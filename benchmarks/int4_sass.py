@@ -101,12 +101,12 @@ def main() -> None:
     if cuda_tool("nvcc") is None or not args.cuobjdump:
         raise SystemExit("nvcc and cuobjdump are needed: set CUDA_HOME, or pass --cuobjdump (triton's wheel has one)")
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-    from int4_cuda_parts import PARTS, variant_source
+    from int4_cuda_parts import PARTS, PROBES, variant_source
 
     from dflash_quant.int4_cuda import SOURCE
 
     work = Path(tempfile.mkdtemp(prefix="int4_sass_"))
-    sources = {"shipped": SOURCE} | {p: variant_source(PARTS[p], work, p) for p in args.part}
+    sources = {"shipped": SOURCE} | {p: variant_source((PARTS | PROBES)[p], work, p) for p in args.part}
     for label, src in sources.items():
         print(label, inspect(src, work, args.cuobjdump), flush=True)
 

@@ -167,7 +167,7 @@ def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
     applied = parts.parts_for(shipped)
     assert {"no_loads", "no_sum", "no_multiply", "no_zero", "no_mma"} <= set(applied)
     assert "bulk_no_multiply" not in parts.parts_for(shipped.replace("w4a16_bulk_kernel", "w4a16_kernel"))
-    assert {"sum_not_run", "sum_relaxed"} <= set(parts.PROBES)
+    assert {"sum_not_run", "sum_relaxed", "sum_stores_only", "sum_no_last"} <= set(parts.PROBES)
     for name, edits in (applied | parts.PROBES).items():
         edited = parts.variant_source(edits, tmp_path, name).read_text()
         assert edited != shipped
