@@ -65,7 +65,7 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 
 # probes of the split-K sum (sessions 17-18): a build that keeps the sum's code but does not run it, one that
 # counts in without ordering, one whose blocks store their partials and exit (no count-in), one that counts in but
-# whose last block adds nothing (wrong results but the first: timing only). Discarding the dead partials is
+# whose last block adds nothing (wrong results, all four: timing only). Discarding the dead partials is
 # development variant 6 (`--variants 0,6`), not an edit.
 PROBES: dict[str, list[tuple[str, str]]] = {
     "sum_not_run": [("  if (split == 1) {", "  if (split == 1 || M < 1000) {")],

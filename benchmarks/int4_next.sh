@@ -19,6 +19,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXT
 export MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
+gemm() {  # one step's GEMMs at 16 rows from CUDA graphs: gemm NAME REPEATS KERNELS
+  timeout 240 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats "$2" --out "$OUT/int4_$1.json" --kernels "$3" \
+    > "$OUT/$1.log" 2>&1
+  echo "gemm rc=$?"; grep -E '^rows' "$OUT/$1.log" | cut -c1-1500
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
 case "${1:-}" in
@@ -33,9 +38,7 @@ case "${1:-}" in
     echo "e2e-full rc=$?"
     ;;
   goal)
-    timeout 230 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 12 --out "$OUT/int4_gemm_goal.json" \
-      --kernels "cuda+qkv,cuda+qkv:v6,cuda+fused,bf16+qkv" > "$OUT/gemm_goal.log" 2>&1
-    echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm_goal.log" | cut -c1-1500
+    gemm gemm_goal 12 "cuda+qkv,cuda+qkv:v6,cuda+fused,bf16+qkv"
     ;;
   tests)
     timeout 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k cuda tests/test_int4_kernel.py tests/test_int4_cuda.py \
@@ -45,9 +48,7 @@ case "${1:-}" in
     echo "qkv rows rc=$?"; tail -5 "$OUT/qkv_rows.log"
     ;;
   *)  # the goal's number first: if the call runs out of time, the parts benchmark is what is lost
-    timeout 240 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats 20 --out "$OUT/int4_gemm_qkv.json" \
-      --kernels "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv" > "$OUT/gemm.log" 2>&1
-    echo "gemm rc=$?"; grep -E '^rows' "$OUT/gemm.log" | cut -c1-1500
+    gemm gemm_qkv 20 "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv"
     timeout 320 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
       --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
     echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500

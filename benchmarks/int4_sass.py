@@ -95,7 +95,9 @@ def inspect(source: Path, work: Path, cuobjdump: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", action="append", default=[], help="also a build with this part left out")
+    ap.add_argument(
+        "--part", action="append", default=[], help="also this build of int4_cuda_parts.py (a part or probe)"
+    )
     ap.add_argument("--cuobjdump", default=cuda_tool("cuobjdump"), help="cuobjdump (default: the CUDA toolkit's)")
     args = ap.parse_args()
     if cuda_tool("nvcc") is None or not args.cuobjdump:
@@ -105,8 +107,11 @@ def main() -> None:
 
     from dflash_quant.int4_cuda import SOURCE
 
+    builds = PARTS | PROBES
+    if unknown := [p for p in args.part if p not in builds]:
+        raise SystemExit(f"unknown --part {', '.join(unknown)}: use one of {', '.join(builds)}")
     work = Path(tempfile.mkdtemp(prefix="int4_sass_"))
-    sources = {"shipped": SOURCE} | {p: variant_source((PARTS | PROBES)[p], work, p) for p in args.part}
+    sources = {"shipped": SOURCE} | {p: variant_source(builds[p], work, p) for p in args.part}
     for label, src in sources.items():
         print(label, inspect(src, work, args.cuobjdump), flush=True)
 
