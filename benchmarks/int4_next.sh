@@ -10,6 +10,8 @@
 #                                           no count-in, a count-in with no last block's sum)
 #   bash benchmarks/int4_next.sh goal    1'. the goal's number alone, for a call with little device time left (~4 min on
 #                                           the H200 with the build): cuda+qkv, cuda+qkv:v6, cuda+fused, bf16+qkv
+#   bash benchmarks/int4_next.sh parts   1''. the split-K sum's probes alone (call 1's second half), for a card that is
+#                                           not the goal's
 #   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
 #                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
 #   bash benchmarks/int4_next.sh tests   3. the cuda GPU tests and q|k|v at a decode step's real rows
@@ -19,6 +21,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXT
 export MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
+parts() {  # what the split-K sum's pieces cost
+  timeout 320 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
+    --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
+  echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
+}
 gemm() {  # one step's GEMMs at 16 rows from CUDA graphs: gemm NAME REPEATS KERNELS
   timeout 240 $PY benchmarks/gpu_int4.py gemm --rows 16 --repeats "$2" --out "$OUT/int4_$1.json" --kernels "$3" \
     > "$OUT/$1.log" 2>&1
@@ -37,6 +44,9 @@ case "${1:-}" in
       > "$OUT/e2e_full.log" 2>&1
     echo "e2e-full rc=$?"
     ;;
+  parts)
+    parts
+    ;;
   goal)
     gemm gemm_goal 12 "cuda+qkv,cuda+qkv:v6,cuda+fused,bf16+qkv"
     ;;
@@ -49,8 +59,6 @@ case "${1:-}" in
     ;;
   *)  # the goal's number first: if the call runs out of time, the parts benchmark is what is lost
     gemm gemm_qkv 20 "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv"
-    timeout 320 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
-      --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
-    echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
+    parts
     ;;
 esac
