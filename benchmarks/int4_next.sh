@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #16's next device calls (session 18's version; earlier ones are in git history). JSON and logs under $OUT;
+# Issue #16's next device calls (session 19's version; earlier ones are in git history). JSON and logs under $OUT;
 # each call fits the 10-minute limit. The goal is named for an H200: compare ratios only within one run.
 #   bash benchmarks/int4_next.sh         1. build; one step's GEMMs at 16 rows: the shipped kernel with q|k|v as one
 #                                           launch (cuda+qkv, the runtime's default), the same discarding the
@@ -32,7 +32,9 @@ gemm() {  # one step's GEMMs at 16 rows from CUDA graphs: gemm NAME REPEATS KERN
   echo "gemm rc=$?"; grep -E '^rows' "$OUT/$1.log" | cut -c1-1500
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-$PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
+# the runtime's build (int4_cuda_parts.py compiles its own, the shipped source included, so parts skips this)
+[ "${1:-}" = parts ] ||
+  $PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
 case "${1:-}" in
   e2e)
     timeout 150 $PY -m dflash_quant.cli.app gptq reference --device cuda --no-verify --no-card -o /tmp/ref-int4-next \
