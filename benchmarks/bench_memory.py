@@ -118,8 +118,8 @@ def _allocated(device: torch.device) -> int:
 def build_random(case: str, device: torch.device):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_quant.config import parse_draft_config
-    from dflash_quant.model import DFlashDrafter
+    from dflash_quant.models.config import parse_draft_config
+    from dflash_quant.models.model import DFlashDrafter
 
     t_cfg, d_cfg = SHAPES[case]
     cfg = Qwen3Config(**t_cfg)
@@ -149,7 +149,7 @@ def load_reference(device: torch.device):
 
 
 def run_case(name, target, drafter, t_src, d_src, context, new_tokens, device, gpu_bytes):
-    from dflash_quant.decode import speculative_generate
+    from dflash_quant.speculative.decode import speculative_generate
 
     max_pos = getattr(target.config, "max_position_embeddings", None) or context
     if context > max_pos:

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash_quant.config import parse_draft_config  # noqa: E402
-from dflash_quant.model import DFlashDrafter, DraftCache  # noqa: E402
+from dflash_quant.models.config import parse_draft_config  # noqa: E402
+from dflash_quant.models.model import DFlashDrafter, DraftCache  # noqa: E402
 
 PRESET = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "dflash_quant", "memory", "presets", "qwen3-8b-dflash-b16.json"
@@ -103,7 +103,7 @@ def main(argv=None):
     # int4: GPTQ-grid weights (RTN, 4-bit g128 sym) dequantized, as the parity check runs the artifact; on CUDA
     # also the same codes through our int4 kernel (`--int4-kernel triton`), which rebuilds each weight in bf16
     # for a prompt's rows (int4_linear.MAX_KERNEL_ROWS) and keeps only the codes resident
-    from dflash_quant.int4_linear import Int4Codes, use_int4_codes
+    from dflash_quant.kernels.int4_linear import Int4Codes, use_int4_codes
     from dflash_quant.quantize import QuantSpec, rtn_quantize
 
     int4 = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()

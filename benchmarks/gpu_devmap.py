@@ -29,9 +29,9 @@ import torch
 
 from dflash_quant.calibration.capture import capture
 from dflash_quant.calibration.peak import predict_run
-from dflash_quant.devmap import Placement
-from dflash_quant.runtime import encode_prompts, load_pair, stop_tokens
-from dflash_quant.verify import CheckSettings, spec_runs
+from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
+from dflash_quant.models.devmap import Placement
+from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 
 def random_pair(root: Path, hidden: int, layers: int, intermediate: int, vocab: int, seed: int) -> tuple[str, str]:
@@ -39,8 +39,8 @@ def random_pair(root: Path, hidden: int, layers: int, intermediate: int, vocab: 
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_quant.config import parse_draft_config
-    from dflash_quant.model import DFlashDrafter
+    from dflash_quant.models.config import parse_draft_config
+    from dflash_quant.models.model import DFlashDrafter
 
     torch.manual_seed(seed)
     heads, kv, head_dim = hidden // 128, max(hidden // 512, 1), 128

@@ -29,13 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_quant.int4_linear import (  # noqa: E402
-    Int4Codes,
-    Int4Linear,
-    concat_outputs,
-    int4_matmul_error,
-    kernel_problem,
-)
+from dflash_quant.kernels.int4_linear import Int4Codes, Int4Linear, concat_outputs, int4_matmul_error, kernel_problem
 
 H, KV, INTER, CTX_LAYERS, LAYERS = 4096, 1024, 12288, 5, 5
 # Spec-sheet memory bandwidth by device name, for the memory-bound floor (None elsewhere: no floor printed).
@@ -133,7 +127,7 @@ def cuda_variant(mod: torch.nn.Module, options: list[str]) -> None:
     """Our CUDA kernel's configuration changed by OPTIONS: `v3` development variant 3 of the kernel (int4_cuda.cu's
     dispatch) with its own split-K, `b4` the split-K rule's as if 4 blocks fit an SM, `x2` / `x0.5` the split-K
     scaled."""
-    from dflash_quant.int4_cuda import config
+    from dflash_quant.kernels.int4_cuda import config
 
     per_sm, scale = None, 1.0
     for option in options:
@@ -292,7 +286,7 @@ def gemm(args) -> dict:
         print(f"rows {rows}: " + json.dumps(entry), flush=True)
         save(args.out, result)  # a step cut short by its time limit keeps what it measured
     try:
-        from dflash_quant.int4_triton import tuned_configs
+        from dflash_quant.kernels.int4_triton import tuned_configs
 
         result["triton_configs"] = tuned_configs()
     except Exception as exc:  # noqa: BLE001
@@ -309,7 +303,7 @@ def gemm(args) -> dict:
 
 def race(drafters: dict, target, prompts, settings, rounds: int, device: torch.device) -> dict[str, dict]:
     """Speculative tokens/s of each drafter on the same prompts: warm-up each, rounds in alternating order."""
-    from dflash_quant.verify import spec_runs, warm_up
+    from dflash_quant.speculative.verify import spec_runs, warm_up
 
     def sync() -> None:
         if device.type == "cuda":
@@ -348,10 +342,10 @@ def race(drafters: dict, target, prompts, settings, rounds: int, device: torch.d
 
 
 def e2e(args) -> dict:
-    from dflash_quant.int4_linear import use_int4_kernel
+    from dflash_quant.kernels.int4_linear import use_int4_kernel
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import encode_prompts, stop_tokens
-    from dflash_quant.verify import CheckSettings
+    from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.speculative.verify import CheckSettings
 
     device, dtype = torch.device(args.device), torch.bfloat16
     target = load_target("reference:target", device=device, dtype=dtype)
@@ -398,10 +392,10 @@ def e2e_full(args) -> dict:
     drafter on a full block and commits about one token: the drafter's share of a step is what differs."""
     import importlib.util
 
-    from dflash_quant.int4_linear import use_int4_codes
-    from dflash_quant.model import DFlashDrafter
+    from dflash_quant.kernels.int4_linear import use_int4_codes
+    from dflash_quant.models.model import DFlashDrafter
     from dflash_quant.quantize import QuantSpec, rtn_quantize
-    from dflash_quant.verify import CheckSettings
+    from dflash_quant.speculative.verify import CheckSettings
 
     spec = importlib.util.spec_from_file_location("bench_prefill", Path(__file__).with_name("bench_prefill.py"))
     assert spec is not None and spec.loader is not None

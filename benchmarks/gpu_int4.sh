@@ -24,7 +24,7 @@ step() {  # step NAME TIMEOUT CMD...: run CMD under a timeout unless the budget 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$R/versions.txt"
 # our CUDA kernel is built once (torch's extension builder) before anything times it
-step build_cuda 240 $PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.1f} s')" \
+step build_cuda 240 $PY -c "import time; t = time.time(); from dflash_quant.kernels.int4_cuda import module; module(); print(f'built in {time.time() - t:.1f} s')" \
   > "$R/build_cuda.log" 2>&1
 tail -c 3000 "$R/build_cuda.log"
 step gemm ${GEMM_LIMIT:-100} $PY benchmarks/gpu_int4.py gemm --group-size 128 --kernels "$KERNELS" --out "$R/int4_gemm_g128_sym.json" \

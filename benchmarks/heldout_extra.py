@@ -17,8 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from dflash_quant.reference import pair_dir
-from dflash_quant.reference.corpus import load_corpus, split_corpus
-from dflash_quant.reference.train import Recipe, make_prompts
+from scripts.reference_pair.corpus import load_corpus, split_corpus
+from scripts.reference_pair.train import Recipe, make_prompts
 
 
 def main() -> None:

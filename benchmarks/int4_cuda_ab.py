@@ -1,5 +1,5 @@
-"""Two builds of our CUDA int4 kernel in one run (issue #16): the working tree's `dflash_quant/int4_cuda.cu` against
-another source of it (OLD, e.g. `git show REV:dflash_quant/int4_cuda.cu > old.cu`), the shipped configuration of
+"""Two builds of our CUDA int4 kernel in one run (issue #16): the working tree's `dflash_quant/kernels/int4_cuda.cu` against
+another source of it (OLD, e.g. `git show REV:dflash_quant/kernels/int4_cuda.cu > old.cu`), the shipped configuration of
 each, on the drafter's GEMM shapes (Qwen3-8B-DFlash-b16) at 16, 32 and 8 rows. Each shape from a CUDA graph of
 back-to-back launches, the builds in alternating order, medians; outputs compared bit for bit; the step total
 weights each shape by its count in a step. --rotate: each graph cycles through enough copies of the weight that
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_cuda_scaling import graph_us, per_launch_us, random_weights  # noqa: E402
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
-from dflash_quant.int4_cuda import build, module  # noqa: E402
+from dflash_quant.kernels.int4_cuda import build, module  # noqa: E402
 
 # (name, out, in, GEMMs of this shape in a step)
 SHAPES = [

@@ -1,4 +1,4 @@
-"""Where the int4 kernel's time goes (issue #16, development probe): builds of `dflash_quant/int4_cuda.cu` with one
+"""Where the int4 kernel's time goes (issue #16, development probe): builds of `dflash_quant/kernels/int4_cuda.cu` with one
 stage left out each (no loads after the pipeline's fill, no split-K sum, no multiply, no zero subtraction, no MMA),
 each timed on the drafter's GEMM shapes at 16 rows as the kernel variants asked for (`--variants 0,8`: the default
 and variant 8), next to the unchanged build and bf16, in one run. A part left out of one kernel leaves the other
@@ -25,8 +25,8 @@ from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 from int4_load_probe import rotate_copies  # noqa: E402
 
-from dflash_quant import int4_cuda  # noqa: E402
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.kernels import int4_cuda  # noqa: E402
 
 ROWS = 16
 # name -> [(text in the shipped source, its replacement)]: each must occur exactly once

@@ -21,7 +21,7 @@ from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
-from dflash_quant.int4_cuda import module  # noqa: E402
+from dflash_quant.kernels.int4_cuda import module  # noqa: E402
 
 ROWS = 16
 CHUNK_BYTES = 8192 + 384
@@ -46,7 +46,7 @@ def main() -> None:
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"],
     )
     ext = module()
-    from dflash_quant import int4_cuda
+    from dflash_quant.kernels import int4_cuda
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")

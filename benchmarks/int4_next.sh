@@ -34,7 +34,7 @@ gemm() {  # one step's GEMMs at 16 rows from CUDA graphs: gemm NAME REPEATS KERN
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 # the runtime's build (int4_cuda_parts.py compiles its own, the shipped source included, so parts skips this)
 [ "${1:-}" = parts ] ||
-  $PY -c "import time; t = time.time(); from dflash_quant.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
+  $PY -c "import time; t = time.time(); from dflash_quant.kernels.int4_cuda import module; module(); print(f'built in {time.time() - t:.0f} s')"
 case "${1:-}" in
   e2e)
     timeout 150 $PY -m dflash_quant.cli.app gptq reference --device cuda --no-verify --no-card -o /tmp/ref-int4-next \

@@ -1,6 +1,6 @@
 """The int4 kernel's registers and main loop as ptxas and cuobjdump see them, compiled without a GPU (issue #16).
 
-Compiles `dflash_quant/int4_cuda.cu` for sm_90 with torch's builder flags, and with `--part NAME` also the build
+Compiles `dflash_quant/kernels/int4_cuda.cu` for sm_90 with torch's builder flags, and with `--part NAME` also the build
 with that part left out (`int4_cuda_parts.py`'s edits), then prints for the group-128, 16-row instance (the
 drafter's) the registers ptxas gave it and the length of its main loop: the loop with the MMAs, from its label to
 its backward branch. cuobjdump comes from the CUDA toolkit or, where the toolkit has none, from triton's wheel
@@ -105,7 +105,7 @@ def main() -> None:
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
     from int4_cuda_parts import PARTS, PROBES, variant_source
 
-    from dflash_quant.int4_cuda import SOURCE
+    from dflash_quant.kernels.int4_cuda import SOURCE
 
     builds = PARTS | PROBES
     if unknown := [p for p in args.part if p not in builds]:

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from dflash_quant.lookup import LookupSettings, continuation
-from dflash_quant.runtime import resolve_device
-from dflash_quant.target_cache import make_cache
+from dflash_quant.loading.runtime import resolve_device
+from dflash_quant.speculative.lookup import LookupSettings, continuation
+from dflash_quant.speculative.target_cache import make_cache
 
 
 def _time(fn, repeat: int) -> float:

@@ -13,10 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_quant.lookup import LookupSettings
+from dflash_quant.loading.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
 from dflash_quant.prompts import load_prompts
-from dflash_quant.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, lookup_summary, spec_runs, summarize
+from dflash_quant.speculative.lookup import LookupSettings
+from dflash_quant.speculative.verify import CheckSettings, baseline_runs, lookup_summary, spec_runs, summarize
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.runtime import encode_prompts, stop_tokens
-from dflash_quant.verify import CheckSettings, spec_runs
+from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 PAIRS = {"reference": "pair", "reference-dflash2": "dflash2_pair"}
 DEV_PROMPTS, NEW_TOKENS, DRAWS = 32, 64, 2000

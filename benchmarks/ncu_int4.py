@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_quant.int4_cuda import CudaWeights, matmul  # noqa: E402
+from dflash_quant.kernels.int4_cuda import CudaWeights, matmul  # noqa: E402
 
 SHAPES = [("fc", 4096, 20480), ("gateup", 24576, 4096), ("q", 4096, 4096)]
 

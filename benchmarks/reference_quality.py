@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from dflash_quant.calibration.capture import capture
+from dflash_quant.loading.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
-from dflash_quant.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, spec_runs, summarize
+from dflash_quant.speculative.verify import CheckSettings, baseline_runs, spec_runs, summarize
 
 # Every recipe spells out act-order and the k/v Hessian rows, so rows stay comparable when defaults change.
 GRID = {

@@ -68,8 +68,8 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from dflash_quant.reference import pair_dir
-    from dflash_quant.reference.corpus import load_corpus, split_corpus
-    from dflash_quant.reference.train import Recipe, make_prompts
+    from scripts.reference_pair.corpus import load_corpus, split_corpus
+    from scripts.reference_pair.train import Recipe, make_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pair", choices=["reference", "reference-dflash2"])

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash_quant.loading import resolve
+from dflash_quant.export.int4_target import write_int4_target
+from dflash_quant.loading.drafter import resolve
 from dflash_quant.quantize.grid import QuantSpec
-from dflash_quant.reference.int4_target import write_int4_target
 
 
 def main() -> None:

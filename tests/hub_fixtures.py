@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash_quant.export.manifest import write_manifest
+from dflash_quant.artifact.manifest import write_manifest
 
 SOURCE_ID = "z-lab/Qwen3-8B-DFlash-b16"
 TARGET_ID = "Qwen/Qwen3-8B"

@@ -28,9 +28,9 @@ from test_output_safety import cmd as gptq_cmd
 from tiny import drafter_raw_config, save_dflash2_drafter, save_drafter, save_target
 from typer.testing import CliRunner
 
+from dflash_quant.artifact.manifest import write_manifest
 from dflash_quant.cli.app import app
-from dflash_quant.export import atomic
-from dflash_quant.export.manifest import write_manifest
+from dflash_quant.io import atomic
 
 LINE = "w1 w2 w3 w4 w5 w6 w7 w8"
 

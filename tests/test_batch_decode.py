@@ -5,12 +5,12 @@ import torch
 from tiny import dflash2_raw_config, drafter_raw_config, hybrid_target_config, target_config
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
-from dflash_quant.config import parse_draft_config
-from dflash_quant.decode import speculative_generate
-from dflash_quant.lookup import LookupSettings
-from dflash_quant.model2 import build_drafter
-from dflash_quant.verify import CheckSettings, spec_runs, summarize
+from dflash_quant.models.config import parse_draft_config
+from dflash_quant.models.model2 import build_drafter
+from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
+from dflash_quant.speculative.decode import speculative_generate
+from dflash_quant.speculative.lookup import LookupSettings
+from dflash_quant.speculative.verify import CheckSettings, spec_runs, summarize
 
 FIELDS = (
     "tokens",
@@ -161,7 +161,7 @@ def test_spec_runs_batched_record(tiny_target):
 
 def _reference(name):
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import default_prompt_spec, encode_prompts, stop_tokens
+    from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, stop_tokens
 
     target = load_target("reference:target")  # float32
     prompts = encode_prompts(target, default_prompt_spec(target, "heldout"), 12, True, 48, "a", "b")
@@ -186,7 +186,7 @@ def test_reference_dflash2_drafter_on_qwen3_target_same_runs():
 
 
 def test_caches_are_compacted_and_runs_unchanged(tiny_target, monkeypatch):
-    import dflash_quant.batch_decode as bd
+    import dflash_quant.speculative.batch_decode as bd
 
     calls = []
     real = bd._compact
@@ -275,7 +275,7 @@ def test_batched_capture_replay_and_hybrid_fall_back(tiny_target):
 def test_batched_capture_reference_pair_and_predicted_peak():
     from dflash_quant.calibration.peak import predict_run
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.runtime import encode_prompts, stop_tokens
 
     d, t = load_drafter("reference"), load_target("reference:target")
     ids = encode_prompts(t, "reference:calib", 6, True)
@@ -341,7 +341,7 @@ def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
 def test_batch_defaults_and_fallbacks(tiny_target):
     from types import SimpleNamespace
 
-    from dflash_quant.pipeline import CPU_BATCH, calib_rows, default_batch
+    from dflash_quant.pipeline.gptq import CPU_BATCH, calib_rows, default_batch
 
     assert default_batch(None, torch.device("cpu")) == CPU_BATCH == 16
     assert default_batch(None, torch.device("cuda")) == 1 and default_batch(3, torch.device("cuda")) == 3
@@ -362,7 +362,7 @@ def test_gpu_rows_fit_in_memory():
     import json
     from types import SimpleNamespace
 
-    from dflash_quant.pipeline import GPU_BATCH, row_bytes, rows_that_fit
+    from dflash_quant.pipeline.gptq import GPU_BATCH, row_bytes, rows_that_fit
     from dflash_quant.reference import pair_dir
 
     gib = 1 << 30
@@ -383,7 +383,7 @@ def test_cuda_attention_backends(monkeypatch):
     import torch.backends.cuda as tbc
 
     from dflash_quant.errors import UsageError
-    from dflash_quant.runtime import SDPA_ENV, _cuda_attention
+    from dflash_quant.loading.runtime import SDPA_ENV, _cuda_attention
 
     saved = (tbc.flash_sdp_enabled(), tbc.mem_efficient_sdp_enabled(), tbc.math_sdp_enabled(), tbc.cudnn_sdp_enabled())
     try:
@@ -406,7 +406,7 @@ def test_cuda_attention_backends(monkeypatch):
 
 
 def test_check_rows_on_cuda(monkeypatch):
-    from dflash_quant.pipeline import CPU_BATCH, GPU_BATCH, check_rows
+    from dflash_quant.pipeline.gptq import CPU_BATCH, GPU_BATCH, check_rows
 
     gib = 1 << 30
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -15,7 +15,7 @@ from tiny import save_drafter, save_target
 
 from dflash_quant.calibration.capture import capture
 from dflash_quant.calibration.store import CalibStore, store_key
-from dflash_quant.runtime import load_pair, stop_tokens
+from dflash_quant.loading.runtime import load_pair, stop_tokens
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 9, 17, 33, 8], [40, 41, 7, 3, 90, 12]]

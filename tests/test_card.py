@@ -12,9 +12,9 @@ import pytest
 from hub_fixtures import SOURCE_ID, TARGET_ID, make_artifact
 from huggingface_hub import ModelCard
 
+from dflash_quant.artifact.manifest import load_manifest, verify_manifest
 from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.manifest import load_manifest, verify_manifest
 from dflash_quant.model_cards.card import write_card
 from dflash_quant.model_cards.fmt import NOT_MEASURED, fmt_bytes, fmt_float
 
@@ -125,7 +125,7 @@ def test_where_a_directory_cannot_be_locked_a_lock_file_serialises_updates(refer
     import os
     import stat
 
-    from dflash_quant.export import manifest
+    from dflash_quant.artifact import manifest
 
     real = fcntl.flock
 

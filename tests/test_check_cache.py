@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 import dflash_quant
-from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity
-from dflash_quant.decode import GreedyResult, SpecResult
-from dflash_quant.verify import CheckSettings
+from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
+from dflash_quant.speculative.decode import GreedyResult, SpecResult
+from dflash_quant.speculative.verify import CheckSettings
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
 
@@ -106,7 +106,7 @@ def test_any_changed_key_part_is_a_miss(tmp_path, change):
 def test_version_is_part_of_the_key(tmp_path, monkeypatch):
     cache = CheckCache(tmp_path)
     cache.put("spec", _key(), _spec())
-    monkeypatch.setattr("dflash_quant.check_cache.__version__", dflash_quant.__version__ + ".post1")
+    monkeypatch.setattr("dflash_quant.speculative.check_cache.__version__", dflash_quant.__version__ + ".post1")
     assert cache.get("spec", _key(), SpecResult) is None
 
 

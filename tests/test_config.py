@@ -1,8 +1,8 @@
 import pytest
 from tiny import drafter_raw_config
 
-from dflash_quant.config import default_target_layer_ids, parse_draft_config
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.models.config import default_target_layer_ids, parse_draft_config
 
 
 def test_keys_inside_dflash_config():

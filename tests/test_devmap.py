@@ -23,13 +23,13 @@ from tiny import save_drafter, save_hybrid_target, save_target
 from dflash_quant.calibration import checkpoint as ckpt
 from dflash_quant.calibration.capture import capture
 from dflash_quant.calibration.peak import predict_run
-from dflash_quant.devmap import Placement, make_placement
 from dflash_quant.errors import UsageError
+from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
 from dflash_quant.memory.calibration import calibration_budget, hessian_widths
 from dflash_quant.memory.kv import parse_shape
 from dflash_quant.memory.presets import preset_path
-from dflash_quant.runtime import encode_prompts, load_pair, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, spec_runs
+from dflash_quant.models.devmap import Placement, make_placement
+from dflash_quant.speculative.verify import CheckSettings, baseline_runs, spec_runs
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]

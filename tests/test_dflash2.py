@@ -9,11 +9,12 @@ import torch
 from tiny import dflash2_raw_config, dflash2_state_dict, save_dflash2_drafter, save_target
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_quant.config import parse_draft_config
-from dflash_quant.decode import speculative_generate
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.loading import check_pair, load_drafter, load_target
-from dflash_quant.model2 import DFlash2Drafter, grouped_causal_conv
+from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import check_pair
+from dflash_quant.models.config import parse_draft_config
+from dflash_quant.models.model2 import DFlash2Drafter, grouped_causal_conv
+from dflash_quant.speculative.decode import speculative_generate
 
 
 def test_conv_is_causal_within_the_block_and_resets_per_block():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_quant.export.manifest import verify_manifest
+from dflash_quant.artifact.manifest import verify_manifest
 from dflash_quant.loading import load_drafter
 from dflash_quant.pipeline import GptqJob, run_gptq
 from dflash_quant.quantize.drafter import QuantSettings

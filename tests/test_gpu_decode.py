@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash_quant.batch_decode import batched_speculative_generate
-from dflash_quant.decode import speculative_generate
+from dflash_quant.speculative.batch_decode import batched_speculative_generate
+from dflash_quant.speculative.decode import speculative_generate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,7 +15,7 @@ FIELDS = ("tokens", "accepted", "drafted", "acceptance_lengths", "target_forward
 
 def _pair(device, dtype=torch.float32):
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import default_prompt_spec, encode_prompts, resolve_device, stop_tokens
+    from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, resolve_device, stop_tokens
 
     dev = resolve_device(device)  # on CUDA also sets the attention backends the CLI uses
     target = load_target("reference:target", device=dev, dtype=dtype)

@@ -23,7 +23,7 @@ from hub_fixtures import FAKE_TOKEN, SOURCE_ID, make_artifact
 from hub_server import FakeHub
 from huggingface_hub import ModelCard
 
-from dflash_quant.export.manifest import write_manifest
+from dflash_quant.artifact.manifest import write_manifest
 
 pytestmark = pytest.mark.slow
 

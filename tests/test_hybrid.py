@@ -1,7 +1,7 @@
 """Speculative decoding on hybrid (linear-attention) targets is exact: qwen3_5 and qwen3_next, fp32, tiny models.
 
 A verify forward pushes the rejected drafts into the Gated-DeltaNet conv/recurrent state, which `crop` cannot
-undo; dflash_quant.target_cache restores and replays. Each test below fails with the old crop-only rollback.
+undo; dflash_quant.speculative.target_cache restores and replays. Each test below fails with the old crop-only rollback.
 """
 
 import itertools
@@ -16,12 +16,12 @@ import torch
 from tiny import hybrid_target_config, save_hybrid_target
 from transformers import AutoModelForCausalLM
 
-from dflash_quant import target_cache
 from dflash_quant.calibration.capture import capture
-from dflash_quant.decode import speculative_generate, target_generate
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.model import DFlashDrafter
+from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.speculative import target_cache
+from dflash_quant.speculative.decode import speculative_generate, target_generate
 
 FAMILIES = ["qwen3_5", "qwen3_next"]
 # Where the scripted drafter goes wrong, by anchor index: a fixed pseudo-random mix of 0..3.

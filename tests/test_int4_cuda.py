@@ -1,4 +1,4 @@
-"""Our CUDA int4 kernel (dflash_quant/int4_cuda.cu, int4_cuda.py).
+"""Our CUDA int4 kernel (dflash_quant/kernels/int4_cuda.cu, int4_cuda.py).
 
 CPU: the packed layout against the MMA operand layout of PTX's m16n8k16 (B fragment: lane l holds rows
 2(l%4)+{0,1} and 2(l%4)+8+{0,1} of column l/4, lower k in the lower half), decoded with the kernel's own bit
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_quant.int4_cuda import CHUNK, lane_words, pack, unpack
+from dflash_quant.kernels.int4_cuda import CHUNK, lane_words, pack, unpack
 
 
 def _bf16_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_a_missing_toolchain_is_named(monkeypatch, tmp_path):
     records it and moves on to the next kernel)."""
     from torch.utils import cpp_extension
 
-    from dflash_quant.int4_cuda import toolchain_problem
+    from dflash_quant.kernels.int4_cuda import toolchain_problem
 
     monkeypatch.delenv("PYTORCH_NVCC", raising=False)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
@@ -107,7 +107,7 @@ def test_a_missing_toolchain_is_named(monkeypatch, tmp_path):
 )
 def test_the_split_fills_one_wave_with_at_least_4_chunks_and_at_most_8_splits(monkeypatch, n, k, split):
     """The H200's shape (132 SMs, 4 blocks of 128 outputs per SM): the split the drafter's GEMMs get."""
-    import dflash_quant.int4_cuda as int4_cuda
+    import dflash_quant.kernels.int4_cuda as int4_cuda
 
     monkeypatch.setattr(int4_cuda, "_kernel_shape", lambda group, device, variant: (128, 4))
     monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
@@ -119,7 +119,7 @@ def test_each_kernel_source_is_built_under_a_name_of_its_content(monkeypatch, tm
     that carries their content, so an edited source is never served from an older build."""
     from torch.utils import cpp_extension
 
-    from dflash_quant import int4_cuda
+    from dflash_quant.kernels import int4_cuda
 
     seen: list[dict] = []
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or kw["name"])
@@ -134,7 +134,7 @@ def test_each_kernel_source_is_built_under_a_name_of_its_content(monkeypatch, tm
 
 def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatch):
     """benchmarks/gpu_int4.py's cuda:bN: a kernel variant that fits 5 blocks an SM measured at the split of 4."""
-    import dflash_quant.int4_cuda as int4_cuda
+    import dflash_quant.kernels.int4_cuda as int4_cuda
 
     monkeypatch.setattr(int4_cuda, "_kernel_shape", lambda group, device, variant: (128, 5 if variant else 4))
     monkeypatch.setattr(int4_cuda, "_sm_count", lambda device: 132)
@@ -152,7 +152,7 @@ def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
     import sys
     from pathlib import Path
 
-    from dflash_quant.int4_cuda import SOURCE
+    from dflash_quant.kernels.int4_cuda import SOURCE
 
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(folder))
@@ -184,7 +184,7 @@ def test_the_benchmarks_kernel_options_set_the_variant_and_split(monkeypatch):
     import types
     from pathlib import Path
 
-    import dflash_quant.int4_cuda as int4_cuda
+    import dflash_quant.kernels.int4_cuda as int4_cuda
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_int4.py"
     spec = importlib.util.spec_from_file_location("gpu_int4_bench", path)
@@ -213,8 +213,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _layer(out_f: int, in_f: int, group: int, seed: int):
-    from dflash_quant.int4_cuda import CudaWeights
-    from dflash_quant.int4_linear import Int4Codes
+    from dflash_quant.kernels.int4_cuda import CudaWeights
+    from dflash_quant.kernels.int4_linear import Int4Codes
 
     gen = torch.Generator().manual_seed(seed)
     g = in_f // group
@@ -233,7 +233,7 @@ def _layer(out_f: int, in_f: int, group: int, seed: int):
 )
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 32])
 def test_every_path_against_the_fp32_dequantized_matmul(split, out_f, in_f, group, rows):
-    from dflash_quant.int4_cuda import matmul
+    from dflash_quant.kernels.int4_cuda import matmul
 
     c, w = _layer(out_f, in_f, group, seed=out_f + in_f + rows)
     x = torch.randn(rows, in_f, device="cuda").to(torch.bfloat16)
@@ -252,7 +252,7 @@ def test_every_path_against_the_fp32_dequantized_matmul(split, out_f, in_f, grou
 @pytest.mark.gpu
 @gpu
 def test_many_rows_use_the_dequantized_bf16_weight():
-    from dflash_quant.int4_cuda import matmul, module
+    from dflash_quant.kernels.int4_cuda import matmul, module
 
     c, w = _layer(256, 512, 64, seed=1)
     bf16 = module().w4_dequant(w.qweight, w.scales, w.zeros, 64)
@@ -264,7 +264,7 @@ def test_many_rows_use_the_dequantized_bf16_weight():
 @pytest.mark.gpu
 @gpu
 def test_a_cuda_graph_replays_the_split_k_kernel():
-    from dflash_quant.int4_cuda import matmul
+    from dflash_quant.kernels.int4_cuda import matmul
 
     c, w = _layer(512, 2048, 128, seed=2)
     x = torch.randn(16, 2048, device="cuda").to(torch.bfloat16)
@@ -292,7 +292,7 @@ def test_a_cuda_graph_replays_the_split_k_kernel():
 @pytest.mark.parametrize("split", [1, 3, 16])
 @pytest.mark.parametrize("out_f,in_f", [(1008, 1024), (272, 2304), (1024, 1536)])  # the last: whole 128-wide columns
 def test_development_variants_against_the_fp32_dequantized_matmul(variant, split, out_f, in_f):
-    from dflash_quant.int4_cuda import matmul
+    from dflash_quant.kernels.int4_cuda import matmul
 
     c, w = _layer(out_f, in_f, 128, seed=variant + split)
     ref_w = c.dequantize().double()
@@ -336,7 +336,7 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
     of torch ships no c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in takes its place."""
     import subprocess
 
-    from dflash_quant.int4_cuda import SOURCE
+    from dflash_quant.kernels.int4_cuda import SOURCE
 
     cmd = int4_sass.nvcc_command(SOURCE, tmp_path / "int4_cuda.o", arch, tmp_path / "inc")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -1,4 +1,4 @@
-"""int4 drafter kernels (dflash_quant/int4_linear.py, int4_triton.py).
+"""int4 drafter kernels (dflash_quant/kernels/int4_linear.py, int4_triton.py).
 
 CPU: the GPTQ v1 codes as the kernels read them decode to our own dequantized weight; act-order columns
 permuted into tiles give the same product; the kernel choice falls back to dequant where none runs.
@@ -21,7 +21,14 @@ import torch
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_v1 import decode_gptq_v1, pack_gptq_v1
-from dflash_quant.int4_linear import MAX_KERNEL_ROWS, Int4Codes, Int4Linear, kernel_problem, plan, use_int4_kernel
+from dflash_quant.kernels.int4_linear import (
+    MAX_KERNEL_ROWS,
+    Int4Codes,
+    Int4Linear,
+    kernel_problem,
+    plan,
+    use_int4_kernel,
+)
 from dflash_quant.quantize.grid import QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
@@ -100,7 +107,7 @@ def test_kernel_problems_name_the_shape():
     if hasattr(torch.ops.aten, "_weight_int4pack_mm"):
         assert "in % 128" in (kernel_problem("tinygemm", c, torch.device("cuda")) or "")
     # the CUDA kernel's layout: pairs of 8-output x 128-input tiles, groups of 32, 64 or whole 128-wide chunks
-    from dflash_quant.int4_cuda import shape_problem
+    from dflash_quant.kernels.int4_cuda import shape_problem
 
     assert "in % 128 == 0 and out % 16 == 0 (got 40x96)" in (shape_problem(40, 96, 32) or "")
     assert "group of 32, 64 or a multiple of 128" in (shape_problem(64, 384, 96) or "")
@@ -157,7 +164,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_sp
 def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, split_k, wide):
     import triton
 
-    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+    from dflash_quant.kernels.int4_triton import _w4a16_kernel, reset_tuning
 
     config = {"BLOCK_N": block_n, "SPLIT_K": split_k, "WIDE_LOAD": wide, "SWAP_AB": wide}
     _w4a16_kernel.configs = [triton.Config(config, num_warps=4, num_stages=2)]
@@ -183,7 +190,7 @@ def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, 
 @pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, True), (64, False, True)])
 def test_dequant_kernel_rebuilds_the_bf16_weight_bit_for_bit(group, sym, act_order):
     from dflash_quant.export.gptq_v1 import _pack_dim0
-    from dflash_quant.int4_triton import dequantize_t
+    from dflash_quant.kernels.int4_triton import dequantize_t
 
     c, _ = _codes(_quantized(80, 256, group, sym, act_order, seed=3), group).in_order()
     qweight = _pack_dim0(c.codes.T, 4)
@@ -206,7 +213,7 @@ def triton_split(request):
     """Our kernel pinned to one config, without and with split-K (both code paths, few compilations)."""
     import triton
 
-    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+    from dflash_quant.kernels.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
     split_k, wide, swap = request.param
@@ -251,7 +258,7 @@ def test_kernel_against_fp32_dequant_matmul(kernel, group, sym, act_order, rows,
 def triton_one_config():
     import triton
 
-    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+    from dflash_quant.kernels.int4_triton import _w4a16_kernel, reset_tuning
 
     saved = _w4a16_kernel.configs
     config = {"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True, "SWAP_AB": True}
@@ -281,8 +288,8 @@ def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, 
     """tau of the int4 drafter through the kernel within the parity gate's default tolerance (0.03) of the
     dequantized drafter's, same prompts (bf16)."""
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import encode_prompts, stop_tokens
-    from dflash_quant.verify import CheckSettings, spec_runs
+    from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     dev = torch.device("cuda")
     target = load_target("reference:target", device=dev, dtype=torch.bfloat16)
@@ -316,7 +323,7 @@ def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, 
 @torch.inference_mode()
 def _first_block(drafter, target, ids: list[int]) -> torch.Tensor:
     """The drafter's hidden states for the first block after a prompt (as bench_prefill.py runs it), fp32."""
-    from dflash_quant.model import DraftCache
+    from dflash_quant.models.model import DraftCache
 
     dev = next(drafter.parameters()).device
     prompt = torch.tensor([ids], device=dev)
@@ -393,7 +400,7 @@ class _Counting(torch.nn.Module):
 
 
 def test_fused_members_share_one_gemm_per_input():
-    from dflash_quant.int4_linear import Int4Member, _SharedInput
+    from dflash_quant.kernels.int4_linear import Int4Member, _SharedInput
 
     w = torch.randn(24, 8)
     fused, state = _Counting(w), _SharedInput(2)
@@ -438,11 +445,11 @@ class _Exact(torch.nn.Module):
 def test_int4_qkv_runs_one_gemm_for_a_step_and_no_q_over_a_prompt():
     """Int4QKV: up to its rows, q|k|v is one GEMM over cat(ctx, h) with q's context rows dropped; past them (a
     prompt's context) the weight is rebuilt once and q multiplies h alone. Both equal three separate Linears."""
-    from dflash_quant.int4_linear import Int4QKV
+    from dflash_quant.kernels.int4_linear import Int4QKV
 
     gen = torch.Generator().manual_seed(0)
     parts = [_codes(_quantized(n, 128, 32, False, False, seed=i), 32) for i, n in enumerate((64, 32, 32))]
-    from dflash_quant.int4_linear import concat_outputs
+    from dflash_quant.kernels.int4_linear import concat_outputs
 
     fused = _Exact(concat_outputs(parts), torch.randn(128, generator=gen), "cuda")
     qkv = Int4QKV(fused, 64, rows=40)
@@ -464,10 +471,10 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
     the rebuilt weight, q over h alone) and gate|up as one; the speculative tokens, acceptance (one by one and
     batched) and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel), DFlash v1
     and DFlash2."""
-    import dflash_quant.int4_linear as il
+    import dflash_quant.kernels.int4_linear as il
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import encode_prompts, stop_tokens
-    from dflash_quant.verify import CheckSettings, spec_runs
+    from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     monkeypatch.setattr(il, "Int4Linear", _Exact)  # named cuda: a kernel that rebuilds its bf16 weight
     monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["cuda"], None))
@@ -520,7 +527,7 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
 def test_cached_int4_runs_are_keyed_by_the_runtime_sources(tmp_path, monkeypatch):
     """verify's check cache keeps an int4 kernel's runs apart per kernel and per revision of the int4 runtime's
     sources (a new split-K rule or fusion sums in another order); the dequantized path's runs need neither."""
-    import dflash_quant.int4_linear as il
+    import dflash_quant.kernels.int4_linear as il
 
     assert il.run_key({"kernel": "dequant", "linears": 0, "reason": "CPU"}) is None
     before = il.run_key({"kernel": "cuda", "linears": 8, "fused_groups": 2})
@@ -536,7 +543,7 @@ def test_cached_int4_runs_are_keyed_by_the_runtime_sources(tmp_path, monkeypatch
 
 
 def test_shared_input_groups_need_equal_layouts():
-    from dflash_quant.int4_linear import shared_input_groups
+    from dflash_quant.kernels.int4_linear import shared_input_groups
 
     def codes(out_f, group=32, act_order=False):
         return _codes(_quantized(out_f, 128, group, True, act_order), group)
@@ -568,11 +575,11 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
     bf16 drafter: the same speculative tokens and tau on the reference pair."""
     import triton
 
-    import dflash_quant.int4_linear as il
-    from dflash_quant.int4_triton import _w4a16_kernel, reset_tuning
+    import dflash_quant.kernels.int4_linear as il
+    from dflash_quant.kernels.int4_triton import _w4a16_kernel, reset_tuning
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.runtime import encode_prompts, stop_tokens
-    from dflash_quant.verify import CheckSettings, spec_runs
+    from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     _w4a16_kernel.configs = [
         triton.Config({"BLOCK_N": 64, "SPLIT_K": 2, "WIDE_LOAD": True, "SWAP_AB": True}, num_warps=4)
@@ -605,7 +612,7 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
 def test_a_kernel_that_cannot_run_falls_back_or_refuses(rtn_artifact, monkeypatch):
     """Every kernel passes over a Linear it cannot run: `auto` then keeps the dequantized weights and says why
     for each kernel tried; a kernel asked for by name is a usage error naming the Linear."""
-    import dflash_quant.int4_linear as il
+    import dflash_quant.kernels.int4_linear as il
     from dflash_quant.loading import load_drafter
 
     loaded = load_drafter(rtn_artifact)
@@ -626,8 +633,8 @@ def test_a_kernel_that_cannot_run_falls_back_or_refuses(rtn_artifact, monkeypatc
 def test_autotuning_keeps_a_few_configs_that_fill_the_gpu(monkeypatch):
     import triton
 
-    import dflash_quant.int4_triton as kernels
-    from dflash_quant.int4_triton import _CONFIGS, _prune, split_for
+    import dflash_quant.kernels.int4_triton as kernels
+    from dflash_quant.kernels.int4_triton import _CONFIGS, _prune, split_for
 
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 132)
 

@@ -13,9 +13,7 @@ from hub_fixtures import FAKE_TOKEN, make_artifact
 from hub_server import FakeHub
 
 import dflash_quant.hub.push as push_mod
-from dflash_quant.artifact.reports import MemoryReport
-from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.manifest import (
+from dflash_quant.artifact.manifest import (
     check_artifact_files,
     name_problem,
     record_files,
@@ -23,6 +21,8 @@ from dflash_quant.export.manifest import (
     verify_manifest,
     write_manifest,
 )
+from dflash_quant.artifact.reports import MemoryReport
+from dflash_quant.errors import DFlashQuantError
 from dflash_quant.hub.push import check_artifact, plan_push, push_artifact
 from dflash_quant.memory.report import write_memory_json
 from dflash_quant.model_cards.card import write_card

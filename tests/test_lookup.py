@@ -1,13 +1,13 @@
-"""The lookup proposer (dflash_quant.lookup) in the speculative loop: search, exactness, drafter context, reports."""
+"""The lookup proposer (dflash_quant.speculative.lookup) in the speculative loop: search, exactness, drafter context, reports."""
 
 import pytest
 import torch
 from tiny import save_hybrid_target
 
-from dflash_quant.decode import SpecResult, _taps, rejection_step, speculative_generate, target_generate
 from dflash_quant.errors import UsageError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.lookup import (
+from dflash_quant.speculative.decode import SpecResult, _taps, rejection_step, speculative_generate, target_generate
+from dflash_quant.speculative.lookup import (
     MODES,
     Lookup,
     LookupSettings,
@@ -17,7 +17,7 @@ from dflash_quant.lookup import (
     point_mass,
     two_row_step,
 )
-from dflash_quant.verify import CheckSettings, _split_acceptance, lookup_summary, summarize
+from dflash_quant.speculative.verify import CheckSettings, _split_acceptance, lookup_summary, summarize
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_continuation_follows_the_most_recent_longest_match_and_repeats_periods(
 
 
 def test_both_defaults_to_a_lookup_row_longer_than_the_block():
-    from dflash_quant.lookup import BOTH_TOKENS
+    from dflash_quant.speculative.lookup import BOTH_TOKENS
 
     assert LookupSettings().tokens(8) == BOTH_TOKENS > 7 and LookupSettings().tokens(40) == 39
     assert LookupSettings("extend").tokens(8) == 7 and LookupSettings("both", max_tokens=7).tokens(8) == 7
@@ -367,8 +367,8 @@ def test_two_rows_with_a_longer_lookup_row_keep_the_target_distribution():
 def test_longer_lookup_row_is_lossless_on_the_reference_pairs(pair_name):
     """The shipped pairs at T=0 with `both` and a 16-token lookup row on reproduce prompts: the output equals
     the target's greedy output, and some steps commit more tokens than the drafter's block holds."""
+    from dflash_quant.loading.runtime import encode_prompts, load_pair
     from dflash_quant.prompts import load_prompts
-    from dflash_quant.runtime import encode_prompts, load_pair
 
     drafter, target = load_pair(pair_name, None, torch.device("cpu"), torch.float32)
     cats = [p.category for p in load_prompts("builtin:calib")]

@@ -107,7 +107,7 @@ def test_memory_report_on_quantized_artifact(artifact, tiny_pair, tmp_path):
     drafter, _ = tiny_pair
     art = tmp_path / "copy"
     shutil.copytree(artifact, art)
-    from dflash_quant.export.manifest import write_manifest
+    from dflash_quant.artifact.manifest import write_manifest
 
     write_manifest(art)
     r = runner.invoke(app, ["memory", str(art), "--baseline", str(drafter), "--device", "cpu", "--json"])

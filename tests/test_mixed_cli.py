@@ -11,7 +11,8 @@ import torch
 from tiny import save_drafter, save_pair_with_prompts
 
 from dflash_quant.errors import UsageError
-from dflash_quant.loading import layer_setting, load_drafter
+from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import layer_setting
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.quantize.grid import QuantSpec

@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_quant.decode import speculative_generate
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.model import DraftCache
+from dflash_quant.models.model import DraftCache
+from dflash_quant.speculative.decode import speculative_generate
 
 TINY = Path(__file__).parent / "fixtures" / "official" / "tiny"
 DRAFTERS = ["drafter_full", "drafter_swa"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from tiny import save_drafter, save_target
 
+from dflash_quant.artifact.manifest import verify_manifest, write_manifest
 from dflash_quant.errors import UsageError
-from dflash_quant.export import atomic
-from dflash_quant.export.manifest import verify_manifest, write_manifest
+from dflash_quant.io import atomic
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 
@@ -277,7 +277,7 @@ def test_stale_temp_dirs_of_dead_runs_are_cleaned_and_an_interrupted_swap_restor
 
 
 def test_lock_of_a_killed_run_is_reclaimed(tmp_path):
-    code = "import sys,time; from dflash_quant.export.atomic import guard_output\nwith guard_output(sys.argv[1], False):\n print('locked', flush=True); time.sleep(60)"
+    code = "import sys,time; from dflash_quant.io.atomic import guard_output\nwith guard_output(sys.argv[1], False):\n print('locked', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "art")], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(UsageError, match=f"pid {proc.pid}"):

@@ -1,4 +1,4 @@
-from dflash_quant.verify import parity
+from dflash_quant.speculative.verify import parity
 
 
 def _check(tau, lossless, accept=(0.8, 0.5)):
@@ -23,8 +23,8 @@ def test_lossless_is_gated_only_in_exact_runs():
 
 # --- bf16 near-ties: reported as "lossless up to numerics", a clear-margin divergence still fails ---
 
-from dflash_quant.decode import GreedyResult, SpecResult  # noqa: E402
-from dflash_quant.verify import CheckSettings, divergences, near_tie_margin, summarize  # noqa: E402
+from dflash_quant.speculative.decode import GreedyResult, SpecResult  # noqa: E402
+from dflash_quant.speculative.verify import CheckSettings, divergences, near_tie_margin, summarize  # noqa: E402
 
 
 def _spec(tokens):
@@ -83,7 +83,7 @@ def test_target_generate_records_margins(tiny_pair):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_quant.decode import target_generate
+    from dflash_quant.speculative.decode import target_generate
 
     target = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
     run = target_generate(target, torch.tensor([[3, 4, 5]]), 6)

@@ -10,8 +10,8 @@ from hub_server import FakeHub
 from huggingface_hub import ModelCard
 
 import dflash_quant.hub.push as push_mod
+from dflash_quant.artifact.manifest import write_manifest
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.manifest import write_manifest
 from dflash_quant.hub.push import check_artifact, plan_push, push_artifact
 
 REPO = "dflash-org/qwen3-8b-dflash-int4"

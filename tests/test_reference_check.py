@@ -8,10 +8,10 @@ import pytest
 import torch
 from tiny import save_hybrid_target
 
-from dflash_quant.decode import GreedyResult, SpecResult, target_check, target_generate
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair, stop_tokens
-from dflash_quant.verify import CheckSettings, baseline_runs, reference_runs, spec_runs, summarize
+from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, load_pair, stop_tokens
+from dflash_quant.speculative.decode import GreedyResult, SpecResult, target_check, target_generate
+from dflash_quant.speculative.verify import CheckSettings, baseline_runs, reference_runs, spec_runs, summarize
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_disagreeing_timed_decode_redoes_every_prompt(reference, monkeypatch):
     """If a prompt's one-forward check and its one-token decode disagree, no prompt keeps its check."""
     _, target, prompts, settings = reference
     decoded = baseline_runs(target, prompts[:3], settings)
-    import dflash_quant.verify as verify
+    import dflash_quant.speculative.verify as verify
 
     real = verify.target_generate
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_quant.reference.corpus import split_of
+from scripts.reference_pair.corpus import split_of
 
 PAIR = Path(__file__).resolve().parent.parent / "dflash_quant" / "reference" / "pair"
 MAX_BYTES = 16_000_000  # "at most 16 MB" for both models + tokenizer (+ prompt files and card)
@@ -43,7 +43,7 @@ def test_pair_dir_api():
 
 
 def test_configs_parse():
-    from dflash_quant.config import load_draft_config
+    from dflash_quant.models.config import load_draft_config
 
     cfg = load_draft_config(PAIR / "drafter")
     raw = json.loads((PAIR / "drafter" / "config.json").read_text())
@@ -60,7 +60,8 @@ def test_configs_parse():
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash_quant.loading import check_pair, load_drafter, load_target
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import check_pair
 
     drafter = load_drafter("reference")
     target = load_target("reference/target")
@@ -99,7 +100,7 @@ def test_prompt_splits():
 
 def test_heldout_prompts_absent_from_training_corpus():
     """The held-out prompts' files were excluded from training; their text appears in no train file."""
-    from dflash_quant.reference.corpus import default_corpus_dir, load_corpus, split_corpus
+    from scripts.reference_pair.corpus import default_corpus_dir, load_corpus, split_corpus
 
     try:
         train, _ = split_corpus(load_corpus(default_corpus_dir()))
@@ -113,7 +114,7 @@ def test_heldout_prompts_absent_from_training_corpus():
 
 
 def _tau(drafter, target, prompts, max_new):
-    from dflash_quant.decode import speculative_generate, target_generate
+    from dflash_quant.speculative.decode import speculative_generate, target_generate
 
     lengths, lossless = [], True
     for ids in prompts:
@@ -127,7 +128,7 @@ def _tau(drafter, target, prompts, max_new):
 
 @pytest.mark.slow
 def test_reference_tau_and_sensitivity(pair):
-    from dflash_quant.reference.sensitivity import rtn_quantize_drafter
+    from scripts.reference_pair.sensitivity import rtn_quantize_drafter
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     drafter, target = pair
@@ -165,7 +166,7 @@ def test_dflash2_files_present_and_small():
 
 
 def test_dflash2_configs():
-    from dflash_quant.config import load_draft_config
+    from dflash_quant.models.config import load_draft_config
 
     cfg = load_draft_config(PAIR2 / "drafter")
     raw = json.loads((PAIR2 / "drafter" / "config.json").read_text())
@@ -181,10 +182,10 @@ def test_dflash2_configs():
 
 
 def test_dflash2_names_and_prompt_sets():
-    from dflash_quant.loading import HUB_ID, resolve
+    from dflash_quant.loading.drafter import HUB_ID, resolve
+    from dflash_quant.loading.runtime import default_target
     from dflash_quant.prompts import load_prompts
     from dflash_quant.reference import pair_dir
-    from dflash_quant.runtime import default_target
 
     assert pair_dir("reference-dflash2").resolve() == PAIR2.resolve()
     assert resolve("reference-dflash2").path.resolve() == (PAIR2 / "drafter").resolve()
@@ -208,9 +209,9 @@ def _rows2(name: str) -> list[dict]:
 @pytest.mark.slow
 def test_dflash2_pair_lossless_and_tau():
     """The shipped DFlash2 pair through the real loop (selector drafting, hybrid target restored and replayed)."""
-    from dflash_quant.decode import speculative_generate, target_generate
-    from dflash_quant.model2 import DFlash2Drafter
-    from dflash_quant.runtime import default_prompt_spec, encode_prompts, load_pair
+    from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, load_pair
+    from dflash_quant.models.model2 import DFlash2Drafter
+    from dflash_quant.speculative.decode import speculative_generate, target_generate
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     drafter, target = load_pair("reference-dflash2", None, torch.device("cpu"), torch.float32)
@@ -235,14 +236,15 @@ def test_dflash2_training_smoke(tmp_path):
     import subprocess
     import sys
 
-    from dflash_quant.loading import check_pair, load_drafter, load_target
-    from dflash_quant.model2 import DFlash2Drafter
+    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import check_pair
+    from dflash_quant.models.model2 import DFlash2Drafter
 
     out = tmp_path / "pair2"
     cmd = [
         sys.executable,
         "-m",
-        "dflash_quant.reference.train",
+        "scripts.reference_pair.train",
         "--pair",
         "dflash2",
         "--smoke",
@@ -265,7 +267,7 @@ def test_dflash2_training_smoke(tmp_path):
         "eval_prompts=2",
         "eval_new_tokens=16",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = json.loads((out / "train_log.json").read_text())
     assert log["recipe"]["pair"] == "dflash2" and log["recipe"]["selector_top_k"] == 8

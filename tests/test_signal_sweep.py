@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from dflash_quant.artifact.files import replace_atomic, write_json_atomic
-from dflash_quant.export import atomic
-from dflash_quant.export.manifest import verify_manifest, write_manifest
+from dflash_quant.artifact.manifest import verify_manifest, write_manifest
+from dflash_quant.io import atomic
 
 CALLS = [
     (os, "open"),

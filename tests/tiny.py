@@ -9,9 +9,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_quant.config import parse_draft_config
-from dflash_quant.model import DFlashDrafter
-from dflash_quant.model2 import DFlash2Drafter
+from dflash_quant.models.config import parse_draft_config
+from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.models.model2 import DFlash2Drafter
 
 WORDS = [f"w{i}" for i in range(120)]
 VOCAB = ["<unk>", "<eos>", "<|MASK|>"] + WORDS  # 123 tokens

@@ -17,7 +17,7 @@ def replace_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     Readers never see half a file and concurrent writers never share a temp file; on an error, or a signal
     under signals_raise, the temp file is removed. The file gets the umask's permissions (mkstemp: 0600).
     """
-    from dflash_quant.export.atomic import current_umask, deferred_signals
+    from dflash_quant.io.atomic import current_umask, deferred_signals
 
     path = Path(path)
     tmp: Path | None = None

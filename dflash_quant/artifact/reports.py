@@ -313,7 +313,7 @@ class CategoryTau(Record):
 
 @dataclass
 class LookupCheck(Record):
-    """The same drafter with the lookup proposer (`--lookup`; the rule per step is in dflash_quant/lookup.py)."""
+    """The same drafter with the lookup proposer (`--lookup`; the rule per step is in dflash_quant/speculative/lookup.py)."""
 
     mode: str | None = doc("`prefer` | `agree` | `extend` | `both`: which proposal a step verifies")
     min_ngram: int | None = doc("shortest suffix a match needs")

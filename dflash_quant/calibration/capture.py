@@ -18,11 +18,11 @@ from typing import cast
 
 import torch
 
-from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
-from dflash_quant.decode import speculative_generate
 from dflash_quant.errors import UsageError
-from dflash_quant.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
+from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.quantize.gptq import HessianAccumulator
+from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
+from dflash_quant.speculative.decode import speculative_generate
 
 KV_MODES = ("block", "block+context")
 

@@ -65,7 +65,7 @@ def store_key(
 ) -> dict[str, Any]:
     """The --calib-cache key (drafter weights, prompt spec, settings) plus what else the Hessians depend on."""
     from dflash_quant import __version__
-    from dflash_quant.check_cache import model_identity
+    from dflash_quant.speculative.check_cache import model_identity
 
     return {
         **key,

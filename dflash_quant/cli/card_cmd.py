@@ -19,8 +19,8 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON on stdout."),
     ) -> None:
         """Write README.md (Hub metadata, parity and memory tables, serving notes) and acceptance.png."""
-        from dflash_quant.export.manifest import has_manifest
-        from dflash_quant.export.provenance import check_provenance
+        from dflash_quant.artifact.manifest import has_manifest
+        from dflash_quant.artifact.provenance import check_provenance
         from dflash_quant.model_cards.card import CHART_NAME, write_card
         from dflash_quant.model_cards.reading import load_reports
 

@@ -23,10 +23,10 @@ def export_artifact(
     command: list[str] | None = None,
 ) -> dict:
     """Write `fmt` to `output` atomically: weights, config, the source's reports, card, fresh manifest."""
+    from dflash_quant.artifact.manifest import write_manifest
     from dflash_quant.errors import UsageError
-    from dflash_quant.export.atomic import atomic_dir
     from dflash_quant.export.convert import convert_artifact
-    from dflash_quant.export.manifest import write_manifest
+    from dflash_quant.io.atomic import atomic_dir
 
     artifact, output = Path(artifact), Path(output)
     if not artifact.is_dir():
@@ -34,7 +34,7 @@ def export_artifact(
     src, dst = artifact.resolve(), output.resolve()
     if src == dst or src in dst.parents or dst in src.parents:
         raise UsageError(f"--output {output} overlaps the source artifact {artifact}; choose a separate directory")
-    from dflash_quant.preflight import input_paths
+    from dflash_quant.pipeline.preflight import input_paths
 
     # the target (given, or the artifact's recorded one) is read for GGUF's vocabulary: never written into either
     with atomic_dir(output, overwrite, input_paths(str(artifact), target, [], None)) as tmp:

@@ -20,7 +20,7 @@ from dflash_quant.cli.common import (
     out_console,
     print_json,
 )
-from dflash_quant.int4_choice import check_int4_kernel
+from dflash_quant.kernels.int4_choice import check_int4_kernel
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -51,7 +51,7 @@ def _summary(result) -> Table:
     if tq := result.target_quantization:
         table.add_row("target weights resident", _fmt_bytes(tq.get("resident_bytes")))
         if tq.get("format"):
-            from dflash_quant.target_quant import target_quant_label  # torch: only once a table is printed
+            from dflash_quant.loading.target_quant import target_quant_label  # torch: only once a table is printed
 
             table.add_row("target quantization", target_quant_label(tq))
     if par:
@@ -215,7 +215,7 @@ def gptq(
         help="Parity check: also run both drafters with the lookup proposer and report tau with and without it.",
     ),
     lookup_mode: str = typer.Option(
-        "both", help="With --lookup: both | prefer | agree | extend (see dflash_quant/lookup.py)."
+        "both", help="With --lookup: both | prefer | agree | extend (see dflash_quant/speculative/lookup.py)."
     ),
     lookup_min_ngram: int = typer.Option(2, help="With --lookup: shortest history suffix a match needs."),
     lookup_max_ngram: int = typer.Option(4, help="With --lookup: longest history suffix searched."),
@@ -283,14 +283,15 @@ def gptq(
     mix_dev_new_tokens: int = typer.Option(64, help="Mixed precision: tokens per prompt for the tau map."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
-    from dflash_quant.export.atomic import Terminated
-    from dflash_quant.preflight import check_count, check_gptq_args, guard_run
+    from dflash_quant.errors import check_count
+    from dflash_quant.io.atomic import Terminated
+    from dflash_quant.pipeline.preflight import check_gptq_args, guard_run
 
     check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
     check_count(check_batch, "--check-batch")
     check_count(calib_batch, "--calib-batch")
     check_int4_kernel(int4_kernel)
-    from dflash_quant.devmap import check_hessian_device, make_placement
+    from dflash_quant.models.devmap import check_hessian_device, make_placement
 
     placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
     check_hessian_device(hessian_device)
@@ -322,7 +323,7 @@ def gptq(
             resolve_gpu(fit)
     look = None
     if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
-        from dflash_quant.lookup import LookupSettings
+        from dflash_quant.speculative.lookup import LookupSettings
 
         look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
         look.check()
@@ -331,9 +332,9 @@ def gptq(
         # (a --check-cache given here is an input too; the default one lies in ~/.cache)
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache, check_cache):
             from dflash_quant.calibration.store import default_dir as calib_store_dir
-            from dflash_quant.check_cache import default_dir
-            from dflash_quant.pipeline import GptqJob, run_gptq
+            from dflash_quant.pipeline.gptq import GptqJob, run_gptq
             from dflash_quant.quantize.drafter import QuantSettings
+            from dflash_quant.speculative.check_cache import default_dir
 
             quant = QuantSettings(
                 method=method,
@@ -417,7 +418,7 @@ def gptq(
         err_console.print(f"[yellow]note:[/] {note}")
     if goal is not None and goal.kind == "fit":  # the serving settings the drafter was sized for, on stderr
         from dflash_quant.artifact.reports import Provenance
-        from dflash_quant.quantize.mixed_stage import fit_line
+        from dflash_quant.pipeline.mixed_stage import fit_line
 
         prov = Provenance.read(result.output, optional=True)
         if prov is not None and prov.mixed is not None and prov.mixed.serving is not None:

@@ -44,21 +44,20 @@ def make_imatrix(
         raise UsageError(f"--output {output} exists; pass --overwrite to replace it")
     if not output.parent.is_dir():
         raise UsageError(f"the directory of --output {output} does not exist; create it first")
-    from dflash_quant.export.atomic import check_not_an_input
-    from dflash_quant.preflight import input_paths
+    from dflash_quant.io.atomic import check_not_an_input
+    from dflash_quant.pipeline.preflight import input_paths
 
     check_not_an_input(output, "--output", input_paths(drafter, target, [calib_prompts], calib_cache))
 
-    from dflash_quant.devmap import make_placement
+    from dflash_quant.models.devmap import make_placement
 
     placement = make_placement(device_map, max_memory)  # before anything loads
     from dflash_quant.calibration import cache as calib_cache_mod
     from dflash_quant.calibration.capture import capture
-    from dflash_quant.config import read_config_json
     from dflash_quant.export.gguf import pairing_problem
     from dflash_quant.export.imatrix import write_for_stats
-    from dflash_quant.loading import weights_sha256
-    from dflash_quant.runtime import (
+    from dflash_quant.loading.drafter import weights_sha256
+    from dflash_quant.loading.runtime import (
         default_prompt_spec,
         encode_prompts,
         load_pair,
@@ -66,6 +65,7 @@ def make_imatrix(
         resolve_dtype,
         stop_tokens,
     )
+    from dflash_quant.models.config import read_config_json
 
     dev = resolve_device(device)
     drafter_l, target_l = load_pair(drafter, target, dev, resolve_dtype(dtype, dev), placement)

@@ -17,7 +17,7 @@ def _check_out(out: Path, artifact: Path, baseline: Path | None) -> None:
     """--out elsewhere than the artifact's memory.json: never an input's file, never a file that is not a report."""
     import os
 
-    from dflash_quant.export.atomic import check_not_an_input, resolve_output
+    from dflash_quant.io.atomic import check_not_an_input, resolve_output
     from dflash_quant.memory.report import MEMORY_JSON, is_memory_report
 
     if resolve_output(out) == resolve_output(artifact / MEMORY_JSON):
@@ -262,7 +262,7 @@ def register(app: typer.Typer) -> None:
         dev = None if device.lower() in ("none", "") else device.lower()
         if dev not in (None, "cpu", "cuda") and not dev.startswith("cuda:"):
             raise UsageError(f"unknown --device {device!r}; use cpu, cuda or none")
-        from dflash_quant.export.manifest import has_manifest, require_intact
+        from dflash_quant.artifact.manifest import has_manifest, require_intact
         from dflash_quant.memory.report import MEMORY_JSON
 
         if has_manifest(artifact):  # an exported artifact: measure only what the export vouches for

@@ -19,8 +19,8 @@ from dflash_quant.cli.common import (
     out_console,
     print_json,
 )
-from dflash_quant.errors import UsageError
-from dflash_quant.int4_choice import check_int4_kernel
+from dflash_quant.errors import UsageError, check_count, check_temperature, check_tolerance
+from dflash_quant.kernels.int4_choice import check_int4_kernel
 
 
 def _table(summaries: list[dict], par: dict | None) -> Table:
@@ -134,7 +134,8 @@ def verify(
         help="Also run each drafter with the lookup proposer (history n-gram matches) and report both.",
     ),
     lookup_mode: str = typer.Option(
-        "both", help="Which proposal a step verifies: both | prefer | agree | extend (see dflash_quant/lookup.py)."
+        "both",
+        help="Which proposal a step verifies: both | prefer | agree | extend (see dflash_quant/speculative/lookup.py).",
     ),
     lookup_min_ngram: int = typer.Option(2, help="Shortest history suffix a lookup match needs."),
     lookup_max_ngram: int = typer.Option(4, help="Longest history suffix searched."),
@@ -150,12 +151,8 @@ def verify(
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
     import torch
 
-    from dflash_quant.loading import check_pair, load_drafter
-    from dflash_quant.lookup import LookupSettings
-    from dflash_quant.runtime import (
-        check_count,
-        check_temperature,
-        check_tolerance,
+    from dflash_quant.loading.drafter import check_pair, load_drafter
+    from dflash_quant.loading.runtime import (
         default_prompt_spec,
         encode_prompts,
         load_pair,
@@ -164,7 +161,8 @@ def verify(
         resolve_dtype,
         stop_tokens,
     )
-    from dflash_quant.verify import (
+    from dflash_quant.speculative.lookup import LookupSettings
+    from dflash_quant.speculative.verify import (
         CheckSettings,
         baseline_runs,
         by_category,
@@ -185,7 +183,7 @@ def verify(
     look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
     if look is not None:
         look.check()
-    from dflash_quant.devmap import make_placement
+    from dflash_quant.models.devmap import make_placement
 
     placement = make_placement(device_map, max_memory)
     dev = resolve_device(device)
@@ -196,7 +194,7 @@ def verify(
         other = load_drafter(compare, device=dev, dtype=dt)
         check_pair(other.config, tgt.model)
         drafters = [other, loaded]  # baseline first, like a recovery table
-    from dflash_quant.int4_linear import run_key, use_int4_kernel
+    from dflash_quant.kernels.int4_linear import run_key, use_int4_kernel
 
     kernels = {d.source.id: use_int4_kernel(d.model, d.source.path, d.quantization, int4_kernel) for d in drafters}
     block = block_size or min(d.config.block_size for d in drafters)
@@ -212,9 +210,9 @@ def verify(
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
     categories = prompt_categories(spec, num_prompts)
 
-    from dflash_quant.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
-    from dflash_quant.decode import GreedyResult, SpecResult
-    from dflash_quant.loading import weights_sha256
+    from dflash_quant.loading.drafter import weights_sha256
+    from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
+    from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
     cache = CheckCache(None if no_check_cache else (check_cache or default_dir()))
     key = check_key(target=model_identity(tgt.source.path), prompts=encoded, settings=settings, device=dev, dtype=dt)
@@ -281,7 +279,7 @@ def verify(
         "drafter_kernel": kernels[loaded.source.id],
     }
     if placement is not None:
-        from dflash_quant.devmap import device_summary
+        from dflash_quant.models.devmap import device_summary
 
         report["target_placement"] = {**placement.describe(), **(device_summary(tgt.model) or {})}
     if compare:
@@ -292,7 +290,7 @@ def verify(
     else:
         out_console.print(_table(summaries, par))
         if tgt.quantization is not None:
-            from dflash_quant.target_quant import target_quant_label
+            from dflash_quant.loading.target_quant import target_quant_label
 
             out_console.print(f"target weights: {target_quant_label(tgt.quantization.to_dict())}")
         for d in drafters:

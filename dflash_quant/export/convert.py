@@ -71,8 +71,8 @@ class GptqArtifact:
 
 def read_gptq_artifact(path: Path) -> GptqArtifact:
     """Codes, scales, zeros and g_idx of every quantized Linear of a GPTQ v1 artifact (exact, no float math)."""
-    from dflash_quant.config import read_config_json
-    from dflash_quant.loading import layer_setting, read_safetensors
+    from dflash_quant.loading.drafter import layer_setting, read_safetensors
+    from dflash_quant.models.config import read_config_json
 
     path = Path(path)
     config = read_config_json(path)
@@ -251,7 +251,7 @@ def _whole_drafter_bytes(data: dict, dst: Path, fmt: str) -> None:
 def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | None:
     """The target model directory (the GGUF vocabulary comes from its tokenizer)."""
     if target is not None:
-        from dflash_quant.loading import resolve
+        from dflash_quant.loading.drafter import resolve
 
         return resolve(str(target)).path
     rec = (provenance or {}).get("target") or {}
@@ -259,7 +259,7 @@ def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | No
         value = rec.get(key)
         if value:
             try:
-                from dflash_quant.loading import resolve
+                from dflash_quant.loading.drafter import resolve
 
                 return resolve(str(value)).path
             except DFlashQuantError:

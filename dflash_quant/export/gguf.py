@@ -112,7 +112,7 @@ def target_depth(target: Path | None, config: dict[str, Any]) -> int | None:
 def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
     """Why llama.cpp cannot run this drafter with this target (None: it can). llama.cpp taps layer *inputs*
     (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts."""
-    from dflash_quant.config import parse_draft_config
+    from dflash_quant.models.config import parse_draft_config
 
     ids = [int(i) for i in parse_draft_config(config).target_layer_ids]
     depth = target_depth(target, config)
@@ -223,7 +223,7 @@ def encode_weight(qw, requantize: bool = False) -> tuple[np.ndarray, str]:
 
 
 def _hparams(config: dict[str, Any]) -> dict[str, Any]:
-    from dflash_quant.config import parse_draft_config
+    from dflash_quant.models.config import parse_draft_config
 
     cfg = parse_draft_config(config)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

@@ -13,7 +13,7 @@ from dflash_quant import __version__
 from dflash_quant.artifact.files import write_json_atomic
 from dflash_quant.artifact.reports import Provenance, QuantReport
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
-from dflash_quant.loading import LoadedDrafter
+from dflash_quant.loading.drafter import LoadedDrafter
 from dflash_quant.quantize.drafter import QuantOutcome, QuantSettings
 
 

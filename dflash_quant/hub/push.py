@@ -6,7 +6,7 @@ manifest.json).
 
 Everything is checked before the first network call: every manifest entry is a plain relative path to a
 regular file inside the artifact with its recorded sha256 and size, no symlink exists anywhere in the
-tree and no visible file is unlisted (`dflash_quant.export.manifest`), the required files are there and
+tree and no visible file is unlisted (`dflash_quant.artifact.manifest`), the required files are there and
 provenance.json is well formed. `--force` never overrides these; it only overrides a missing, unreadable
 or failed parity gate (parity.json). The bytes uploaded are the bytes hashed: a file up to
 IN_MEMORY_LIMIT is read once into memory while hashing; a larger one is uploaded from a descriptor opened
@@ -38,10 +38,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_quant import __version__
+from dflash_quant.artifact.manifest import (
+    MANIFEST,
+    REEXPORT,
+    VerifiedFile,
+    check_artifact_files,
+    parse_files,
+    summarize,
+)
+from dflash_quant.artifact.provenance import provenance_problem
 from dflash_quant.artifact.reports import Manifest, Parity
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.manifest import MANIFEST, REEXPORT, VerifiedFile, check_artifact_files, parse_files, summarize
-from dflash_quant.export.provenance import provenance_problem
 
 # parity.json is required too, but its absence is a parity-gate problem (--force overrides it).
 REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "README.md", MANIFEST)

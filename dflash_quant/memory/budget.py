@@ -40,7 +40,7 @@ Two engines are modelled:
     - gpu_memory_utilization: vLLM's default 0.90.
     This engine's activation/overhead terms are *not* validated by this project (no vLLM on the test GPU).
 
-``reference`` (this project's batch-1 loop, `dflash_quant.decode.speculative_generate` with HF models)
+``reference`` (this project's batch-1 loop, `dflash_quant.speculative.decode.speculative_generate` with HF models)
     - what the H200 benchmark measures (`benchmarks/bench_memory.py`);
     - caches: DynamicCache, no paging; recurrent state one slot;
     - drafter weights: what the loader holds, i.e. bf16 even for an int4 artifact (it dequantizes on load);
@@ -206,8 +206,8 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
 
 def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool) -> None:
     """The config's layer count against the weights beside it (headers only), like the loader does."""
-    from dflash_quant.config_check import check_layers_present
     from dflash_quant.memory.weights import read_header
+    from dflash_quant.models.config_check import check_layers_present
 
     if root is None:
         return

@@ -279,7 +279,7 @@ def parse_shape(src: str | Path | dict, source: str = "config") -> ModelShape:
 
     The count fields are checked by config_check (the same checks the loader applies); a DFlash drafter's
     block size and taps come from config_check.draft_fields, the one reading of a drafter config."""
-    from dflash_quant.config_check import check_model_fields, draft_fields, positive_int
+    from dflash_quant.models.config_check import check_model_fields, draft_fields, positive_int
 
     if not isinstance(src, dict) and source == "config":
         source = str(src)

@@ -26,7 +26,7 @@ def measure_resident(artifact: Path, device: str) -> dict[str, Any]:
     """
     import torch
 
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -127,8 +127,8 @@ def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = N
     Into an artifact with a manifest: its recorded files are checked first (a mismatch is refused) and
     only memory.json's entry is updated; weights are never re-hashed into the manifest here.
     """
-    from dflash_quant.export.atomic import signals_raise
-    from dflash_quant.export.manifest import has_manifest, record_files, require_intact, updating
+    from dflash_quant.artifact.manifest import has_manifest, record_files, require_intact, updating
+    from dflash_quant.io.atomic import signals_raise
 
     own = Path(artifact) / MEMORY_JSON
     target = Path(out) if out else own

@@ -117,7 +117,7 @@ def _check_offsets(header: dict, data_bytes: int) -> None:
 
 
 def weight_files(root: Path) -> list[Path]:
-    from dflash_quant.loading import weight_files as model_weight_files
+    from dflash_quant.loading.drafter import weight_files as model_weight_files
 
     return model_weight_files(Path(root), required=False)
 

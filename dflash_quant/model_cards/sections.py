@@ -46,7 +46,7 @@ def section_summary(ctx: dict) -> str:
         )
     tq = dig(prov, "target_quantization")
     if isinstance(tq, dict) and tq.get("format"):
-        from dflash_quant.target_quant import target_quant_label
+        from dflash_quant.loading.target_quant import target_quant_label
 
         lines.append(f"- **Target quantization (calibrated and checked against this form):** {target_quant_label(tq)}")
     lines.append(

@@ -137,7 +137,7 @@ def load_prompts(spec: str | Path) -> list[Prompt]:
         if not path.is_file():
             raise UsageError(
                 f"the reference pair's prompt file {path} is missing; build the reference pair first "
-                "(dflash_quant.reference.train) or pass builtin / a prompt file"
+                "(scripts/reference_pair/train.py) or pass builtin / a prompt file"
             )
         prompts = _read_jsonl(path, default_split=split)
     else:

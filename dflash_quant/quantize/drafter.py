@@ -15,7 +15,7 @@ from torch import nn
 
 from dflash_quant.calibration.capture import CalibrationStats, input_group, replay_capture
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.model import DFlashDrafter
+from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.gptq import GPTQFallbackWarning, HessianAccumulator, relative_output_error
 from dflash_quant.quantize.gptq_batched import gptq_quantize_groups
 from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec

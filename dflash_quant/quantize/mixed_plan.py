@@ -274,7 +274,7 @@ def measure_points(
     loss, tokens/steps per prompt) on the dev prompts; `lengths_out` receives the bf16 drafter's acceptance
     lengths (for tau at fewer tokens, `--fit`)."""
     from dflash_quant.quantize.drafter import quantize_drafter
-    from dflash_quant.verify import spec_runs
+    from dflash_quant.speculative.verify import spec_runs
 
     def tau(m, label: str) -> tuple[float, dict[str, list[int]]]:
         runs = spec_runs(m, target_model, dev_ids, check, progress(f"mix: tau map, {label}", len(dev_ids)))

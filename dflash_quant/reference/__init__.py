@@ -1,4 +1,4 @@
-"""The shipped reference pairs (trained by dflash_quant.reference.train): `reference`, a Qwen3 target with a
+"""The shipped reference pairs (trained by scripts/reference_pair/train.py): `reference`, a Qwen3 target with a
 DFlash (v1) drafter, and `reference-dflash2`, a hybrid Qwen3.5 target (linear- and full-attention layers) with
 a DFlash2 drafter.
 

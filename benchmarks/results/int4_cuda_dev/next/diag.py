@@ -11,7 +11,7 @@ import faulthandler, sys, torch
 faulthandler.enable()
 from pathlib import Path
 sys.path.insert(0, ".")
-from dflash_quant.int4_cuda import CudaWeights, build
+from dflash_quant.kernels.int4_cuda import CudaWeights, build
 ext = build(Path(sys.argv[1]), "diag")
 variant = int(sys.argv[2])
 g = torch.Generator().manual_seed(0)

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
-from dflash_quant.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.model import DFlashDrafter
-from dflash_quant.model2 import build_drafter
+from dflash_quant.models.config import DFlashDraftConfig, parse_draft_config, read_config_json
+from dflash_quant.models.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
+from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.models.model2 import build_drafter
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "tokenizer*", "*.jinja"]
@@ -368,7 +368,7 @@ def load_target(
         raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
     weight_files(source.path)  # refuse pickle-only targets before transformers looks
     check_target_config(source, raw)
-    from dflash_quant.target_quant import load_quantized_target
+    from dflash_quant.loading.target_quant import load_quantized_target
 
     method = str((raw.get("quantization_config") or {}).get("quant_method") or "").lower()
     quantization = None
@@ -383,7 +383,7 @@ def load_target(
     else:
         place: dict[str, Any] = {}
         if placement is not None:
-            from dflash_quant.devmap import check_placement, load_kwargs
+            from dflash_quant.models.devmap import check_placement, load_kwargs
 
             check_placement(source.path, placement, dtype, source.id)
             place = load_kwargs(placement)
@@ -401,7 +401,7 @@ def load_target(
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    from dflash_quant.target_quant import describe
+    from dflash_quant.loading.target_quant import describe
 
     return LoadedTarget(model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization))
 

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from dflash_quant.config import DFlashDraftConfig
+from dflash_quant.models.config import DFlashDraftConfig
 
 
 @dataclass

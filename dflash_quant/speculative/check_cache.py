@@ -21,8 +21,8 @@ import torch
 
 from dflash_quant import __version__
 from dflash_quant.artifact.files import replace_atomic
-from dflash_quant.decode import GreedyResult, SpecResult
-from dflash_quant.loading import weight_files, weights_sha256
+from dflash_quant.loading.drafter import weight_files, weights_sha256
+from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
 
 def default_dir() -> Path:

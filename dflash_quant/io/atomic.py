@@ -25,7 +25,7 @@ from typing import Any
 
 from dflash_quant.errors import UsageError
 
-MANIFEST = "manifest.json"  # the name dflash_quant.export.manifest writes; only read here
+MANIFEST = "manifest.json"  # the name dflash_quant.artifact.manifest writes; only read here
 # Signals whose default action would kill us mid-write; Ctrl-C (SIGINT) already raises KeyboardInterrupt.
 TERMINATING = tuple(
     getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n)

@@ -69,8 +69,8 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     elif goal.kind == "fit":
         fit_opts = _fit_options(goal, target, drafter, table, candidates, rest, least)
     # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
-    from dflash_quant.runtime import stop_tokens
-    from dflash_quant.verify import CheckSettings
+    from dflash_quant.loading.runtime import stop_tokens
+    from dflash_quant.speculative.verify import CheckSettings
 
     dev_ids = calib_ids[: goal.dev_prompts]
     ckey = {
@@ -113,7 +113,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
 
             def measure_k(k: int) -> float:
                 """bf16 tau on the dev prompts drafting K tokens ([bonus, K masks], as vLLM does), cached."""
-                from dflash_quant.verify import spec_runs
+                from dflash_quant.speculative.verify import spec_runs
 
                 got = curve.setdefault("bf16_tau_by_block", {})
                 if str(k + 1) not in got:

@@ -14,19 +14,16 @@ import torch
 
 from dflash_quant import __version__
 from dflash_quant.artifact.files import portable_path
+from dflash_quant.artifact.manifest import write_manifest
 from dflash_quant.artifact.reports import Calibration, Parity, Provenance, Quantization, QuantReport
 from dflash_quant.artifact.sources import portable_command, prompt_label, source_ref
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats, capture
 from dflash_quant.errors import UsageError
-from dflash_quant.export.atomic import staging
-from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
-from dflash_quant.loading import load_drafter, weights_sha256
-from dflash_quant.lookup import LookupSettings
-from dflash_quant.preflight import guard_run
-from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
-from dflash_quant.runtime import (
+from dflash_quant.io.atomic import staging
+from dflash_quant.loading.drafter import load_drafter, weights_sha256
+from dflash_quant.loading.runtime import (
     default_prompt_spec,
     encode_prompts,
     load_pair,
@@ -35,7 +32,10 @@ from dflash_quant.runtime import (
     resolve_dtype,
     stop_tokens,
 )
-from dflash_quant.verify import (
+from dflash_quant.pipeline.preflight import guard_run
+from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
+from dflash_quant.speculative.lookup import LookupSettings
+from dflash_quant.speculative.verify import (
     TIMED_PROMPTS,
     CheckSettings,
     baseline_runs,
@@ -82,7 +82,7 @@ class GptqJob:
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
     lookup: LookupSettings | None = None  # parity check: also run both drafters with the lookup proposer
-    int4_kernel: str = "dequant"  # parity check: how a 4-bit drafter runs on CUDA (dflash_quant.int4_linear)
+    int4_kernel: str = "dequant"  # parity check: how a 4-bit drafter runs on CUDA (dflash_quant.kernels.int4_linear)
     gguf_type: str | None = (
         None  # a pure llama.cpp type or a mix (kmix.MIXES): GPTQ directly on its grids (format gguf)
     )
@@ -384,8 +384,8 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     t0 = time.perf_counter()
     drafter, target = load_pair(job.drafter, job.target, device, dtype, job.placement)
     if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
-        from dflash_quant.config import read_config_json
         from dflash_quant.export.gguf import pairing_problem
+        from dflash_quant.models.config import read_config_json
 
         if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
             raise UsageError(problem)
@@ -419,7 +419,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
 
     mix = None
     if job.mixed is not None:
-        from dflash_quant.quantize.mixed_stage import plan_mix
+        from dflash_quant.pipeline.mixed_stage import plan_mix
 
         t = time.perf_counter()
         mix = plan_mix(
@@ -470,7 +470,7 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     source = source_ref(drafter.source, drafter_sha)
     target_ref = source_ref(target.source, target_sha)
     if job.placement is not None:
-        from dflash_quant.devmap import device_summary
+        from dflash_quant.models.devmap import device_summary
 
         placed = device_summary(target.model) or {}
         calib_info["target_placement"] = {
@@ -545,7 +545,7 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
     base = load_drafter(job.drafter, device=device, dtype=dtype)
     quant = load_drafter(artifact, device=device, dtype=dtype)
-    from dflash_quant.int4_linear import use_int4_kernel
+    from dflash_quant.kernels.int4_linear import use_int4_kernel
 
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
@@ -561,8 +561,8 @@ def _parity(job, source_id, artifact: Path, target, spec, eval_ids, device, dtyp
     )
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
-    from dflash_quant.check_cache import CheckCache, cached_runs, check_key, model_identity
-    from dflash_quant.decode import GreedyResult, SpecResult
+    from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
+    from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
     cache = CheckCache(job.check_cache)
     tkey = check_key(

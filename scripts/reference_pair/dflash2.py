@@ -1,5 +1,5 @@
 """The parts of the reference training recipe that belong to the second pair: a hybrid target and a DFlash2
-drafter with its candidate selector (used by dflash_quant.reference.train with ``--pair dflash2``).
+drafter with its candidate selector (used by scripts/reference_pair/train.py with ``--pair dflash2``).
 
 Target: ``Qwen3_5ForCausalLM`` (text only) whose ``layer_types`` mix Gated DeltaNet linear-attention layers
 with full-attention layers, trained exactly like the first pair's Qwen3 target.

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.atomic import atomic_dir
+from dflash_quant.io.atomic import atomic_dir
 from dflash_quant.quantize.grid import QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
 
@@ -44,7 +44,7 @@ def _config(spec: QuantSpec) -> dict[str, Any]:
 def write_int4_target(src: Path, dst: Path, spec: QuantSpec, overwrite: bool = False) -> dict[str, int]:
     """Write `dst` (config, packed safetensors, tokenizer); returns {quantized, dense} tensor counts."""
     from dflash_quant.export.compressed_tensors import pack_weight
-    from dflash_quant.loading import read_config_json, read_safetensors
+    from dflash_quant.loading.drafter import read_config_json, read_safetensors
 
     raw = read_config_json(src / "config.json")
     if raw.get("quantization_config"):

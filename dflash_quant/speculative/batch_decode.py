@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from dflash_quant.decode import SpecResult, _taps
-from dflash_quant.model import DFlashDrafter, DraftCache
-from dflash_quant.model2 import DFlash2Drafter
-from dflash_quant.target_cache import cache_kw, make_cache
+from dflash_quant.models.model import DFlashDrafter, DraftCache
+from dflash_quant.models.model2 import DFlash2Drafter
+from dflash_quant.speculative.decode import SpecResult, _taps
+from dflash_quant.speculative.target_cache import cache_kw, make_cache
 
 INVALID = 1 << 40  # position of a slot no query may see (rejected draft, padding)
 

@@ -218,7 +218,7 @@ class TargetCache:
         if not self.stateful or final:
             self._crop(rejected)
             return
-        from dflash_quant.devmap import input_device
+        from dflash_quant.models.devmap import input_device
 
         device = input_device(self.target, ids.device)  # a split target takes its ids on its embedding's device
         t0 = _sync(device)

@@ -8,7 +8,8 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from dflash_quant.config_check import (  # noqa: F401  (re-exported: one config model for the drafter)
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.models.config_check import (  # noqa: F401  (re-exported: one config model for the drafter)
     DFLASH2_KEYS,
     DFLASH_KEYS,
     REQUIRED_KEYS,
@@ -16,7 +17,6 @@ from dflash_quant.config_check import (  # noqa: F401  (re-exported: one config 
     draft_fields,
     require_object,
 )
-from dflash_quant.errors import DFlashQuantError
 
 DFLASH_ARCH, DFLASH2_ARCH = "DFlashDraftModel", "DFlash2DraftModel"
 

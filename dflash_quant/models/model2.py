@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_quant.config import DFlashDraftConfig
-from dflash_quant.model import DFlashDecoderLayer, DFlashDrafter
+from dflash_quant.models.config import DFlashDraftConfig
+from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter
 
 
 def grouped_causal_conv(

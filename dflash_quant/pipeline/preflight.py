@@ -6,13 +6,12 @@ Kept free of torch/transformers imports so the CLI can refuse a bad --output or 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.atomic import check_writable_dir, guard_output
+from dflash_quant.errors import DFlashQuantError, UsageError, check_count, check_tolerance
+from dflash_quant.io.atomic import check_writable_dir, guard_output
 
 KV_MODES = ("block", "block+context")  # calibration.capture.KV_MODES, repeated here to stay free of torch
 
@@ -83,21 +82,6 @@ def guard_run(
     inputs = input_paths(drafter, target, prompt_specs, calib_cache, check_cache)
     with guard_output(output, overwrite, inputs) as final:
         yield final
-
-
-def check_count(value: int | None, option: str) -> None:
-    if value is not None and value < 1:
-        raise UsageError(f"{option} must be at least 1 (got {value})")
-
-
-def check_tolerance(value: float) -> None:
-    if not 0 <= value < 1:  # 1 would pass any drafter; NaN compares false everywhere
-        raise UsageError(f"--tolerance must be in [0, 1) (got {value}); 0.03 allows a 3 % lower tau")
-
-
-def check_temperature(value: float) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise UsageError(f"--temperature must be a finite number >= 0 (got {value}); use 0 for greedy")
 
 
 def check_gptq_args(num_prompts: int | None, eval_num_prompts: int | None, tolerance: float, kv_hessian: str) -> None:

@@ -1,10 +1,10 @@
 """Train the reference target + DFlash drafter pair from scratch, reproducibly, in one command.
 
-    python -m dflash_quant.reference.train --out DIR [--pair dflash|dflash2] [--device cuda] [--corpus DIR] [--smoke]
+    python -m scripts.reference_pair.train --out DIR [--pair dflash|dflash2] [--device cuda] [--corpus DIR] [--smoke]
 
 Steps (all seeded):
 1. corpus: Python standard-library sources (``--corpus`` or the running interpreter's), split into train /
-   held-out files by a hash of the relative path (dflash_quant.reference.corpus);
+   held-out files by a hash of the relative path (scripts/reference_pair/corpus.py);
 2. tokenizer: byte-level BPE (the ``tokenizers`` library) on the train split, with ``<|endoftext|>``
    (document separator, eos) and ``<|MASK|>`` (the drafter's mask token) as special tokens;
 3. target: a small Qwen3ForCausalLM (tied embeddings) trained on the train split, next-token loss;
@@ -27,7 +27,7 @@ new pair, copy DIR's contents into dflash_quant/reference/pair/ (keep its README
 ``--pair dflash2`` trains the second pair (dflash_quant/reference/dflash2_pair/) with the same steps: a hybrid
 Qwen3_5ForCausalLM target (Gated DeltaNet linear-attention and full-attention layers) on the first pair's
 tokenizer, and a DFlash2 drafter (grouped dynamic causal convolutions, candidate selector) trained with the
-DFlash loss plus the selector loss of dflash_quant.reference.dflash2; its acceptance check drafts through
+DFlash loss plus the selector loss of scripts/reference_pair/dflash2.py; its acceptance check drafts through
 the selector's greedy walk, as the decode loop does.
 """
 
@@ -47,7 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash_quant.reference.corpus import Document, default_corpus_dir, load_corpus, split_corpus
+from dflash_quant.reference import PACKAGE_DIR
+from scripts.reference_pair.corpus import Document, default_corpus_dir, load_corpus, split_corpus
 
 EOS = "<|endoftext|>"
 MASK = "<|MASK|>"
@@ -261,7 +262,7 @@ def save_tokenizer(tok, out: Path, max_len: int) -> None:
 
 def target_config(r: Recipe, eos_id: int):
     if r.target_layer_types:
-        from dflash_quant.reference.dflash2 import hybrid_target_config
+        from scripts.reference_pair.dflash2 import hybrid_target_config
 
         return hybrid_target_config(r, eos_id)
     from transformers import Qwen3Config
@@ -327,7 +328,7 @@ def eval_target(model, val: torch.Tensor, device: torch.device) -> float:
 
 
 def train_target(r: Recipe, train: torch.Tensor, heldout: torch.Tensor, eos_id: int, device: torch.device, log: Log):
-    from dflash_quant.reference.dflash2 import target_class
+    from scripts.reference_pair.dflash2 import target_class
 
     torch.manual_seed(r.seed + 1)
     model = target_class(r)(target_config(r, eos_id)).to(device)
@@ -455,7 +456,7 @@ def target_taps(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor
 
 
 def drafter_config(r: Recipe, mask_id: int):
-    from dflash_quant.config import parse_draft_config
+    from dflash_quant.models.config import parse_draft_config
 
     raw: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
@@ -480,7 +481,7 @@ def drafter_config(r: Recipe, mask_id: int):
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(r.target_layer_ids)},
     }
     if r.conv_kernel_size:
-        from dflash_quant.reference.dflash2 import drafter_extra_config
+        from scripts.reference_pair.dflash2 import drafter_extra_config
 
         top, nested = drafter_extra_config(r)
         raw.update(top)
@@ -547,7 +548,7 @@ def drafter_loss(drafter, target, seqs, anchors, sizes, r: Recipe, mask_id: int,
     loss = (ce * w).sum() / w.sum()
     correct = (logits.argmax(-1) == labels) & valid
     if r.conv_kernel_size:
-        from dflash_quant.reference.dflash2 import selector_loss
+        from scripts.reference_pair.dflash2 import selector_loss
 
         with autocast(device):
             sel, chosen_ok = selector_loss(drafter.candidate_selector, hidden, logits, inputs[:, :, 0], labels, w)
@@ -563,7 +564,7 @@ def sample_anchors(n: int, lo: int, hi: int, k: int, gen: torch.Generator) -> to
 
 
 def train_drafter(r: Recipe, target, seqs: torch.Tensor, mask_id: int, device: torch.device, log: Log):
-    from dflash_quant.model2 import build_drafter
+    from dflash_quant.models.model2 import build_drafter
 
     torch.manual_seed(r.seed + 5)
     config = drafter_config(r, mask_id)
@@ -627,7 +628,7 @@ def replay_tau(drafter, target, full: torch.Tensor, n: int, mask_id: int, device
 
     Greedy DFlash decoding commits the target's greedy continuation, so the loop's anchors are known once
     that continuation is; the drafter's block at anchor p sees the target taps of positions < p, exactly as
-    in the loop. Mirrors dflash_quant.decode.speculative_generate (and the official dflash_generate): blocks
+    in the loop. Mirrors dflash_quant.speculative.decode.speculative_generate (and the official dflash_generate): blocks
     shrink to min(B, max_len - start) rows near the end, and the step accounting is clipped there.
     """
     B = drafter.block_size
@@ -648,7 +649,7 @@ def replay_tau(drafter, target, full: torch.Tensor, n: int, mask_id: int, device
     hidden = hidden.view(1, A, B, -1)[:, :, 1:]
     logits = drafter.compute_logits(hidden, target.get_output_embeddings())
     if v2:  # DFlash2 drafts through the selector's greedy walk from each anchor
-        from dflash_quant.reference.dflash2 import select_blocks
+        from scripts.reference_pair.dflash2 import select_blocks
 
         draft = select_blocks(drafter, hidden[0], logits[0], inputs[0, :, 0])[None]
     else:
@@ -775,7 +776,7 @@ def run(args: argparse.Namespace) -> dict:
             tok_path = Path(args.reuse_target) / "target" / "tokenizer.json"
         else:
             assert r.tokenizer_file is not None  # the branch condition
-            tok_path = Path(__file__).resolve().parent / r.tokenizer_file
+            tok_path = PACKAGE_DIR / r.tokenizer_file
         tok = Tokenizer.from_file(str(tok_path))
         log(f"tokenizer: reused {tok_path}")
     else:
@@ -801,7 +802,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"prompts: {len(calib)} calibration (train split), {len(held)} held-out")
 
     if args.reuse_target:
-        from dflash_quant.reference.dflash2 import target_class
+        from scripts.reference_pair.dflash2 import target_class
 
         target = target_class(r).from_pretrained(Path(args.reuse_target) / "target", dtype=torch.float32).to(device)
         target.eval().requires_grad_(False)
@@ -837,7 +838,7 @@ def run(args: argparse.Namespace) -> dict:
         **res,
     )
 
-    from dflash_quant.reference.sensitivity import rtn_quantize_drafter
+    from scripts.reference_pair.sensitivity import rtn_quantize_drafter
 
     q = rtn_quantize_drafter(drafter, bits=2, group_size=128, names=drafter.linear_names())
     res2 = evaluate(q, target, conts, mask_id, device, r.block_size)

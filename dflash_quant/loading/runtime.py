@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.loading import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
-from dflash_quant.preflight import check_count, check_temperature, check_tolerance  # noqa: F401  (used by the CLI)
+from dflash_quant.errors import DFlashQuantError, UsageError, check_count
+from dflash_quant.loading.drafter import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
 
 DTYPES = {
     "float32": torch.float32,
@@ -94,7 +93,7 @@ def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype, placement: Any = None
 ) -> tuple[LoadedDrafter, LoadedTarget]:
     """The drafter on `device`; the target there too, or split by `placement` (devmap.Placement)."""
-    from dflash_quant.loading import read_draft_config, resolve
+    from dflash_quant.loading.drafter import read_draft_config, resolve
 
     read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype, placement=placement)

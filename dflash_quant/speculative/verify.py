@@ -9,9 +9,15 @@ from typing import Any
 
 import torch
 
-from dflash_quant.decode import GreedyResult, SpecResult, speculative_generate, target_check, target_generate
-from dflash_quant.lookup import LookupSettings
-from dflash_quant.model import DFlashDrafter
+from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.speculative.decode import (
+    GreedyResult,
+    SpecResult,
+    speculative_generate,
+    target_check,
+    target_generate,
+)
+from dflash_quant.speculative.lookup import LookupSettings
 
 
 @dataclass
@@ -21,7 +27,7 @@ class CheckSettings:
     block_size: int | None = None
     seed: int = 0
     stop_token_ids: list[int] | None = None
-    lookup: LookupSettings | None = None  # also propose from each request's history (dflash_quant.lookup)
+    lookup: LookupSettings | None = None  # also propose from each request's history (dflash_quant.speculative.lookup)
     # speculative runs decoded as rows of one batch (batch_decode) where the pair allows it; 1 = one by one
     batch: int = 1
 
@@ -33,7 +39,7 @@ def baseline_runs(
     progress: Callable[[], None] | None = None,
 ) -> list[GreedyResult]:
     """Target-only greedy decoding of every prompt (the lossless reference and the speed baseline)."""
-    from dflash_quant.devmap import input_device
+    from dflash_quant.models.devmap import input_device
 
     device = input_device(target, torch.device("cpu"))
     runs = []
@@ -92,7 +98,7 @@ def spec_runs(
     """The speculative run of every prompt. With settings.batch > 1 (and a pair batch_decode takes), the first
     `timed` prompts still run one by one (their times are the speed measurement, as comparable with the
     target-only baseline's as before) and the others as batches of settings.batch rows (same results)."""
-    from dflash_quant.batch_decode import batched_speculative_generate, unbatchable
+    from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 
     batched = settings.batch > 1 and unbatchable(drafter, target, settings.temperature, settings.lookup) is None
     alone = prompts[:timed] if batched else prompts

@@ -1,10 +1,10 @@
 """A quantized drafter kept in int4 on CUDA: its GPTQ Linears run through an int4 matmul kernel.
 
 Kernels (chosen by `--int4-kernel`, `auto` picks the first that runs here, in KERNEL_ORDER):
-- cuda:     ours (dflash_quant/int4_cuda.cu), CUDA C++ built on first use; codes pre-shuffled at load into the
+- cuda:     ours (dflash_quant/kernels/int4_cuda.cu), CUDA C++ built on first use; codes pre-shuffled at load into the
             tensor-core operand order, each group's x (q - z) summed in fp32 and scaled once, so no weight is
             rounded (closer to the fp32 dequantized matmul than the bf16 dequantized path).
-- triton:   ours (dflash_quant/int4_triton.py), split-K on GPTQ v1's own qweight layout with fp16 scales as
+- triton:   ours (dflash_quant/kernels/int4_triton.py), split-K on GPTQ v1's own qweight layout with fp16 scales as
             stored; its dequantized tile equals the bf16 weight of the dequantized path bit for bit, so only
             the summation order differs from it.
 - tinygemm: torch's `_weight_int4pack_mm`; scales and zeros held in bf16, inputs a multiple of 128 wide.
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_quant import int4_cuda
 from dflash_quant.errors import UsageError
-from dflash_quant.int4_choice import KERNEL_ORDER, check_int4_kernel
+from dflash_quant.kernels import int4_cuda
+from dflash_quant.kernels.int4_choice import KERNEL_ORDER, check_int4_kernel
 
 MAX_KERNEL_ROWS = 64  # our Triton kernel takes up to 64 rows per launch; more rows go through a bf16 GEMM
 DEQUANTIZING = ("cuda", "triton")  # kernels whose Int4Linear rebuilds its bf16 weight (Int4QKV needs it)
@@ -134,7 +134,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales", codes.scales.to(torch.float16).contiguous())
             self.register_buffer("zeros", codes.zeros.to(torch.float16).contiguous())
         elif kernel == "tinygemm":
-            from dflash_quant.target_quant import tinygemm_pack
+            from dflash_quant.loading.target_quant import tinygemm_pack
 
             scale = codes.scales.float()
             zero = (8 - codes.zeros.float()) * scale  # tinygemm decodes (u - 8) * scale + zero
@@ -162,7 +162,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "cuda":
             return int4_cuda.module().w4_dequant(self.qweight, self.scales, self.zeros, self.group_size)
         if self.kernel == "triton":
-            from dflash_quant.int4_triton import dequantize_t
+            from dflash_quant.kernels.int4_triton import dequantize_t
 
             return dequantize_t(self.qweight, self.scales, self.zeros, self.group_size).T
         raise NotImplementedError(f"the {self.kernel} kernel's layout is not rebuilt in bf16 here")
@@ -183,12 +183,12 @@ class Int4Linear(nn.Module):
                 self._cuda_variant,
             )
         elif self.kernel == "triton":
-            from dflash_quant.int4_triton import w4a16_matmul
+            from dflash_quant.kernels.int4_triton import w4a16_matmul
 
             if flat.shape[0] <= MAX_KERNEL_ROWS:
                 y = w4a16_matmul(flat, self.qweight, self.scales, self.zeros, self.group_size)
             else:  # a prompt's worth of rows: compute-bound, so rebuild the bf16 weight once and use cuBLAS
-                from dflash_quant.int4_triton import dequantize_t
+                from dflash_quant.kernels.int4_triton import dequantize_t
 
                 y = flat @ dequantize_t(self.qweight, self.scales, self.zeros, self.group_size)
         elif self.kernel == "tinygemm":
@@ -203,7 +203,7 @@ class Int4Linear(nn.Module):
 def gptq_codes(path: Path, qcfg: dict[str, Any]) -> dict[str, tuple[Int4Codes, torch.Tensor | None]]:
     """Every GPTQ v1 Linear of a drafter directory: name (without `model.`) -> (codes, bias)."""
     from dflash_quant.export.gptq_v1 import decode_gptq_v1
-    from dflash_quant.loading import read_safetensors
+    from dflash_quant.loading.drafter import read_safetensors
 
     tensors = read_safetensors(path)
     bits, group = int(qcfg["bits"]), int(qcfg["group_size"])

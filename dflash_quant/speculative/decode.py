@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash_quant.lookup import Lookup, LookupSettings, join_proposals, point_mass, two_row_step
-from dflash_quant.model import DFlashDrafter, DraftCache
-from dflash_quant.target_cache import TargetCache, cache_kw, make_cache
+from dflash_quant.models.model import DFlashDrafter, DraftCache
+from dflash_quant.speculative.lookup import Lookup, LookupSettings, join_proposals, point_mass, two_row_step
+from dflash_quant.speculative.target_cache import TargetCache, cache_kw, make_cache
 
 
 @dataclass
@@ -32,7 +32,7 @@ class SpecResult:
     replay_forwards: int = 0
     replayed_tokens: int = 0
     replay_seconds: float = 0.0
-    # Lookup (dflash_quant.lookup): per step, how many of the `drafted` positions came from the drafter (the
+    # Lookup (dflash_quant.speculative.lookup): per step, how many of the `drafted` positions came from the drafter (the
     # rest, after them, from the lookup), and the time of the history searches (inside `seconds`).
     drafter_drafts: list[int] = field(default_factory=list)
     lookup_seconds: float = 0.0
@@ -135,11 +135,11 @@ def speculative_generate(
     """Generate up to max_new_tokens with the drafter proposing blocks and the target verifying them.
 
     on_step(dict) is called after each verify with the step's tensors (calibration uses it).
-    lookup: also propose from the request's own history (dflash_quant.lookup documents the rule per step).
+    lookup: also propose from the request's own history (dflash_quant.speculative.lookup documents the rule per step).
     input_ids live on the drafter's device; a target split by a device_map (devmap) gets its inputs on its
     embedding's device, and its taps and picked tokens come back to the drafter's.
     """
-    from dflash_quant.devmap import input_device
+    from dflash_quant.models.devmap import input_device
 
     device = input_ids.device
     t_dev = input_device(target, device)

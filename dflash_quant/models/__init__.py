@@ -1,0 +1,1 @@
+"""The drafter models (DFlash, DFlash2), their config and its checks, and where a model's parts are placed."""
