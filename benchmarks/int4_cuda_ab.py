@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_scaling import graph_us, per_launch_us, random_weights  # noqa: E402
 
-from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels.int4_cuda import build, module  # noqa: E402
 
 # (name, out, in, GEMMs of this shape in a step)

@@ -25,7 +25,7 @@ from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 from int4_load_probe import rotate_copies  # noqa: E402
 
-from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels import int4_cuda  # noqa: E402
 
 ROWS = 16

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels.int4_cuda import CudaWeights, matmul  # noqa: E402
 
 ROWS, LAUNCHES, REPLAYS = 16, 20, 15

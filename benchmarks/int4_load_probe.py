@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_cuda_ab import SHAPES  # noqa: E402
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 
-from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels.int4_cuda import module  # noqa: E402
 
 ROWS = 16

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
 from int4_load_probe import rotate_copies  # noqa: E402
 
-from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels import int4_cuda  # noqa: E402
 
 H, KV, BLOCK = 4096, 1024, 16

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_quant.calibration.capture import input_group
-from dflash_quant.export.gguf import gguf_name
+from dflash_quant.io.gguf_names import gguf_name
 from dflash_quant.quantize.kmix import tensor_types
 from dflash_quant.quantize.kquant import GRIDS, gptq_kquant, relative_error
 

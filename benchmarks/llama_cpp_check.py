@@ -152,7 +152,7 @@ def gptq_v1_f32(w: Path, bits: int, group: int) -> Path:
 
     from safetensors.torch import save_file
 
-    from dflash_quant.export.convert import read_gptq_artifact
+    from dflash_quant.export.gptq_v1 import read_gptq_artifact
 
     art = read_gptq_artifact(art_dir)
     state = {k: v.float().contiguous() for k, v in art.dense.items()}
@@ -447,7 +447,7 @@ def layer_errors(w: Path, out: Path) -> None:
     from safetensors.torch import load_file
 
     from dflash_quant.calibration.capture import input_group
-    from dflash_quant.export.gguf import hf_name
+    from dflash_quant.io.gguf_names import hf_name
     from dflash_quant.quantize.kquant import relative_error
 
     hess = load_file(str(w / "calib" / "hessians.safetensors"))

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from dflash_quant.export.int4_target import write_int4_target
-from dflash_quant.loading.drafter import resolve
+from dflash_quant.io.source import resolve
 from dflash_quant.quantize.grid import QuantSpec
 
 

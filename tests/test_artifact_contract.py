@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from dflash_quant.artifact import docgen
-from dflash_quant.artifact.files import portable_path
 from dflash_quant.artifact.reports import (
     REPORT_FILES,
     Check,
@@ -20,10 +19,10 @@ from dflash_quant.artifact.reports import (
     Parity,
     Provenance,
 )
-from dflash_quant.artifact.sources import portable_command, source_ref
+from dflash_quant.artifact.sources import portable_command, portable_path, source_ref
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.loading.drafter import Source, resolve
-from dflash_quant.memory.weights import read_header
+from dflash_quant.io.source import Source, resolve
+from dflash_quant.io.weights import read_header
 from dflash_quant.reference import PACKAGE_DIR, pair_dir
 
 

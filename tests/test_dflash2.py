@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.loading.drafter import check_pair
+from dflash_quant.models.checks import check_pair
 from dflash_quant.models.config import parse_draft_config
 from dflash_quant.models.model2 import DFlash2Drafter, grouped_causal_conv
 from dflash_quant.speculative.decode import speculative_generate

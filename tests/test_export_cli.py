@@ -68,7 +68,7 @@ def test_export_loads_to_the_same_weights(arts, fmt):
 
 
 def test_gguf_matches_llama_cpp_converter_layout(arts):
-    from dflash_quant.export import gguf as gg
+    from dflash_quant.io import gguf as gg
 
     out = arts["root"] / "vllm-gguf"
     assert export(arts["g32-vllm"], "gguf", out).returncode == 0

@@ -10,6 +10,9 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export import compressed_tensors as ct
 from dflash_quant.export import gguf as gg
 from dflash_quant.export import mlx as mx_codec
+from dflash_quant.io import gguf_names
+from dflash_quant.io.compressed_tensors import read_compressed_tensors
+from dflash_quant.io.mlx import dequantize_affine
 
 gguf = pytest.importorskip("gguf")
 
@@ -58,7 +61,7 @@ def test_compressed_tensors_reads_back_the_gptq_weight(bits, sym, group, act):
         "ignore": [],
     }
     tensors = {f"{qw.name}.{k}": v for k, v in state.items()}
-    got = ct.read_compressed_tensors(tensors, qcfg)[f"{qw.name}.weight"]
+    got = read_compressed_tensors(tensors, qcfg)[f"{qw.name}.weight"]
     assert torch.equal(got, want)  # fp32: bit for bit
 
 
@@ -159,9 +162,9 @@ def test_gguf_names_roundtrip():
         "layers.1.self_attn.k_norm.weight",
         "layers.0.input_layernorm.weight",
     ]:
-        assert gg.hf_name(gg.gguf_name(hf)) == hf
-    assert gg.gguf_name("layers.2.self_attn.o_proj.weight") == "blk.2.attn_output.weight"
-    assert gg.gguf_name("hidden_norm.weight") == "enc.output_norm.weight"
+        assert gguf_names.hf_name(gguf_names.gguf_name(hf)) == hf
+    assert gguf_names.gguf_name("layers.2.self_attn.o_proj.weight") == "blk.2.attn_output.weight"
+    assert gguf_names.gguf_name("hidden_norm.weight") == "enc.output_norm.weight"
 
 
 # ------------------------------------------------------------------ MLX
@@ -174,14 +177,14 @@ def test_mlx_symmetric_is_exact(bits, group):
     t = mx_codec.pack_weight(qw)
     assert t["weight"].shape == (qw.out_features, qw.in_features * bits // 32)
     assert t["scales"].shape == t["biases"].shape == (qw.out_features, qw.in_features // group)
-    got = mx_codec.dequantize_affine(t["weight"], t["scales"], t["biases"], bits, group)
+    got = dequantize_affine(t["weight"], t["scales"], t["biases"], bits, group)
     assert torch.equal(got, qw.dequantize())
 
 
 def test_mlx_asymmetric_within_bias_rounding_and_4bit_word_layout():
     qw = _random_qw(4, False, 64, "none", seed=9)
     t = mx_codec.pack_weight(qw)
-    got = mx_codec.dequantize_affine(t["weight"], t["scales"], t["biases"], 4, 64)
+    got = dequantize_affine(t["weight"], t["scales"], t["biases"], 4, 64)
     b = -(qw.scales * qw.zeros.float()).T.repeat_interleave(64, dim=1)
     assert torch.all((got - qw.dequantize()).abs() <= _fp16_ulp(b) / 2 + got.abs() * 2**-23)
     word = int(t["weight"].view(torch.int32)[0, 0]) & 0xFFFFFFFF

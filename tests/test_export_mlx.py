@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from dflash_quant.export.convert import convert_artifact, read_gptq_artifact
+from dflash_quant.export.convert import convert_artifact
+from dflash_quant.export.gptq_v1 import read_gptq_artifact
 from dflash_quant.pipeline import GptqJob, run_gptq
 from dflash_quant.quantize.drafter import QuantSettings
 

@@ -18,8 +18,10 @@ gguf = pytest.importorskip("gguf")
 
 from dflash_quant.calibration.capture import CalibrationStats, input_group  # noqa: E402
 from dflash_quant.errors import UsageError  # noqa: E402
-from dflash_quant.export.gguf import gguf_name, pairing_problem, read_gguf  # noqa: E402
+from dflash_quant.export.gguf import encode_kquant, pairing_problem  # noqa: E402
 from dflash_quant.export.imatrix import read_imatrix, write_for_stats  # noqa: E402
+from dflash_quant.io.gguf import read_gguf  # noqa: E402
+from dflash_quant.io.gguf_names import gguf_name  # noqa: E402
 from dflash_quant.quantize.gptq import HessianAccumulator  # noqa: E402
 from dflash_quant.quantize.kmix import MIXES, tensor_types  # noqa: E402
 from dflash_quant.quantize.kquant import GRIDS, gptq_kquant, relative_error, rtn_kquant  # noqa: E402
@@ -43,7 +45,7 @@ def test_grid_tensors_decode_through_gguf_py_exactly(kind):
     W, H = _problem()
     grid = GRIDS[kind]
     for qw in (gptq_kquant(W, H, grid), gptq_kquant(W, H, grid, scale_search=2), rtn_kquant(W, grid, H.diagonal())):
-        data = qw.pack()
+        data = encode_kquant(qw)
         assert data.shape == (W.shape[0], W.shape[1] // grid.block * grid.bytes_per_block)
         theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).astype(np.float32)
         ours = qw.dequantize().numpy()
@@ -242,8 +244,8 @@ def test_gguf_type_needs_format_gguf(tmp_path):
 @pytest.mark.parametrize("kind", ["Q4_K_M", "Q3_K_S", "Q2_K", "IQ3_XXS", "IQ2_XS"])
 def test_llama_quantize_accepts_the_imatrix(tmp_path, kind):
     """llama-quantize --imatrix loads our file and uses it for every tensor (IQ2/IQ3 refuse to run without one)."""
-    from dflash_quant.export.convert import GptqArtifact
     from dflash_quant.export.gguf import write_gguf
+    from dflash_quant.export.gptq_v1 import GptqArtifact
     from dflash_quant.loading import load_drafter
 
     names = load_drafter(str(PAIR / "drafter")).model.linear_names()
@@ -280,8 +282,8 @@ def test_mix_types_equal_llama_quantize_choice(tmp_path):
     """For every mix, llama-quantize (no --pure) puts each drafter tensor on the type tensor_types says."""
     import json
 
-    from dflash_quant.export.convert import GptqArtifact
     from dflash_quant.export.gguf import write_gguf
+    from dflash_quant.export.gptq_v1 import GptqArtifact
     from dflash_quant.loading import load_drafter
     from dflash_quant.quantize.kmix import LLAMA_QUANTIZE_NAME
 

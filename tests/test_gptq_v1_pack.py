@@ -2,14 +2,8 @@ import pytest
 import torch
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.gptq_v1 import (
-    _pack_dim0,
-    _unpack_dim0,
-    gptq_quantization_config,
-    marlin_problems,
-    pack_gptq_v1,
-    unpack_gptq_v1,
-)
+from dflash_quant.export.gptq_v1 import gptq_quantization_config, marlin_problems, pack_gptq_v1
+from dflash_quant.io.gptq_v1 import pack_dim0, unpack_dim0, unpack_gptq_v1
 from dflash_quant.quantize import HessianAccumulator, QuantizedWeight, QuantSpec, gptq_quantize, rtn_quantize
 
 
@@ -91,7 +85,7 @@ def test_symmetric_qzeros_other_bits(bits, word):
 
 def test_4bit_packing_lowest_bits_first():
     codes = torch.arange(16).reshape(16, 1) % 16  # input i has code i
-    words = _pack_dim0(codes, 4)
+    words = pack_dim0(codes, 4)
     assert words.shape == (2, 1)
     assert int(words[0, 0]) & 0xFFFFFFFF == 0x76543210
     assert int(words[1, 0]) & 0xFFFFFFFF == 0xFEDCBA98
@@ -101,14 +95,14 @@ def test_3bit_layout_straddles_words_like_gptqmodel():
     # value 10 sits at bits 30..32: low 2 bits end word 0, its top bit starts word 1; value 21 at bits 63..65
     v = torch.zeros(32, 1, dtype=torch.int64)
     v[10] = 0b111
-    w = _pack_dim0(v, 3).to(torch.int64) & 0xFFFFFFFF
+    w = pack_dim0(v, 3).to(torch.int64) & 0xFFFFFFFF
     assert [int(x) for x in w[:, 0]] == [0b11 << 30, 0b1, 0]
     v = torch.zeros(32, 1, dtype=torch.int64)
     v[21] = 0b111
-    w = _pack_dim0(v, 3).to(torch.int64) & 0xFFFFFFFF
+    w = pack_dim0(v, 3).to(torch.int64) & 0xFFFFFFFF
     assert [int(x) for x in w[:, 0]] == [0, 1 << 31, 0b11]
     rnd = torch.randint(0, 8, (96, 5))
-    assert torch.equal(_unpack_dim0(_pack_dim0(rnd, 3), 3), rnd)
+    assert torch.equal(unpack_dim0(pack_dim0(rnd, 3), 3), rnd)
 
 
 def test_pack_rejects_unpackable_shapes_and_zero_point_0():

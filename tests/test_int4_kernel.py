@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from dflash_quant.errors import UsageError
-from dflash_quant.export.gptq_v1 import decode_gptq_v1, pack_gptq_v1
+from dflash_quant.export.gptq_v1 import pack_gptq_v1
+from dflash_quant.io.gptq_v1 import decode_gptq_v1
 from dflash_quant.kernels.int4_linear import (
     MAX_KERNEL_ROWS,
     Int4Codes,
@@ -189,11 +190,11 @@ def test_triton_kernel_in_the_interpreter(group, sym, act_order, rows, block_n, 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and triton (run locally, see module doc)")
 @pytest.mark.parametrize("group,sym,act_order", [(32, False, False), (128, True, True), (64, False, True)])
 def test_dequant_kernel_rebuilds_the_bf16_weight_bit_for_bit(group, sym, act_order):
-    from dflash_quant.export.gptq_v1 import _pack_dim0
+    from dflash_quant.io.gptq_v1 import pack_dim0
     from dflash_quant.kernels.int4_triton import dequantize_t
 
     c, _ = _codes(_quantized(80, 256, group, sym, act_order, seed=3), group).in_order()
-    qweight = _pack_dim0(c.codes.T, 4)
+    qweight = pack_dim0(c.codes.T, 4)
     got = dequantize_t(qweight, c.scales.to(torch.float16), c.zeros.to(torch.float16), group)
     assert torch.equal(got, c.dequantize().to(torch.bfloat16).T)
     broken = qweight.clone()

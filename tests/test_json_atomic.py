@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_quant.artifact.files import write_json_atomic
+from dflash_quant.io.atomic import write_json_atomic
 
 
 def test_a_symlink_at_the_path_is_replaced_and_its_target_left_alone(tmp_path):
@@ -66,7 +66,7 @@ def test_a_signal_mid_write_keeps_the_old_file(tmp_path, sig):
     code = f"""
 import json, os, signal
 from pathlib import Path
-from dflash_quant.artifact import files
+from dflash_quant.io import atomic as files
 def dumps(*a, **k):
     os.kill(os.getpid(), {int(sig)})
     raise SystemExit("not reached")

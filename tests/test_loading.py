@@ -8,7 +8,7 @@ from tiny import save_drafter, save_target
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.loading.drafter import check_pair
+from dflash_quant.models.checks import check_pair
 
 
 def test_both_key_layouts_load_to_the_same_weights(tmp_path):
@@ -127,7 +127,7 @@ def test_sharded_index_loads(tmp_path):
 def test_index_shard_outside_the_model_dir_is_not_read(tmp_path, monkeypatch, shard):
     import builtins
 
-    import dflash_quant.loading.drafter as loading
+    import dflash_quant.io.weights as loading
 
     path = save_drafter(tmp_path / "m" / "d")
     if shard == "ABSOLUTE":

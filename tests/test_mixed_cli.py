@@ -11,8 +11,8 @@ import torch
 from tiny import save_drafter, save_pair_with_prompts
 
 from dflash_quant.errors import UsageError
+from dflash_quant.export.gptq_dynamic import layer_setting
 from dflash_quant.loading import load_drafter
-from dflash_quant.loading.drafter import layer_setting
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.quantize.grid import QuantSpec
@@ -248,7 +248,7 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
         assert "/".join(map(str, layer_setting(qcfg, name))) == setting
     loaded = load_drafter(art, device="cpu", dtype=torch.float32)  # what verify loads
     tensors = load_file(art / "model.safetensors")
-    from dflash_quant.export.gptq_v1 import unpack_gptq_v1
+    from dflash_quant.io.gptq_v1 import unpack_gptq_v1
 
     for name, setting in picked.items():
         bits, group = map(int, setting.split("/"))

@@ -5,7 +5,8 @@ import torch
 from tiny import save_drafter
 
 from dflash_quant.calibration.capture import CalibrationStats, input_group
-from dflash_quant.export.gptq_v1 import pack_gptq_v1, unpack_gptq_v1
+from dflash_quant.export.gptq_v1 import pack_gptq_v1
+from dflash_quant.io.gptq_v1 import unpack_gptq_v1
 from dflash_quant.loading import load_drafter
 from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
 from dflash_quant.quantize.gptq import HessianAccumulator, gptq_quantize

@@ -61,7 +61,7 @@ def test_configs_parse():
 @pytest.fixture(scope="module")
 def pair():
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.loading.drafter import check_pair
+    from dflash_quant.models.checks import check_pair
 
     drafter = load_drafter("reference")
     target = load_target("reference/target")
@@ -182,7 +182,7 @@ def test_dflash2_configs():
 
 
 def test_dflash2_names_and_prompt_sets():
-    from dflash_quant.loading.drafter import HUB_ID, resolve
+    from dflash_quant.io.source import HUB_ID, resolve
     from dflash_quant.loading.runtime import default_target
     from dflash_quant.prompts import load_prompts
     from dflash_quant.reference import pair_dir
@@ -237,7 +237,7 @@ def test_dflash2_training_smoke(tmp_path):
     import sys
 
     from dflash_quant.loading import load_drafter, load_target
-    from dflash_quant.loading.drafter import check_pair
+    from dflash_quant.models.checks import check_pair
     from dflash_quant.models.model2 import DFlash2Drafter
 
     out = tmp_path / "pair2"

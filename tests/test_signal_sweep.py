@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_quant.artifact.files import replace_atomic, write_json_atomic
 from dflash_quant.artifact.manifest import verify_manifest, write_manifest
 from dflash_quant.io import atomic
+from dflash_quant.io.atomic import replace_atomic, write_json_atomic
 
 CALLS = [
     (os, "open"),

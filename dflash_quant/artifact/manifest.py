@@ -24,9 +24,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from dflash_quant.artifact.files import sha256_file, sha256_fileobj  # noqa: F401 (sha256_file re-exported)
 from dflash_quant.artifact.reports import Manifest
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.weights import sha256_file, sha256_fileobj  # noqa: F401 (sha256_file re-exported)
 
 MANIFEST = Manifest.FILE
 REEXPORT = "re-export the artifact with `dflash-quant gptq`"

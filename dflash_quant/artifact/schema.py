@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.atomic import loads_json, read_json, write_json_atomic
 
 
 def doc(text: str, *, required: bool = False, default: Any = None, factory: Any = None, omit_none: bool = False) -> Any:
@@ -170,25 +171,12 @@ class ReportFile(Record):
     @classmethod
     def load_json(cls, directory: Path) -> tuple[Any, str | None]:
         """(parsed JSON, None) or (None, why not): the only place these files are parsed."""
-        path = Path(directory) / cls.FILE
-        if not path.exists():
-            return None, "is missing"
-        if path.is_symlink() or not path.is_file():
-            return None, "is not a regular file"
-        try:
-            return cls.loads(path.read_bytes())
-        except OSError as exc:
-            return None, f"cannot be read ({exc.__class__.__name__})"
+        return read_json(Path(directory) / cls.FILE)
 
     @classmethod
     def loads(cls, raw: bytes) -> tuple[Any, str | None]:
         """(parsed JSON, None) or (None, why not) for bytes already read (push hashes what it parses)."""
-        import json
-
-        try:
-            return json.loads(raw.decode("utf-8")), None
-        except (UnicodeDecodeError, ValueError) as exc:
-            return None, f"is not valid JSON ({exc.__class__.__name__})"
+        return loads_json(raw)
 
     @classmethod
     def problem(cls, directory: Path) -> tuple[Any, str | None]:
@@ -212,6 +200,4 @@ class ReportFile(Record):
         return report
 
     def write(self, directory: Path) -> Path:
-        from dflash_quant.artifact.files import write_json_atomic
-
         return write_json_atomic(Path(directory) / self.FILE, self.to_dict())

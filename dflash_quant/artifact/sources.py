@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from dflash_quant.artifact.files import portable_path
 from dflash_quant.artifact.reports import SourceRef
+from dflash_quant.reference import parse_shipped, shipped_id, shipped_name
 
 _CACHE_REPO = re.compile(r"^models--([^/]+?)--(.+)$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def portable_path(path: str | Path, cwd: Path | None = None) -> str:
+    """How a local path is recorded in an artifact: relative to the working directory when inside it,
+    otherwise only its last component. Never an absolute path of the machine that wrote it."""
+    cwd = Path(cwd or os.getcwd()).resolve()
+    p = Path(os.path.expanduser(str(path)))
+    real = (p if p.is_absolute() else cwd / p).resolve()
+    if real.is_relative_to(cwd):
+        rel = real.relative_to(cwd).as_posix()
+        return rel or "."
+    return real.name or "."
 
 
 def hub_snapshot(path: Path) -> tuple[str, str] | None:
@@ -22,9 +35,7 @@ def hub_snapshot(path: Path) -> tuple[str, str] | None:
 
 
 def source_ref(source, sha256: str | None = None, cwd: Path | None = None) -> SourceRef:
-    """The record of a loading.Source; never an absolute path of this machine."""
-    from dflash_quant.reference import shipped_name
-
+    """The record of an io.source.Source; never an absolute path of this machine."""
     if source.kind == "shipped":
         return SourceRef(id=shipped_name(source.path) or source.id, kind="shipped", sha256=sha256)
     snap = hub_snapshot(source.path)
@@ -38,8 +49,6 @@ def source_ref(source, sha256: str | None = None, cwd: Path | None = None) -> So
 
 def model_label(spec: str | Path, cwd: Path | None = None) -> str:
     """A model argument as written into a report: shipped name, Hub id or preset kept, local paths made portable."""
-    from dflash_quant.reference import parse_shipped, shipped_id, shipped_name
-
     text = str(spec)
     parsed = parse_shipped(text)
     if parsed:

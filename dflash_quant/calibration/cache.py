@@ -10,10 +10,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_quant.artifact.files import replace_atomic, write_json_atomic
 from dflash_quant.calibration.capture import CalibrationStats, DraftCall
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.io.atomic import check_writable_dir
+from dflash_quant.io.atomic import check_writable_dir, replace_atomic, write_json_atomic
 from dflash_quant.quantize.gptq import HessianAccumulator
 
 STATS = "hessians.safetensors"

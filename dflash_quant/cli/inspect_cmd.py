@@ -11,7 +11,9 @@ from dflash_quant.cli.common import handle_errors, out_console, print_json
 
 
 def describe(src: str) -> dict:
-    from dflash_quant.loading.drafter import read_draft_config, read_safetensors, resolve
+    from dflash_quant.io.source import resolve
+    from dflash_quant.io.weights import read_safetensors
+    from dflash_quant.loading.drafter import read_draft_config
     from dflash_quant.memory.weights import module_of
 
     source = resolve(src)

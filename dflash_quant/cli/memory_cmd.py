@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import typer
@@ -247,6 +248,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Weight bytes by module and dtype, disk bytes, bf16 comparison, resident memory, context KV per token."""
         from dflash_quant.errors import DFlashQuantError
+        from dflash_quant.loading.drafter import measure_resident
         from dflash_quant.memory.report import build_memory_report, write_memory_json
 
         if not artifact.is_dir():
@@ -286,7 +288,8 @@ def register(app: typer.Typer) -> None:
                 settings,
             )
         err_console.print(f"measuring {artifact} ...", highlight=False)
-        rep = build_memory_report(artifact, baseline=baseline, device=dev, budget_24gb=budget)
+        measure = functools.partial(measure_resident, artifact, dev) if dev else None
+        rep = build_memory_report(artifact, baseline=baseline, resident=measure, budget_24gb=budget)
         if not no_write:
             path = write_memory_json(rep, artifact, out)
             err_console.print(f"wrote {path}", highlight=False)

@@ -151,7 +151,7 @@ def verify(
     # torch/transformers load here, not at start-up, so --help and usage errors stay fast.
     import torch
 
-    from dflash_quant.loading.drafter import check_pair, load_drafter
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import (
         default_prompt_spec,
         encode_prompts,
@@ -161,6 +161,7 @@ def verify(
         resolve_dtype,
         stop_tokens,
     )
+    from dflash_quant.models.checks import check_pair
     from dflash_quant.speculative.lookup import LookupSettings
     from dflash_quant.speculative.verify import (
         CheckSettings,
@@ -210,7 +211,7 @@ def verify(
     encoded = encode_prompts(tgt, spec, num_prompts, chat_template, max_new_tokens)
     categories = prompt_categories(spec, num_prompts)
 
-    from dflash_quant.loading.drafter import weights_sha256
+    from dflash_quant.io.weights import weights_sha256
     from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
     from dflash_quant.speculative.decode import GreedyResult, SpecResult
 

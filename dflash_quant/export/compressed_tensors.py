@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from dflash_quant import __version__
-from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.errors import UsageError
+from dflash_quant.io.compressed_tensors import FORMAT, pack_tensors
+from dflash_quant.quantize.grid import columns_in_order
 
-FORMAT = "pack-quantized"
 ACT_ORDER_PROBLEM = (
     "compressed-tensors >= 0.20 removed group act-order (a column permutation in weight_g_idx); "
     "quantize with `gptq --no-desc-act` or `--desc-act --static-groups`"
@@ -47,12 +48,6 @@ def _groups(art) -> dict[tuple[int, int], list[str]]:
     for name, qw in art.quantized.items():
         out.setdefault((qw.spec.bits, qw.spec.group_size), []).append(name)
     return out or {(art.bits, art.group_size): []}
-
-
-def _in_order(qw) -> bool:
-    from dflash_quant.export.convert import columns_in_order
-
-    return columns_in_order(qw)
 
 
 LINEAR_SUFFIXES = (
@@ -135,22 +130,8 @@ def quantization_config(art) -> dict[str, Any]:
 
 def pack_weight(qw) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors of one quantized Linear."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    bits = qw.spec.bits
-    offset = 1 << (bits - 1)
-    x_q = (qw.codes.to(torch.int16) - offset).to(torch.int8)
-    out = {
-        "weight_packed": pack_to_int32(x_q, bits),
-        "weight_scale": qw.scales.T.contiguous().to(torch.float16),  # [out, groups]
-        "weight_shape": torch.tensor([qw.out_features, qw.in_features], dtype=torch.int64),
-    }
-    if not qw.spec.sym:
-        zp = (qw.zeros.T.to(torch.int16) - offset).to(torch.int8).contiguous()  # [out, groups]
-        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0).contiguous()
-    elif not torch.all(qw.zeros == offset):
-        raise DFlashQuantError(f"{qw.name}: symmetric GPTQ zero points are not {offset}; re-export the artifact")
-    if not _in_order(qw):
+    out = pack_tensors(qw.codes, qw.scales, qw.zeros, qw.spec.bits, qw.spec.sym, qw.name)
+    if not columns_in_order(qw):
         raise UsageError(f"{qw.name}: {ACT_ORDER_PROBLEM}")
     return out
 
@@ -166,46 +147,3 @@ def write_compressed_tensors(dst: Path, art) -> dict[str, Any]:
         "quantized_bytes": qbytes,
         "exact": "bit-identical codes and fp16 scales (the weight is exact in fp32, fp16-rounded by fp16 readers)",
     }
-
-
-def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Dense fp32 weights through the library's own decompressor (scales upcast first: the product is exact)."""
-    from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        config = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k != "dflash_quant"})
-    except Exception as exc:  # pydantic's error is long; one line is enough here
-        raise DFlashQuantError(
-            f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})"
-        ) from exc
-    if config.format != FORMAT:
-        raise DFlashQuantError(
-            f"compressed-tensors format {config.format!r} cannot be read here; dflash-quant reads the {FORMAT} "
-            "checkpoints it writes"
-        )
-    schemes = list(config.config_groups.values())
-
-    def scheme_of(name: str):
-        if len(schemes) == 1:
-            return schemes[0]
-        for scheme in schemes:  # a mix: the group whose regex names this Linear
-            if any(t.startswith("re:") and re.match(t[3:], name) for t in scheme.targets):
-                return scheme
-        raise DFlashQuantError(f"no config group of the compressed-tensors config names {name}; re-export")
-
-    out: dict[str, torch.Tensor] = {}
-    bases = {k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")}
-    for key, value in tensors.items():
-        if key.rsplit(".", 1)[0] not in bases:
-            out[key] = value
-    for base in sorted(bases):
-        state = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == base}
-        if "weight_g_idx" in state:
-            raise DFlashQuantError(
-                f"{base} has weight_g_idx (group act-order), which compressed-tensors no longer reads"
-            )
-        state["weight_scale"] = state["weight_scale"].float()
-        weight = PackedQuantizationCompressor.decompress(state, scheme_of(base))["weight"]
-        out[f"{base}.weight"] = weight.float()
-    return out

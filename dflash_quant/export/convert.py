@@ -8,115 +8,27 @@ maps it exactly onto the format's grid or refuses, naming the `gptq` settings th
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
 from dflash_quant import __version__
-from dflash_quant.artifact.files import portable_path
 from dflash_quant.artifact.reports import MemoryReport, Parity, Provenance, QuantReport
+from dflash_quant.artifact.sources import portable_path
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.export.gptq_v1 import _unpack_dim0
-from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec
+from dflash_quant.export.compressed_tensors import grid_problem as ct_grid_problem
+from dflash_quant.export.compressed_tensors import write_compressed_tensors
+from dflash_quant.export.gguf import grid_problem as gguf_grid_problem
+from dflash_quant.export.gguf import write_gguf
+from dflash_quant.export.gptq_v1 import read_gptq_artifact
+from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
+from dflash_quant.export.mlx import write_mlx
+from dflash_quant.io.source import resolve
+from dflash_quant.io.weights import read_header
+from dflash_quant.memory.weights import bytes_by_part
 
 FORMATS = ("gptq", "compressed-tensors", "gguf", "mlx")
 REPORT_CLASSES = (Provenance, QuantReport, Parity, MemoryReport)
 GPTQ_FILES = ("model.safetensors", "quantize_config.json")
-
-
-@dataclass
-class GptqArtifact:
-    """A GPTQ v1 artifact in memory: its config, the quantized Linears as codes, everything else as stored."""
-
-    path: Path
-    config: dict[str, Any]
-    qcfg: dict[str, Any]
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def bits(self) -> int:
-        return int(self.qcfg["bits"])
-
-    @property
-    def group_size(self) -> int:
-        return int(self.qcfg["group_size"])
-
-    @property
-    def sym(self) -> bool:
-        return bool(self.qcfg.get("sym", True))
-
-    def save_packed(self, dst: Path, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]], fmt: str) -> int:
-        """model.safetensors with each quantized Linear as `pack` lays it out and the rest as stored; returns the
-        quantized tensors' bytes."""
-        tensors: dict[str, torch.Tensor] = {}
-        qbytes = 0
-        for name, qw in self.quantized.items():
-            for part, t in pack(qw).items():
-                tensors[f"{name}.{part}"] = t.contiguous()
-                qbytes += t.numel() * t.element_size()
-        for key, value in self.dense.items():
-            tensors[key] = value.contiguous()
-        save_file(
-            tensors,
-            str(dst / "model.safetensors"),
-            metadata={"format": fmt, "quantized_by": f"dflash-quant {__version__}"},
-        )
-        return qbytes
-
-
-def read_gptq_artifact(path: Path) -> GptqArtifact:
-    """Codes, scales, zeros and g_idx of every quantized Linear of a GPTQ v1 artifact (exact, no float math)."""
-    from dflash_quant.loading.drafter import layer_setting, read_safetensors
-    from dflash_quant.models.config import read_config_json
-
-    path = Path(path)
-    config = read_config_json(path)
-    qcfg = config.get("quantization_config") or {}
-    if qcfg.get("quant_method") != "gptq":
-        found = qcfg.get("quant_method") or ("mlx" if config.get("quantization") else "none: a bf16 drafter")
-        raise UsageError(
-            f"{path} is not a GPTQ v1 artifact (quant_method {found}); export converts the output of `dflash-quant gptq`"
-        )
-    tensors = read_safetensors(path)
-    bits, group = int(qcfg["bits"]), int(qcfg["group_size"])
-    spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
-    art = GptqArtifact(path=path, config=config, qcfg=qcfg)
-    bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
-    for key, value in tensors.items():
-        if key.rsplit(".", 1)[0] not in bases:
-            art.dense[key] = value
-    for base in sorted(bases):
-        try:
-            qweight, qzeros, scales, g_idx = (tensors[f"{base}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx"))
-        except KeyError as exc:
-            raise DFlashQuantError(f"quantized layer {base} lacks {exc.args[0]}; re-export the artifact") from exc
-        out_features = qweight.shape[1]
-        bits, group = layer_setting(qcfg, base)  # a mixed artifact's `dynamic` rule, else the config's
-        spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
-        codes = _unpack_dim0(qweight, bits).T.contiguous()
-        zeros = _unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1
-        art.quantized[base] = QuantizedWeight(
-            codes=codes.to(torch.uint8),
-            scales=scales.float(),
-            zeros=zeros.to(torch.int32),
-            g_idx=g_idx.to(torch.int32),
-            spec=spec,
-            desc_act=bool(qcfg.get("desc_act")),
-            static_groups=bool(qcfg.get("static_groups")),
-            name=base,
-        )
-    return art
-
-
-def columns_in_order(qw: QuantizedWeight) -> bool:
-    """True when every input column's group is column // group width (no act-order permutation)."""
-    width = qw.in_features // qw.n_groups
-    return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features) // width))
 
 
 def format_problem(
@@ -128,16 +40,10 @@ def format_problem(
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if fmt == "compressed-tensors":
-        from dflash_quant.export.compressed_tensors import grid_problem as ct_grid_problem
-
         return ct_grid_problem(desc_act)
     if fmt == "gguf":
-        from dflash_quant.export.gguf import grid_problem as gguf_grid_problem
-
         return gguf_grid_problem(bits, group_size, sym, desc_act, requantize)
     if fmt == "mlx":
-        from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
-
         return mlx_grid_problem(bits, group_size, desc_act)
     return None
 
@@ -183,18 +89,12 @@ def convert_artifact(
         for name in GPTQ_FILES:
             (dst / name).unlink(missing_ok=True)
     if fmt == "compressed-tensors":
-        from dflash_quant.export.compressed_tensors import write_compressed_tensors
-
         summary = write_compressed_tensors(dst, art)
     elif fmt == "gguf":
-        from dflash_quant.export.gguf import write_gguf
-
         summary = write_gguf(
             dst, art, target=_target_dir(target, reports.get("provenance.json")), requantize=requantize, pre=gguf_pre
         )
     else:
-        from dflash_quant.export.mlx import write_mlx
-
         summary = write_mlx(dst, art)
     for name, data in reports.items():
         if name == "provenance.json":
@@ -237,8 +137,6 @@ def _whole_drafter_bytes(data: dict, dst: Path, fmt: str) -> None:
     by_part.setdefault("gptq", by_part.get("quantized"))
     written = dst / "model.safetensors"
     if fmt in ("compressed-tensors", "mlx") and written.is_file():
-        from dflash_quant.memory.weights import bytes_by_part, read_header
-
         sizes = {n: int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for n, i in read_header(written).items()}
         data["drafter_bytes_quantized"] = sum(sizes.values())
         by_part["quantized"] = bytes_by_part(sizes)
@@ -251,16 +149,12 @@ def _whole_drafter_bytes(data: dict, dst: Path, fmt: str) -> None:
 def _target_dir(target: str | Path | None, provenance: dict | None) -> Path | None:
     """The target model directory (the GGUF vocabulary comes from its tokenizer)."""
     if target is not None:
-        from dflash_quant.loading.drafter import resolve
-
         return resolve(str(target)).path
     rec = (provenance or {}).get("target") or {}
     for key in ("path", "id"):
         value = rec.get(key)
         if value:
             try:
-                from dflash_quant.loading.drafter import resolve
-
                 return resolve(str(value)).path
             except DFlashQuantError:
                 continue

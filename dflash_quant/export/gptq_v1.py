@@ -1,128 +1,111 @@
-"""GPTQ v1 checkpoint tensors (AutoGPTQ / GPTQModel / vLLM `gptq` and `gptq_marlin`).
-
-Per quantized Linear with `out` outputs, `in` inputs and G groups:
-  qweight int32 [in*bits/32, out]  codes packed along the input dim, value i of a column at bit bits*i
-                                   of that column's little-endian word stream (3-bit values straddle words:
-                                   32 values fill exactly 3 words, GPTQModel's 10|1|10|1|10 layout);
-  qzeros  int32 [G, out*bits/32]   zero-1 per field, packed the same way along the output dim;
-  scales  fp16  [G, out];
-  g_idx   int32 [in]               group of each input column.
-"""
+"""GPTQ v1 checkpoints of quantized drafters (AutoGPTQ / GPTQModel / vLLM `gptq` and `gptq_marlin`): each
+QuantizedWeight packed by the codec (io.gptq_v1), the `quantization_config`, and vLLM's Marlin rules."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.quantize.grid import SUPPORTED_BITS, QuantizedWeight
-
-_MASK32 = (1 << 32) - 1
-
-
-def _pack_dim0(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack non-negative ints [n, m] (< 2**bits) into int32 [n*bits/32, m], value i at bit offset bits*i."""
-    n, m = values.shape
-    if (n * bits) % 32:
-        raise DFlashQuantError(f"cannot pack {n} values of {bits} bits into whole int32 words (need n*bits % 32 == 0)")
-    pad = (-n) % 32
-    v = values.to(torch.int64)
-    if pad:
-        v = torch.cat([v, v.new_zeros(pad, m)])
-    v = v.reshape(-1, 32, m)  # 32 values always fill exactly `bits` words
-    words = v.new_zeros(v.shape[0], bits, m)
-    for i in range(32):
-        word, shift = divmod(bits * i, 32)
-        words[:, word] |= (v[:, i] << shift) & _MASK32
-        if shift + bits > 32:  # the value's high bits spill into the next word
-            words[:, word + 1] |= v[:, i] >> (32 - shift)
-    words = words.reshape(-1, m)[: n * bits // 32]
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def _unpack_dim0(words: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
-    """Inverse of _pack_dim0: int32 [w, m] -> int64 [w*32/bits, m] (or the first n rows)."""
-    w, m = words.shape
-    total = w * 32 // bits
-    x = words.to(torch.int64) & _MASK32
-    pad = (-w) % bits
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, m)])
-    x = x.reshape(-1, bits, m)
-    mask = (1 << bits) - 1
-    out = x.new_empty(x.shape[0], 32, m)
-    for i in range(32):
-        word, shift = divmod(bits * i, 32)
-        val = x[:, word] >> shift
-        if shift + bits > 32:
-            val = val | (x[:, word + 1] << (32 - shift))
-        out[:, i] = val & mask
-    return out.reshape(-1, m)[: total if n is None else n]
+from dflash_quant.export.gptq_dynamic import layer_setting
+from dflash_quant.io.gptq_v1 import pack_tensors, unpack_dim0
+from dflash_quant.io.weights import read_safetensors
+from dflash_quant.models.config import read_config_json
+from dflash_quant.quantize.grid import SUPPORTED_BITS, QuantizedWeight, QuantSpec
 
 
 def pack_gptq_v1(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """The four GPTQ v1 tensors for one quantized Linear (on CPU)."""
-    bits = qw.spec.bits
-    out_features, in_features = qw.codes.shape
-    where = f"layer {qw.name!r}" if qw.name else "this layer"
-    if (in_features * bits) % 32 or (out_features * bits) % 32:
-        raise DFlashQuantError(
-            f"{where} [{out_features}, {in_features}] cannot be packed at {bits} bits: "
-            "in*bits and out*bits must be multiples of 32; keep it unquantized"
+    return pack_tensors(qw.codes, qw.zeros, qw.scales, qw.g_idx, qw.spec.bits, qw.name)
+
+
+@dataclass
+class GptqArtifact:
+    """A GPTQ v1 artifact in memory: its config, the quantized Linears as codes, everything else as stored."""
+
+    path: Path
+    config: dict[str, Any]
+    qcfg: dict[str, Any]
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def bits(self) -> int:
+        return int(self.qcfg["bits"])
+
+    @property
+    def group_size(self) -> int:
+        return int(self.qcfg["group_size"])
+
+    @property
+    def sym(self) -> bool:
+        return bool(self.qcfg.get("sym", True))
+
+    def save_packed(self, dst: Path, pack: Callable[[QuantizedWeight], dict[str, torch.Tensor]], fmt: str) -> int:
+        """model.safetensors with each quantized Linear as `pack` lays it out and the rest as stored; returns the
+        quantized tensors' bytes."""
+        tensors: dict[str, torch.Tensor] = {}
+        qbytes = 0
+        for name, qw in self.quantized.items():
+            for part, t in pack(qw).items():
+                tensors[f"{name}.{part}"] = t.contiguous()
+                qbytes += t.numel() * t.element_size()
+        for key, value in self.dense.items():
+            tensors[key] = value.contiguous()
+        save_file(
+            tensors,
+            str(dst / "model.safetensors"),
+            metadata={"format": fmt, "quantized_by": f"dflash-quant {__version__}"},
         )
-    zeros = qw.zeros.to(torch.int64).cpu()
-    if torch.any(zeros < 1) or torch.any(zeros > qw.spec.maxq):
-        raise DFlashQuantError(
-            f"{where} has zero points outside [1, {qw.spec.maxq}], which GPTQ v1 (stores zero-1) cannot hold; "
-            "quantize with QuantSpec(v1_zeros=True)"
+        return qbytes
+
+
+def read_gptq_artifact(path: Path) -> GptqArtifact:
+    """Codes, scales, zeros and g_idx of every quantized Linear of a GPTQ v1 artifact (exact, no float math)."""
+
+    path = Path(path)
+    config = read_config_json(path)
+    qcfg = config.get("quantization_config") or {}
+    if qcfg.get("quant_method") != "gptq":
+        found = qcfg.get("quant_method") or ("mlx" if config.get("quantization") else "none: a bf16 drafter")
+        raise UsageError(
+            f"{path} is not a GPTQ v1 artifact (quant_method {found}); export converts the output of `dflash-quant gptq`"
         )
-    return {
-        "qweight": _pack_dim0(qw.codes.cpu().T, bits),
-        "qzeros": _pack_dim0((zeros - 1).T, bits).T.contiguous(),
-        "scales": qw.scales.cpu().to(torch.float16).contiguous(),
-        "g_idx": qw.g_idx.cpu().to(torch.int32).contiguous(),
-    }
-
-
-def unpack_gptq_v1(tensors: dict[str, torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
-    """fp32 [out, in] weight a GPTQ v1 reader (GPTQModel, vLLM's gptq) decodes from the tensors.
-
-    Each zero field is read as (stored & mask) + 1, and w = scale[g] * (q - zero[g]) with g = g_idx[i].
-    Readers compute this product in fp16; ours is the exact fp32 value (theirs equals ours rounded to fp16).
-    """
-    codes, zeros, scales, g = decode_gptq_v1(tensors, bits, group_size)
-    scale = scales.to(dtype=torch.float32)[g].T
-    zero = zeros.to(dtype=torch.float32)[g].T
-    return scale * (codes.float() - zero)
-
-
-def decode_gptq_v1(
-    tensors: dict[str, torch.Tensor], bits: int, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [out, in], zeros [G, out], scales [G, out] as stored, g_idx [in] long) of one GPTQ v1 Linear."""
-    if bits not in SUPPORTED_BITS:
-        raise UsageError(f"bits={bits} is not supported; use one of {list(SUPPORTED_BITS)}")
-    missing = [k for k in ("qweight", "qzeros", "scales") if k not in tensors]
-    if missing:
-        raise DFlashQuantError(f"GPTQ v1 tensors lack {missing}; is this a GPTQ checkpoint?")
-    qweight, qzeros, scales = tensors["qweight"], tensors["qzeros"], tensors["scales"]
-    device = qweight.device
-    in_features = qweight.shape[0] * 32 // bits
-    out_features = qweight.shape[1]
-    codes = _unpack_dim0(qweight, bits).T  # [out, in]
-    zeros = _unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1  # [G, out]
-    g_idx = tensors.get("g_idx")
-    if g_idx is None:
-        width = in_features if group_size == -1 else group_size
-        g_idx = torch.arange(in_features, device=device) // width
-    g = g_idx.to(device=device, dtype=torch.long)
-    if g.numel() != in_features or int(g.max()) >= scales.shape[0]:
-        raise DFlashQuantError(
-            f"g_idx (length {g.numel()}, max {int(g.max())}) does not fit qweight ({in_features} inputs) "
-            f"and scales ({scales.shape[0]} groups)"
+    tensors = read_safetensors(path)
+    bits, group = int(qcfg["bits"]), int(qcfg["group_size"])
+    spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
+    art = GptqArtifact(path=path, config=config, qcfg=qcfg)
+    bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
+    for key, value in tensors.items():
+        if key.rsplit(".", 1)[0] not in bases:
+            art.dense[key] = value
+    for base in sorted(bases):
+        try:
+            qweight, qzeros, scales, g_idx = (tensors[f"{base}.{p}"] for p in ("qweight", "qzeros", "scales", "g_idx"))
+        except KeyError as exc:
+            raise DFlashQuantError(f"quantized layer {base} lacks {exc.args[0]}; re-export the artifact") from exc
+        out_features = qweight.shape[1]
+        bits, group = layer_setting(qcfg, base)  # a mixed artifact's `dynamic` rule, else the config's
+        spec = QuantSpec(bits=bits, group_size=group, sym=bool(qcfg.get("sym", True)))
+        codes = unpack_dim0(qweight, bits).T.contiguous()
+        zeros = unpack_dim0(qzeros.T.contiguous(), bits, out_features).T + 1
+        art.quantized[base] = QuantizedWeight(
+            codes=codes.to(torch.uint8),
+            scales=scales.float(),
+            zeros=zeros.to(torch.int32),
+            g_idx=g_idx.to(torch.int32),
+            spec=spec,
+            desc_act=bool(qcfg.get("desc_act")),
+            static_groups=bool(qcfg.get("static_groups")),
+            name=base,
         )
-    return codes, zeros, scales.to(device), g
+    return art
 
 
 def gptq_quantization_config(

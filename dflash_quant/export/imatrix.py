@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.calibration.capture import CalibrationStats, input_group
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.export.gguf import gguf_name
+from dflash_quant.io.atomic import replace_atomic
+from dflash_quant.io.gguf_names import gguf_name
 
 FILE = "drafter.imatrix.gguf"
 

@@ -44,7 +44,8 @@ def _config(spec: QuantSpec) -> dict[str, Any]:
 def write_int4_target(src: Path, dst: Path, spec: QuantSpec, overwrite: bool = False) -> dict[str, int]:
     """Write `dst` (config, packed safetensors, tokenizer); returns {quantized, dense} tensor counts."""
     from dflash_quant.export.compressed_tensors import pack_weight
-    from dflash_quant.loading.drafter import read_config_json, read_safetensors
+    from dflash_quant.io.weights import read_safetensors
+    from dflash_quant.loading.drafter import read_config_json
 
     raw = read_config_json(src / "config.json")
     if raw.get("quantization_config"):

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_quant import __version__
-from dflash_quant.artifact.files import write_json_atomic
 from dflash_quant.artifact.reports import Provenance, QuantReport
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
-from dflash_quant.loading.drafter import LoadedDrafter
+from dflash_quant.io.atomic import write_json_atomic
+from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.drafter import QuantOutcome, QuantSettings
 
 
@@ -74,7 +74,7 @@ def quantization_config(
 
 def _tensor_bytes(path: Path) -> dict[str, int]:
     """Bytes of every tensor in the written file, from its header."""
-    from dflash_quant.memory.weights import read_header
+    from dflash_quant.io.weights import read_header
 
     return {
         name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()
@@ -96,7 +96,8 @@ def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]
 
 def export_gptq(
     out: Path,
-    source: LoadedDrafter,
+    model: DFlashDrafter,
+    raw_config: dict[str, Any],
     outcome: QuantOutcome,
     settings: QuantSettings,
     provenance: Provenance,
@@ -105,7 +106,7 @@ def export_gptq(
 ) -> dict[str, Any]:
     """Fill `out` (an empty temp dir); returns the quantization_config written."""
     out = Path(out)
-    state = {k: v.detach().cpu() for k, v in source.model.state_dict().items() if not k.startswith("rotary_emb.")}
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
     source_state = dict(state)
     tensors: dict[str, torch.Tensor] = {}
     for name, qw in outcome.weights.items():
@@ -121,9 +122,9 @@ def export_gptq(
     )
     # bf16 Linears outside the backbone (DFlash2 conv/selector, unless quantized on request) must be skipped by
     # GPTQ loaders too; base_kernel and the codebooks are not Linears, so no loader expects qweight for them
-    kept = outcome.kept + [n for n in source.model.other_linear_names() if n not in outcome.weights]
-    qcfg = quantization_config(settings, kept, source.config.num_hidden_layers, picks)
-    config = dict(source.raw_config)
+    kept = outcome.kept + [n for n in model.other_linear_names() if n not in outcome.weights]
+    qcfg = quantization_config(settings, kept, model.config.num_hidden_layers, picks)
+    config = dict(raw_config)
     config["quantization_config"] = qcfg
     config["torch_dtype"] = "bfloat16"
     write_json_atomic(out / "config.json", config)

@@ -4,6 +4,9 @@ A run writes into `.NAME.tmp-<pid>-<rand>` next to the output and publishes it w
 While it runs it holds `.NAME.lock` (fcntl.flock, so a killed run's lock is free again) so that two runs
 can never write the same output. An existing directory is only ever replaced with --overwrite, and only
 when it is a previous dflash-quant artifact (it has our manifest.json) that does not overlap an input.
+
+Single files are replaced the same way (replace_atomic, write_json_atomic: a temp file beside, one rename), and
+read_json is the one parser of the JSON files an artifact holds.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,30 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+# --- JSON files -------------------------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> tuple[Any, str | None]:
+    """(parsed JSON, None) or (None, why not) for one file, never raising; a link or a non-file is refused."""
+    path = Path(path)
+    if not path.exists():
+        return None, "is missing"
+    if path.is_symlink() or not path.is_file():
+        return None, "is not a regular file"
+    try:
+        return loads_json(path.read_bytes())
+    except OSError as exc:
+        return None, f"cannot be read ({exc.__class__.__name__})"
+
+
+def loads_json(raw: bytes) -> tuple[Any, str | None]:
+    """(parsed JSON, None) or (None, why not) for bytes already read (push hashes what it parses)."""
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, f"is not valid JSON ({exc.__class__.__name__})"
+
+
 # --- checks ---------------------------------------------------------------------------------------------
 
 
@@ -51,9 +79,7 @@ def resolve_output(path: Path | str) -> Path:
 
 def is_artifact(path: Path) -> bool:
     """True for a directory written by dflash-quant: it holds our manifest.json ({"format": 1, "files": {...}})."""
-    from dflash_quant.artifact.reports import Manifest
-
-    data, problem = Manifest.load_json(Path(path))
+    data, problem = read_json(Path(path) / MANIFEST)
     return not problem and isinstance(data, dict) and data.get("format") == 1 and isinstance(data.get("files"), dict)
 
 
@@ -246,6 +272,38 @@ def deferred_signals() -> Iterator[None]:
         if swapped:  # were this skipped by a signal, _handler outside a section raises KeyboardInterrupt too
             signal.signal(signal.SIGINT, signal.default_int_handler)
         _raise_pending()
+
+
+# --- single files -------------------------------------------------------------------------------------------
+
+
+def replace_atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """Have `write` fill a fresh hidden temp file beside `path`, then rename it over `path`.
+
+    Readers never see half a file and concurrent writers never share a temp file; on an error, or a signal
+    under signals_raise, the temp file is removed. The file gets the umask's permissions (mkstemp: 0600).
+    """
+    path = Path(path)
+    tmp: Path | None = None
+    try:
+        with deferred_signals():  # a signal between mkstemp creating the file and `tmp` naming it would leave it
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            tmp = Path(name)
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+        tmp = None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON through replace_atomic (readers never see half a file)."""
+    text = json.dumps(data, indent=2) + "\n"
+    return replace_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 # --- lock -------------------------------------------------------------------------------------------------

@@ -128,9 +128,9 @@ class Int4Linear(nn.Module):
             self._cuda_split = weights.split
             self._cuda_variant = 0  # benchmarks/gpu_int4.py tries development variants of the kernel
         elif kernel == "triton":
-            from dflash_quant.export.gptq_v1 import _pack_dim0
+            from dflash_quant.io.gptq_v1 import pack_dim0
 
-            self.register_buffer("qweight", _pack_dim0(codes.codes.T, 4))  # [in/8, out]
+            self.register_buffer("qweight", pack_dim0(codes.codes.T, 4))  # [in/8, out]
             self.register_buffer("scales", codes.scales.to(torch.float16).contiguous())
             self.register_buffer("zeros", codes.zeros.to(torch.float16).contiguous())
         elif kernel == "tinygemm":
@@ -202,8 +202,8 @@ class Int4Linear(nn.Module):
 
 def gptq_codes(path: Path, qcfg: dict[str, Any]) -> dict[str, tuple[Int4Codes, torch.Tensor | None]]:
     """Every GPTQ v1 Linear of a drafter directory: name (without `model.`) -> (codes, bias)."""
-    from dflash_quant.export.gptq_v1 import decode_gptq_v1
-    from dflash_quant.loading.drafter import read_safetensors
+    from dflash_quant.io.gptq_v1 import decode_gptq_v1
+    from dflash_quant.io.weights import read_safetensors
 
     tensors = read_safetensors(path)
     bits, group = int(qcfg["bits"]), int(qcfg["group_size"])

@@ -1,38 +1,28 @@
-"""Load drafters (bf16 or our quantized artifacts) and targets from a local dir or a Hub repo id.
-
-Safetensors only, no remote code. The pairing is validated before any compute.
-"""
+"""Load a drafter, bf16 or one of our quantized artifacts in any format (dequantized through that format's codec),
+from a local dir, a shipped pair or a Hub repo id. Safetensors or GGUF only, no remote code; the config is
+checked against the weights' headers before any model is built."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.gptq_dynamic import layer_setting
+from dflash_quant.io.compressed_tensors import read_compressed_tensors
+from dflash_quant.io.gguf import read_gguf
+from dflash_quant.io.gptq_v1 import unpack_gptq_v1
+from dflash_quant.io.mlx import read_mlx
+from dflash_quant.io.source import Source, resolve
+from dflash_quant.io.weights import confined, read_headers, read_safetensors
+from dflash_quant.models.checks import check_draft_weights
 from dflash_quant.models.config import DFlashDraftConfig, parse_draft_config, read_config_json
-from dflash_quant.models.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
+from dflash_quant.models.config_check import draft_fields
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.models.model2 import build_drafter
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.md", "tokenizer*", "*.jinja"]
-
-
-@dataclass
-class Source:
-    """Where a model came from, for provenance. kind: `hub`, `shipped` (inside dflash_quant/reference/) or `local`."""
-
-    id: str
-    path: Path
-    revision: str | None = None
-    kind: str = "local"
 
 
 @dataclass
@@ -42,176 +32,6 @@ class LoadedDrafter:
     source: Source
     quantization: dict[str, Any] | None = None  # the artifact's quantization_config, if any
     raw_config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class LoadedTarget:
-    model: torch.nn.Module
-    tokenizer: Any | None
-    source: Source
-    quantization: Any = None  # artifact.reports.TargetQuantization
-
-
-def resolve(src: str | Path, revision: str | None = None) -> Source:
-    """A local directory, the `reference` pair shortcuts, or a Hub repo id (cache; HF_HUB_OFFLINE honoured)."""
-    from dflash_quant.reference import is_shipped, pair_dir, parse_shipped, shipped_id
-
-    text = str(src)
-    shipped = parse_shipped(text)
-    if shipped:
-        name, part = shipped
-        return Source(id=shipped_id(name, part), path=pair_dir(name) / part, kind="shipped")
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return Source(id=text, path=path, revision=revision, kind="shipped" if is_shipped(path) else "local")
-    if path.exists():
-        raise DFlashQuantError(f"{path} is a file; pass the model directory that contains config.json")
-    if not HUB_ID.match(text):
-        raise DFlashQuantError(f"{text} is neither an existing directory nor a Hub repo id (ORG/NAME); check the path")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        local = snapshot_download(text, revision=revision, allow_patterns=WEIGHT_PATTERNS)
-    except RepositoryNotFoundError as exc:
-        raise DFlashQuantError(f"Hub repo {text} not found or not accessible; check the id or set HF_TOKEN") from exc
-    except LocalEntryNotFoundError as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        hint = "it is not in the local cache (HF_HUB_OFFLINE is set)" if offline else "download failed"
-        raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
-    except HfHubHTTPError as exc:
-        raise DFlashQuantError(
-            f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token"
-        ) from exc
-    return Source(id=text, path=Path(local), revision=revision, kind="hub")
-
-
-def _cache_repo(root: Path) -> Path | None:
-    """`<cache>/models--org--name` when root is one of its `snapshots/<rev>` folders (files link to ../../blobs)."""
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        return root.parent.parent
-    return None
-
-
-def confined(root: Path, name: str) -> Path:
-    """root/name, refused unless it stays inside root (or, for an HF cache snapshot, inside its repo folder)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name.startswith("/")
-        or "\\" in name
-        or "\0" in name
-        or re.match(r"^[A-Za-z]:", name)
-        or any(p in ("", ".", "..") for p in name.split("/"))
-    ):
-        raise DFlashQuantError(
-            f"{root}: file name {name!r} points outside the model directory; only plain "
-            "relative names are read (fix the index or re-download the model)"
-        )
-    real_root = Path(root).resolve()
-    allowed = _cache_repo(real_root) or real_root
-    real = (Path(root) / name).resolve()
-    if not real.is_relative_to(allowed):
-        raise DFlashQuantError(
-            f"{Path(root) / name} resolves to {real}, outside the model directory {root}; "
-            "copy the file into the model directory instead of linking to it"
-        )
-    return Path(root) / name
-
-
-def weight_files(path: Path, required: bool = True) -> list[Path]:
-    """The safetensors files of a model dir (index shards or *.safetensors); pickle-only dirs are refused.
-
-    Every file returned (and the index) stays inside the model directory: a shard named `../x` or `/x`,
-    or a symlink leading out, is refused (an HF cache snapshot's links into its own blobs/ are fine).
-    """
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        confined(path, index.name)
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
-        return [confined(path, s) for s in shards]
-    files = [confined(path, f.name) for f in sorted(path.glob("*.safetensors"))]
-    if files or not required:
-        return files
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise DFlashQuantError(
-            f"{path} holds only pickle checkpoints (.bin/.pt), which are never loaded; convert them to safetensors"
-        )
-    raise DFlashQuantError(f"no *.safetensors weights in {path}; point at a model directory")
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a model directory (shards merged), with a clear error on corrupt files."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        if not file.is_file():
-            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
-        try:
-            with safe_open(file, framework="pt") as fh:
-                for key in fh.keys():
-                    tensors[key] = fh.get_tensor(key)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise DFlashQuantError(
-                f"{file} is not a readable safetensors file ({exc}); re-download or re-export it"
-            ) from exc
-    return tensors
-
-
-def read_headers(path: Path, required: bool = True) -> dict[str, dict]:
-    """Every tensor's header entry (dtype, shape, offsets) across a model dir's files; nothing is loaded.
-
-    Each file's header is checked against its size (memory.weights.read_header)."""
-    from dflash_quant.memory.weights import read_header
-
-    out: dict[str, dict] = {}
-    for file in weight_files(path, required=required):
-        if not file.is_file():
-            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
-        out.update(read_header(file))
-    return out
-
-
-def _expected_shapes(f: DraftFields) -> dict[str, tuple[int | None, int | None]]:
-    """(out, in) of the Linears whose shapes follow from the config alone."""
-    q, kv = f.num_attention_heads * f.head_dim, f.num_key_value_heads * f.head_dim
-    h, i = f.hidden_size, f.intermediate_size
-    return {
-        "fc": (h, len(f.target_layer_ids) * h),
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-
-
-def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
-    """The drafter config against its safetensors headers, before any model is built: layer count and the
-    shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
-    names = [k[len("model.") :] if k.startswith("model.") else k for k in headers]
-    check_layers_present(fields.num_hidden_layers, names, source)
-    if not shapes:
-        return
-    stored = dict(zip(names, (h.get("shape") for h in headers.values()), strict=False))
-    for part, (n_out, n_in) in _expected_shapes(fields).items():
-        base = part if part == "fc" else f"layers.0.{part}"
-        weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
-        if weight is not None and list(weight) != [n_out, n_in]:
-            raise DFlashQuantError(
-                f"{source}: {base}.weight is {list(weight)} but config.json implies "
-                f"[{n_out}, {n_in}]; fix the config or re-download the weights"
-            )
-        if qweight is not None and (len(qweight) != 2 or qweight[1] != n_out):
-            raise DFlashQuantError(
-                f"{source}: {base}.qweight is {list(qweight)} but config.json implies "
-                f"{n_out} outputs; fix the config or re-export the artifact"
-            )
 
 
 def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig]:
@@ -228,39 +48,7 @@ def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig
     return raw, parse_draft_config(raw, source=str(file))
 
 
-def check_target_config(source: Source, raw: dict[str, Any]) -> None:
-    """A target's config.json before transformers builds it: counts are positive ints, heads split evenly,
-    and the layers it claims are in the weights (a missing layer would otherwise be initialised at random)."""
-    from dflash_quant.memory.kv import text_config
-
-    file = str(source.path / "config.json")
-    cfg = text_config(raw)
-    check_model_fields(cfg, file)
-    if cfg.get("num_hidden_layers") is not None:
-        check_layers_present(cfg["num_hidden_layers"], list(read_headers(source.path)), file, exact=False)
-
-
-def weights_sha256(path: Path) -> str:
-    """sha256 of a model's safetensors files, concatenated in index order."""
-    from dflash_quant.artifact.files import sha256_files
-
-    return sha256_files(weight_files(path))
-
-
-def layer_setting(qcfg: dict[str, Any], name: str) -> tuple[int, int]:
-    """(bits, group_size) of one Linear: the config's, or its `dynamic` override (first match wins, as in vLLM)."""
-    from dflash_quant.export.gptq_dynamic import resolve
-    from dflash_quant.quantize.mixed import Candidate
-
-    base = Candidate(int(qcfg["bits"]), int(qcfg["group_size"]))
-    got = resolve(qcfg.get("dynamic") or {}, name, base)
-    if got is None:
-        raise DFlashQuantError(f"{name} has packed GPTQ tensors but a `dynamic` rule skips it; re-export")
-    return got.bits, got.group_size
-
-
 def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from dflash_quant.export.gptq_v1 import unpack_gptq_v1
 
     out: dict[str, torch.Tensor] = {}
     bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
@@ -289,23 +77,17 @@ def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor
     qcfg = raw.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     if method == "gguf":
-        from dflash_quant.export.gguf import read_gguf
-
         return read_gguf(source.path)
     tensors = read_safetensors(source.path)
     if method == "gptq":
         return _dequantize_gptq(tensors, qcfg)
     if method == "compressed-tensors":
-        from dflash_quant.export.compressed_tensors import read_compressed_tensors
-
         return read_compressed_tensors(tensors, qcfg)
     if method is not None:
         raise DFlashQuantError(
             f"{source.id} uses quant_method={method!r}; dflash-quant loads gptq, compressed-tensors, gguf and mlx artifacts"
         )
     if isinstance(raw.get("quantization"), dict):  # MLX affine (mlx-lm's config key)
-        from dflash_quant.export.mlx import read_mlx
-
         return read_mlx(tensors, raw["quantization"])
     return tensors
 
@@ -349,105 +131,34 @@ def load_drafter(
     return LoadedDrafter(model=model, config=config, source=source, quantization=qcfg, raw_config=raw)
 
 
-def load_target(
-    src: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    revision: str | None = None,
-    placement: Any = None,
-) -> LoadedTarget:
-    """The target on `device`, or split by `placement` (a devmap.Placement, checked before weights load)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def measure_resident(artifact: Path, device: str) -> dict[str, Any]:
+    """Load the drafter with the project's loader and measure what it holds.
 
-    hf_logging.disable_progress_bar()  # our own progress goes to stderr; keep the output clean
-    hf_logging.set_verbosity_error()
-    source = resolve(src, revision)
-    raw = read_config_json(confined(source.path, "config.json"))
-    if "mask_token_id" in raw or "dflash_config" in raw:
-        raise DFlashQuantError(f"{source.id} is a DFlash drafter, not a target; pass the target model with --target")
-    weight_files(source.path)  # refuse pickle-only targets before transformers looks
-    check_target_config(source, raw)
-    from dflash_quant.loading.target_quant import load_quantized_target
-
-    method = str((raw.get("quantization_config") or {}).get("quant_method") or "").lower()
-    quantization = None
-    if method and placement is not None:
-        raise UsageError(
-            f"target {source.id} is quantized ({method}) and is loaded packed on one device; drop --device-map/--max-memory"
-        )
-    if method:
-        model, quantization = load_quantized_target(source.path, raw, source.id, dtype, device)
-        model.to(device)
-        model.eval()
+    CUDA: the allocator peak during loading (torch.cuda.max_memory_allocated minus what was allocated before)
+    and what stays allocated. CPU: bytes of the loaded parameters and buffers. The loader dequantizes GPTQ
+    tensors to bf16, so for a quantized artifact this is the bf16 form; `packed_bytes` is what an int4 kernel
+    would keep resident instead (the packed tensors, from the safetensors headers).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DFlashQuantError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        loaded = load_drafter(str(artifact), device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        held = torch.cuda.memory_allocated(dev) - before
+        out = {"device": "cuda", "bytes": int(peak), "held_bytes": int(held), "method": "allocator peak"}
+    elif dev.type == "cpu":
+        loaded = load_drafter(str(artifact), device="cpu", dtype=torch.bfloat16)
+        tensors = list(loaded.model.parameters()) + list(loaded.model.buffers())
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        out = {"device": "cpu", "bytes": int(held), "held_bytes": int(held), "method": "tensor bytes"}
     else:
-        place: dict[str, Any] = {}
-        if placement is not None:
-            from dflash_quant.models.devmap import check_placement, load_kwargs
-
-            check_placement(source.path, placement, dtype, source.id)
-            place = load_kwargs(placement)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.path, dtype=dtype, trust_remote_code=False, use_safetensors=True, **place
-            )
-        except (OSError, ValueError, KeyError) as exc:
-            raise DFlashQuantError(
-                f"cannot load target {source.id} with transformers ({exc}); it must be a causal LM"
-            ) from exc
-        if placement is None:
-            model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
-        model.eval()
-    tokenizer = None
-    if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    from dflash_quant.loading.target_quant import describe
-
-    return LoadedTarget(model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization))
-
-
-def check_pair(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
-    """Raise DFlashQuantError (one line) if the drafter cannot run on this target."""
-    tcfg: Any = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config  # type: ignore[operator]
-    t_hidden, t_layers = int(tcfg.hidden_size), int(tcfg.num_hidden_layers)
-    t_vocab = int(target.get_input_embeddings().weight.shape[0])  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
-    fc_in, want = config.num_taps * config.hidden_size, config.num_taps * t_hidden
-    if config.hidden_size != t_hidden:
-        raise DFlashQuantError(
-            f"drafter fc takes {fc_in} features but {config.num_taps} taps x target hidden {t_hidden} = {want} "
-            f"(drafter hidden {config.hidden_size}); pair the drafter with the target it was trained for"
-        )
-    bad = [i for i in config.target_layer_ids if not 0 <= i < t_layers]
-    if bad:
-        raise DFlashQuantError(
-            f"drafter taps target layers {bad} but the target has {t_layers} layers; pair it with its own target"
-        )
-    if not 0 <= config.mask_token_id < t_vocab:
-        raise DFlashQuantError(
-            f"mask_token_id {config.mask_token_id} is outside the target vocabulary ({t_vocab}); wrong target"
-        )
-    if config.block_size < 2:
-        raise DFlashQuantError(f"block_size {config.block_size} < 2; a drafter must propose at least one token")
-    if config.is_dflash2:
-        check_selector_head(config, target)
-
-
-def check_selector_head(config: DFlashDraftConfig, target: torch.nn.Module) -> None:
-    """DFlash2's selector takes the top-k of a dense target head and indexes its codebooks by token id."""
-    head = target.get_output_embeddings()  # type: ignore[operator]  # nn.Module.__getattr__ types transformers' methods as Tensor | Module
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not callable(head):
-        raise DFlashQuantError(
-            "the DFlash2 candidate selector needs a dense target lm_head (get_output_embeddings() with a 2-D weight); "
-            "this target has none"
-        )
-    head_vocab = int(weight.shape[0])
-    if int(config.vocab_size) != head_vocab:
-        raise DFlashQuantError(
-            f"DFlash2 selector codebooks cover {config.vocab_size} tokens but the target head has {head_vocab}; "
-            "pair the drafter with the target it was trained for"
-        )
-    if config.selector_top_k > head_vocab:
-        raise DFlashQuantError(
-            f"selector_top_k {config.selector_top_k} exceeds the target vocabulary ({head_vocab}); fix the config"
-        )
+        raise DFlashQuantError(f"unsupported device {device!r}; use cpu or cuda")
+    out["form"] = "dequantized bf16" if loaded.quantization else "bf16"
+    del loaded
+    return out

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from dflash_quant.errors import DFlashQuantError, UsageError, check_count
-from dflash_quant.loading.drafter import LoadedDrafter, LoadedTarget, check_pair, load_drafter, load_target
+from dflash_quant.loading.drafter import LoadedDrafter, load_drafter
+from dflash_quant.loading.target import LoadedTarget, load_target
+from dflash_quant.models.checks import check_pair
 
 DTYPES = {
     "float32": torch.float32,
@@ -93,7 +95,8 @@ def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype, placement: Any = None
 ) -> tuple[LoadedDrafter, LoadedTarget]:
     """The drafter on `device`; the target there too, or split by `placement` (devmap.Placement)."""
-    from dflash_quant.loading.drafter import read_draft_config, resolve
+    from dflash_quant.io.source import resolve
+    from dflash_quant.loading.drafter import read_draft_config
 
     read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype, placement=placement)

@@ -230,7 +230,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from dflash_quant.loading.drafter import read_safetensors
+    from dflash_quant.io.weights import read_safetensors
 
     return read_safetensors(path)
 

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.weights import weight_files
 from dflash_quant.memory.gpus import GiB, MiB, parse_bytes
 from dflash_quant.memory.kv import (
     ModelShape,
@@ -71,7 +72,6 @@ from dflash_quant.memory.weights import (
     count_params,
     priced_bytes,
     priced_drafter_parts,
-    weight_files,
     weights_from_files,
 )
 
@@ -206,12 +206,12 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
 
 def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool) -> None:
     """The config's layer count against the weights beside it (headers only), like the loader does."""
-    from dflash_quant.memory.weights import read_header
+    from dflash_quant.io.weights import read_header
     from dflash_quant.models.config_check import check_layers_present
 
     if root is None:
         return
-    names = [n for f in weight_files(root) for n in read_header(f)]
+    names = [n for f in weight_files(root, required=False) for n in read_header(f)]
     names = [n[len("model.") :] if shape.is_drafter and n.startswith("model.") else n for n in names]
     check_layers_present(shape.num_layers, names, label, exact=exact)
 
@@ -237,7 +237,7 @@ def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engin
                 f"unknown --target-weights {weights!r}; use {'|'.join(WEIGHT_FORMATS)} or a size like 17.8GB"
             ) from None
         return ModelSpec(label, shape, given, "given", "given")
-    if root is not None and weight_files(root):
+    if root is not None and weight_files(root, required=False):
         rep = weights_from_files(root)
         if rep.quantized_linears and engine == "reference":
             return ModelSpec(label, shape, rep.dequantized_bf16_bytes, "bf16", "files (dequantized on load)")
@@ -267,7 +267,7 @@ def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> Drafte
     est_bf16 = priced_bytes(pc, "bf16")
     # by part (backbone, fc, norms, DFlash2 conv / codebooks / selector projection): files where we have them
     parts_bf16, parts_int4 = priced_drafter_parts(pc, "bf16"), priced_drafter_parts(pc, "int4", group_size)
-    if root is not None and weight_files(root):
+    if root is not None and weight_files(root, required=False):
         rep = weights_from_files(root)
         if rep.quantized_linears:
             bits = int((shape.quantization or {}).get("bits", 4))

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from dflash_quant.errors import UsageError
+from dflash_quant.io.weights import weight_files
 from dflash_quant.memory.budget import (
     ACT_BYTES,
     LOGITS_COPIES,
@@ -48,7 +49,7 @@ from dflash_quant.memory.kv import (
     recurrent_state_bytes,
     text_config,
 )
-from dflash_quant.memory.weights import count_params, priced_bytes, weight_files, weights_from_files
+from dflash_quant.memory.weights import count_params, priced_bytes, weights_from_files
 
 DEFAULT_MTP_TOKENS = (1, 2, 3)
 MTP_WEIGHT_FORMATS = ("bf16", "fp16", "fp8", "int8", "int4")
@@ -112,14 +113,14 @@ def mtp_file_bytes(root) -> int:
 
 def resolve_mtp_weights(shape: ModelShape, head: MTPHead, root=None, fmt: str | None = None) -> MTPWeights:
     """From the checkpoint's `mtp.*` tensors when the files are there (unless a format is forced), else counted."""
-    found = mtp_file_bytes(root) if root is not None and weight_files(root) else 0
+    found = mtp_file_bytes(root) if root is not None and weight_files(root, required=False) else 0
     if fmt is None and found:
         return MTPWeights(found, "mtp.* tensors in the checkpoint (safetensors headers)", found)
     form = (fmt or "bf16").lower()
     if form not in MTP_WEIGHT_FORMATS:
         raise UsageError(f"unknown --mtp-weights {fmt!r}; use one of {', '.join(MTP_WEIGHT_FORMATS)}")
     why = "counted from config" if not found else "counted from config (format forced; checkpoint has mtp.*)"
-    if root is not None and weight_files(root) and not found:
+    if root is not None and weight_files(root, required=False) and not found:
         why = "counted from config: the checkpoint has no mtp.* tensors, vLLM's MTP cannot load it"
     return MTPWeights(priced_bytes(mtp_param_count(shape, head), form), f"{why} at {form}", found)
 

@@ -5,66 +5,30 @@ optionally a 24 GB budget."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dflash_quant.artifact.reports import Budget, MemoryReport
-from dflash_quant.errors import DFlashQuantError
 from dflash_quant.memory.kv import kv_per_token, parse_shape, read_config
 from dflash_quant.memory.weights import disk_bytes, weights_from_files
 
 MEMORY_JSON = MemoryReport.FILE
 
 
-def measure_resident(artifact: Path, device: str) -> dict[str, Any]:
-    """Load the drafter with the project's loader and measure what it holds.
-
-    CUDA: the allocator peak during loading (torch.cuda.max_memory_allocated minus what was allocated before)
-    and what stays allocated. CPU: bytes of the loaded parameters and buffers. The loader dequantizes GPTQ
-    tensors to bf16, so for a quantized artifact this is the bf16 form; `packed_bytes` is what an int4 kernel
-    would keep resident instead (the packed tensors, from the safetensors headers).
-    """
-    import torch
-
-    from dflash_quant.loading.drafter import load_drafter
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DFlashQuantError("--device cuda was asked for but CUDA is not available; use --device cpu")
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        loaded = load_drafter(str(artifact), device=dev, dtype=torch.bfloat16)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - before
-        held = torch.cuda.memory_allocated(dev) - before
-        out = {"device": "cuda", "bytes": int(peak), "held_bytes": int(held), "method": "allocator peak"}
-    elif dev.type == "cpu":
-        loaded = load_drafter(str(artifact), device="cpu", dtype=torch.bfloat16)
-        tensors = list(loaded.model.parameters()) + list(loaded.model.buffers())
-        held = sum(t.numel() * t.element_size() for t in tensors)
-        out = {"device": "cpu", "bytes": int(held), "held_bytes": int(held), "method": "tensor bytes"}
-    else:
-        raise DFlashQuantError(f"unsupported device {device!r}; use cpu or cuda")
-    out["form"] = "dequantized bf16" if loaded.quantization else "bf16"
-    del loaded
-    return out
-
-
 def build_memory_report(
     artifact: Path,
     *,
     baseline: Path | None = None,
-    device: str | None = "cpu",
+    resident: Callable[[], dict[str, Any]] | None = None,
     budget_24gb: Budget | None = None,
     artifact_name: str | None = None,
     baseline_name: str | None = None,
 ) -> MemoryReport:
-    """`artifact_name` / `baseline_name`: how to record them (default: their portable form, never absolute)."""
-    from dflash_quant.artifact.files import portable_path
-    from dflash_quant.artifact.sources import model_label
+    """`resident`: measures what loading it holds (loading.drafter.measure_resident), called once the files are
+    read; None: not measured.
+    `artifact_name` / `baseline_name`: how to record them (default: their portable form, never absolute)."""
+    from dflash_quant.artifact.sources import model_label, portable_path
 
     artifact = Path(artifact)
     rep = weights_from_files(artifact)
@@ -106,8 +70,8 @@ def build_memory_report(
             "saved_bytes": base.total_bytes - rep.total_bytes,
             "by_part": base.by_part,
         }
-    if device:
-        res = measure_resident(artifact, device)
+    if resident is not None:
+        res = resident()
         res["packed_bytes"] = rep.total_bytes
         report["resident"] = res
     return MemoryReport.from_dict(report)
@@ -140,7 +104,7 @@ def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = N
         if in_artifact:
             report.write(artifact)
         else:
-            from dflash_quant.artifact.files import write_json_atomic
+            from dflash_quant.io.atomic import write_json_atomic
 
             write_json_atomic(target, report.to_dict())
         if manifest:

@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.weights import ST_DTYPE_BYTES, ST_DTYPE_NAMES, read_header, weight_files
 from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape
 
-ST_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}  # fmt: skip
-ST_DTYPE_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool",
-}  # fmt: skip
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 _LAYER_RE = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)")
 # What a drafter is made of, for whole-drafter byte counts (quant_report.json, memory.json, budget).
@@ -65,61 +56,6 @@ def bytes_by_part(sizes: dict[str, int]) -> dict[str, int]:
         part = part_of(name)
         out[part] = out.get(part, 0) + nbytes
     return out
-
-
-def read_header(path: Path) -> dict:
-    """The JSON header of one .safetensors file (8-byte little-endian length + JSON), checked against the
-    file's size: a header whose tensors lie beyond the end of the file (a truncated download, or a header
-    claiming terabytes for a 4 MB file) is refused before anything trusts its byte counts."""
-    try:
-        size = Path(path).stat().st_size
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ValueError("file shorter than 8 bytes")
-            (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, 100 * (1 << 20)):
-                raise ValueError(f"header length {n} exceeds the file's {size} bytes")
-            header = json.loads(fh.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        header.pop("__metadata__", None)
-        _check_offsets(header, size - 8 - n)
-    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise DFlashQuantError(f"{path} is truncated or corrupt ({exc}); re-download or re-export it") from exc
-    return header
-
-
-def _check_offsets(header: dict, data_bytes: int) -> None:
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise ValueError(f"entry {name!r} is not an object")
-        offsets, shape, dt = info.get("data_offsets"), info.get("shape"), info.get("dtype")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        ):
-            raise ValueError(f"tensor {name} has bad data_offsets {offsets!r}")
-        if offsets[1] > data_bytes:
-            raise ValueError(f"tensor {name} ends at byte {offsets[1]:,} of the data but the file holds {data_bytes:,}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ValueError(f"tensor {name} has bad shape {shape!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if dt in ST_DTYPE_BYTES and offsets[1] - offsets[0] != numel * ST_DTYPE_BYTES[dt]:
-            raise ValueError(
-                f"tensor {name} {dt}{shape} needs {int(numel * ST_DTYPE_BYTES[dt]):,} bytes, "
-                f"its offsets span {offsets[1] - offsets[0]:,}"
-            )
-
-
-def weight_files(root: Path) -> list[Path]:
-    from dflash_quant.loading.drafter import weight_files as model_weight_files
-
-    return model_weight_files(Path(root), required=False)
 
 
 def module_of(name: str) -> str:
@@ -161,7 +97,7 @@ class WeightReport:
 
 def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
     """Bytes of every tensor in root's safetensors files, from their headers."""
-    files = weight_files(root)
+    files = weight_files(root, required=False)
     if not files:
         raise DFlashQuantError(f"no *.safetensors weights in {root}; point at a model or artifact directory")
     by_module: dict[str, int] = defaultdict(int)

@@ -13,11 +13,10 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.artifact.manifest import has_manifest, record_files, require_intact, updating
 from dflash_quant.artifact.reports import Parity, Provenance
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.io.atomic import signals_raise
+from dflash_quant.io.atomic import replace_atomic, signals_raise
 from dflash_quant.model_cards.chart import CHART_NAME, MIX_CHART_NAME, write_acceptance_chart, write_tradeoff_chart
 from dflash_quant.model_cards.deployment import mtp_comparison, section_memory, section_mtp_comparison, section_serving
 from dflash_quant.model_cards.reading import README, dig, load_reports, resolve_source

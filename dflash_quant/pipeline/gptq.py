@@ -13,16 +13,16 @@ from typing import Any
 import torch
 
 from dflash_quant import __version__
-from dflash_quant.artifact.files import portable_path
 from dflash_quant.artifact.manifest import write_manifest
 from dflash_quant.artifact.reports import Calibration, Parity, Provenance, Quantization, QuantReport
-from dflash_quant.artifact.sources import portable_command, prompt_label, source_ref
+from dflash_quant.artifact.sources import portable_command, portable_path, prompt_label, source_ref
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats, capture
 from dflash_quant.errors import UsageError
 from dflash_quant.export.writer import export_gptq
 from dflash_quant.io.atomic import staging
-from dflash_quant.loading.drafter import load_drafter, weights_sha256
+from dflash_quant.io.weights import weights_sha256
+from dflash_quant.loading.drafter import load_drafter, measure_resident
 from dflash_quant.loading.runtime import (
     default_prompt_spec,
     encode_prompts,
@@ -512,11 +512,31 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     result.target_quantization = target.quantization.to_dict() if target.quantization is not None else None
     with staging(final, job.overwrite) as tmp:
         if job.gguf_type is not None:  # already on llama.cpp's grid: written as GGUF directly, no GPTQ v1 step
-            from dflash_quant.quantize.kquant import write_kquant_gguf
+            from dflash_quant.export.gguf import write_kquant_gguf
 
-            write_kquant_gguf(tmp, drafter, outcome, job.gguf_type, target.source.path, provenance, quant_report, stats)
+            write_kquant_gguf(
+                tmp,
+                drafter.model,
+                drafter.raw_config,
+                drafter.source.path,
+                outcome,
+                job.gguf_type,
+                target.source.path,
+                provenance,
+                quant_report,
+                stats,
+            )
         else:
-            export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report, mix.picks if mix else None)
+            export_gptq(
+                tmp,
+                drafter.model,
+                drafter.raw_config,
+                outcome,
+                job.quant,
+                provenance,
+                quant_report,
+                mix.picks if mix else None,
+            )
         result.quant_report = quant_report.to_dict()
         if job.gguf_type is None:  # memory of the GPTQ tensors, before any conversion
             _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
@@ -697,7 +717,7 @@ def _memory(artifact: Path, final: Path, source, target_name: str | None, target
     report = build_memory_report(
         artifact,
         baseline=source.path,
-        device=device.type,
+        resident=lambda: measure_resident(artifact, device.type),
         budget_24gb=budget,
         artifact_name=name,
         baseline_name=source_ref(source).id,

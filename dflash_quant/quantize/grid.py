@@ -193,3 +193,9 @@ class QuantizedWeight:
         scale = self.scales[g].T
         zero = self.zeros[g].T.float()
         return dequantize_codes(self.codes.float(), scale, zero)
+
+
+def columns_in_order(qw: QuantizedWeight) -> bool:
+    """True when every input column's group is column // group width (no act-order permutation)."""
+    width = qw.in_features // qw.n_groups
+    return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features) // width))

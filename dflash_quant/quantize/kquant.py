@@ -34,10 +34,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from dflash_quant.calibration.capture import input_group
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.gguf_names import gguf_name
+from dflash_quant.quantize.drafter import QuantOutcome, select_linears
+from dflash_quant.quantize.kmix import MIXES, tensor_types
 
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -82,7 +85,6 @@ GRIDS = {
 
 def grid_for(name: str) -> KGrid:
     """The grid of a pure type, or the default grid of a per-tensor mix (kmix.MIXES)."""
-    from dflash_quant.quantize.kmix import MIXES
 
     if name in MIXES:
         return GRIDS[MIXES[name].base]
@@ -126,9 +128,6 @@ class KQuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         return decode(self.grid, self.codes, *self.steps())
-
-    def pack(self) -> np.ndarray:
-        return PACKERS[self.grid.name](self)
 
 
 def column_grid(grid: KGrid, d, dmin, sc, m) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,112 +415,6 @@ def gptq_kquant(
     )
 
 
-# ------------------------------------------------------------------------------------------ ggml block packing
-
-
-def _f16(x: torch.Tensor) -> np.ndarray:
-    """[rows, blocks] fp16 values -> [rows, blocks, 2] bytes."""
-    return x.half().contiguous().numpy().view(np.uint8).reshape(*x.shape, 2)
-
-
-def _blocks(qw: KQuantWeight) -> tuple[int, int]:
-    return qw.codes.shape[0], qw.codes.shape[1] // qw.grid.block
-
-
-def _pack_bits(q: np.ndarray, bits: int, chunk: int) -> np.ndarray:
-    """q [..., n] small ints -> bytes where byte (c, l) holds values (c*(8/bits) + s)*32 + l at bit s*bits
-    (the ggml order for 2- and 4-bit fields); chunk = 32 values per lane group."""
-    per = 8 // bits
-    q = q.reshape(*q.shape[:-1], -1, per, chunk).astype(np.uint8)
-    out = np.zeros(q.shape[:-2] + (chunk,), dtype=np.uint8)
-    for s in range(per):
-        out |= q[..., s, :] << (bits * s)
-    return out.reshape(*q.shape[:-3], -1)
-
-
-def _pack_scale_min_k4(qw: KQuantWeight, rows: int, nb: int) -> np.ndarray:
-    """The 12 bytes of 6-bit sub-block scales and mins that Q4_K and Q5_K share (ggml's get_scale_min_k4 order)."""
-    sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 8)
-    m = qw.m.numpy().astype(np.uint8).reshape(rows, nb, 8)
-    scales = np.zeros((rows, nb, 12), dtype=np.uint8)
-    scales[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
-    scales[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
-    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
-    return scales
-
-
-def pack_q4_k(qw: KQuantWeight) -> np.ndarray:
-    rows, nb = _blocks(qw)
-    scales = _pack_scale_min_k4(qw, rows, nb)
-    qs = _pack_bits(qw.codes.numpy().reshape(rows, nb, 256), 4, 32).reshape(rows, nb, 128)
-    blocks = np.concatenate([_f16(qw.d), _f16(qw.dmin), scales, qs], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-def pack_q5_k(qw: KQuantWeight) -> np.ndarray:
-    """Q4_K's scales and low nibbles, plus the fifth bit of value j*32 + l at bit j of qh byte l."""
-    rows, nb = _blocks(qw)
-    scales = _pack_scale_min_k4(qw, rows, nb)
-    u = qw.codes.numpy().reshape(rows, nb, 256)
-    qh = _pack_bits((u >> 4) & 1, 1, 32).reshape(rows, nb, 32)
-    qs = _pack_bits(u & 0xF, 4, 32).reshape(rows, nb, 128)
-    blocks = np.concatenate([_f16(qw.d), _f16(qw.dmin), scales, qh, qs], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-def pack_q6_k(qw: KQuantWeight) -> np.ndarray:
-    """Per half of 128: ql byte b holds values b and 64+b (nibbles), qh byte l holds bits 4-5 of 32s+l at 2s."""
-    rows, nb = _blocks(qw)
-    u = qw.codes.numpy().reshape(rows, nb, 2, 128)
-    ql = _pack_bits(u & 0xF, 4, 64).reshape(rows, nb, 128)
-    qh = _pack_bits(u >> 4, 2, 32).reshape(rows, nb, 64)
-    scales = qw.sc.numpy().astype(np.int8).reshape(rows, nb, 16).view(np.uint8)
-    blocks = np.concatenate([ql, qh, scales, _f16(qw.d)], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-def pack_q2_k(qw: KQuantWeight) -> np.ndarray:
-    rows, nb = _blocks(qw)
-    sc = qw.sc.numpy().astype(np.uint8).reshape(rows, nb, 16)
-    m = qw.m.numpy().astype(np.uint8).reshape(rows, nb, 16)
-    scales = (sc & 0xF) | ((m & 0xF) << 4)
-    qs = _pack_bits(qw.codes.numpy().reshape(rows, nb, 2, 128), 2, 32).reshape(rows, nb, 64)
-    blocks = np.concatenate([scales, qs, _f16(qw.d), _f16(qw.dmin)], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-def pack_q3_k(qw: KQuantWeight) -> np.ndarray:
-    rows, nb = _blocks(qw)
-    u = qw.codes.numpy().reshape(rows, nb, 256)
-    hmask = _pack_bits((u >> 2) & 1, 1, 32).reshape(rows, nb, 32)
-    qs = _pack_bits((u & 3).reshape(rows, nb, 2, 128), 2, 32).reshape(rows, nb, 64)
-    s = (qw.sc.numpy().astype(np.int16) + 32).astype(np.uint8).reshape(rows, nb, 16)
-    scales = np.zeros((rows, nb, 12), dtype=np.uint8)
-    for t in range(16):
-        scales[..., t % 8] |= (s[..., t] & 0xF) << (4 * (t // 8))
-        scales[..., 8 + t % 4] |= ((s[..., t] >> 4) & 3) << (2 * (t // 4))
-    blocks = np.concatenate([hmask, qs, scales, _f16(qw.d)], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-def pack_iq4_nl(qw: KQuantWeight) -> np.ndarray:
-    rows, nb = _blocks(qw)
-    u = qw.codes.numpy().reshape(rows, nb, 32).astype(np.uint8)
-    qs = u[..., :16] | (u[..., 16:] << 4)
-    blocks = np.concatenate([_f16(qw.d), qs], axis=2)
-    return np.ascontiguousarray(blocks.reshape(rows, -1))
-
-
-PACKERS = {
-    "Q6_K": pack_q6_k,
-    "Q5_K": pack_q5_k,
-    "Q4_K": pack_q4_k,
-    "Q3_K": pack_q3_k,
-    "Q2_K": pack_q2_k,
-    "IQ4_NL": pack_iq4_nl,
-}
-
-
 def relative_error(weight: torch.Tensor, deq: torch.Tensor, hessian: torch.Tensor) -> float:
     E = weight.float() - deq.float()
     num = ((E @ hessian) * E).sum()
@@ -537,9 +430,6 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
     dequantized values (so the parity check measures what the GGUF holds). scale_search: gptq_kquant's in-loop
     sub-block scale/min search radius. Returns a QuantOutcome whose weights are KQuantWeights."""
     import time
-
-    from dflash_quant.calibration.capture import input_group
-    from dflash_quant.quantize.drafter import QuantOutcome, select_linears
 
     grid_for(gguf_type)
     settings = settings.normalized()
@@ -595,8 +485,6 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
 
 def plan_grids(model, linears: list[str], gguf_type: str) -> dict[str, KGrid]:
     """Linear name -> grid: every Linear on a pure type, or llama.cpp's per-tensor choice for a mix."""
-    from dflash_quant.export.gguf import gguf_name
-    from dflash_quant.quantize.kmix import tensor_types
 
     cfg = model.config
     names = {gguf_name(f"{n}.weight"): n for n in linears}
@@ -604,39 +492,3 @@ def plan_grids(model, linears: list[str], gguf_type: str) -> dict[str, KGrid]:
         gguf_type, list(names), int(cfg.num_hidden_layers), int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
     )
     return {names[t]: GRIDS[k] for t, k in types.items()}
-
-
-def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance, quant_report, stats=None) -> dict:
-    """The GGUF artifact of a k-quant GPTQ run (plus provenance, quant report, and the drafter imatrix)."""
-    from pathlib import Path
-
-    from dflash_quant.export.convert import GptqArtifact
-    from dflash_quant.export.gguf import gguf_name, write_gguf
-    from dflash_quant.quantize.kmix import file_type
-
-    out = Path(out)
-    state = {k: v.detach().cpu() for k, v in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
-    encoded = {}
-    for name, qw in outcome.weights.items():
-        state.pop(f"{name}.weight")
-        encoded[gguf_name(f"{name}.weight")] = (qw.pack(), qw.grid.name)
-    grid = grid_for(gguf_type)
-    art = GptqArtifact(
-        path=Path(drafter.source.path),
-        config=dict(drafter.raw_config),
-        qcfg={"bits": grid.code_bits, "group_size": grid.sub, "sym": not grid.has_min},
-        dense={k: v.to(torch.bfloat16) for k, v in state.items()},
-    )
-    summary = write_gguf(
-        out, art, target=Path(target), encoded=encoded, file_type=file_type(gguf_type), label=gguf_type
-    )
-    provenance.write(out)
-    quant_report.quantized_bytes = summary["quantized_bytes"]
-    quant_report.write(out)
-    if stats is not None:
-        from dflash_quant.export.imatrix import FILE, write_for_stats
-
-        write_for_stats(
-            out / FILE, stats, drafter.model.linear_names(), provenance.calibration.prompts or "calibration"
-        )
-    return summary

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from dflash_quant.artifact.files import write_json_atomic
 from dflash_quant.calibration.capture import CalibrationStats
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.atomic import write_json_atomic
 from dflash_quant.quantize.mixed import Candidate, candidate_errors, packed_bytes
 
 TABLE = "sensitivity.json"

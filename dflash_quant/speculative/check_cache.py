@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from dflash_quant import __version__
-from dflash_quant.artifact.files import replace_atomic
-from dflash_quant.loading.drafter import weight_files, weights_sha256
+from dflash_quant.io.atomic import replace_atomic
+from dflash_quant.io.weights import weight_files, weights_sha256
 from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
 
