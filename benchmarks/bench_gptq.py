@@ -24,15 +24,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash_quant.quantize import (  # noqa: E402
-    HessianAccumulator,
-    QuantSpec,
+from dflash_quant.calibration.hessian import HessianAccumulator
+from dflash_quant.quantize.gptq import (
     gptq_quantize,
+    gptq_quantize_shared,  # noqa: E402
     relative_output_error,
-    rtn_quantize,
 )
-from dflash_quant.quantize.gptq import gptq_quantize_shared  # noqa: E402
 from dflash_quant.quantize.gptq_batched import gptq_quantize_groups  # noqa: E402
+from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 # GPTQModel 7.x turns on group-aware act-order (GAR) by default; the baseline runs the plain algorithm like ours.
 _GPTQMODEL_PLAIN = {"act_group_aware": False}

@@ -104,7 +104,8 @@ def main(argv=None):
     # also the same codes through our int4 kernel (`--int4-kernel triton`), which rebuilds each weight in bf16
     # for a prompt's rows (int4_linear.MAX_KERNEL_ROWS) and keeps only the codes resident
     from dflash_quant.kernels.int4_linear import Int4Codes, use_int4_codes
-    from dflash_quant.quantize import QuantSpec, rtn_quantize
+    from dflash_quant.quantize.rtn import rtn_quantize
+    from dflash_quant.quantize.spec import QuantSpec
 
     int4 = DFlashDrafter(drafter.config).to(device=device, dtype=dtype).eval()
     int4.load_state_dict(drafter.state_dict())

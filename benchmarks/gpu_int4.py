@@ -394,7 +394,8 @@ def e2e_full(args) -> dict:
 
     from dflash_quant.kernels.int4_linear import use_int4_codes
     from dflash_quant.models.model import DFlashDrafter
-    from dflash_quant.quantize import QuantSpec, rtn_quantize
+    from dflash_quant.quantize.rtn import rtn_quantize
+    from dflash_quant.quantize.spec import QuantSpec
     from dflash_quant.speculative.verify import CheckSettings
 
     spec = importlib.util.spec_from_file_location("bench_prefill", Path(__file__).with_name("bench_prefill.py"))

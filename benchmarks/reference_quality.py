@@ -20,7 +20,8 @@ import torch
 
 from dflash_quant.calibration.capture import capture
 from dflash_quant.loading.runtime import encode_prompts, load_pair, resolve_device, stop_tokens
-from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
+from dflash_quant.quantize.drafter import quantize_drafter
+from dflash_quant.quantize.settings import QuantSettings
 from dflash_quant.speculative.verify import CheckSettings, baseline_runs, spec_runs, summarize
 
 # Every recipe spells out act-order and the k/v Hessian rows, so rows stay comparable when defaults change.

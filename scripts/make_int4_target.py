@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash_quant.export.int4_target import write_int4_target
 from dflash_quant.io.source import resolve
-from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ from dflash_quant.io.weights import read_header
 from dflash_quant.loading import load_drafter
 from dflash_quant.memory.weights import DRAFTER_PARTS, part_of
 from dflash_quant.pipeline import GptqJob, run_gptq
-from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, select_linears
+from dflash_quant.quantize.drafter import candidate_linears, select_linears
+from dflash_quant.quantize.settings import QuantSettings
 
 
 @pytest.fixture(scope="module")

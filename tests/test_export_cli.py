@@ -12,7 +12,7 @@ import torch
 from dflash_quant.artifact.manifest import verify_manifest
 from dflash_quant.loading import load_drafter
 from dflash_quant.pipeline import GptqJob, run_gptq
-from dflash_quant.quantize.drafter import QuantSettings
+from dflash_quant.quantize.settings import QuantSettings
 
 gguf = pytest.importorskip("gguf")
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]

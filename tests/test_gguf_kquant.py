@@ -17,12 +17,12 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from dflash_quant.calibration.capture import CalibrationStats, input_group  # noqa: E402
+from dflash_quant.calibration.hessian import HessianAccumulator  # noqa: E402
 from dflash_quant.errors import UsageError  # noqa: E402
 from dflash_quant.export.gguf import encode_kquant, pairing_problem  # noqa: E402
 from dflash_quant.export.imatrix import read_imatrix, write_for_stats  # noqa: E402
 from dflash_quant.io.gguf import read_gguf  # noqa: E402
 from dflash_quant.io.gguf_names import gguf_name  # noqa: E402
-from dflash_quant.quantize.gptq import HessianAccumulator  # noqa: E402
 from dflash_quant.quantize.kmix import MIXES, tensor_types  # noqa: E402
 from dflash_quant.quantize.kquant import GRIDS, gptq_kquant, relative_error, rtn_kquant  # noqa: E402
 
@@ -143,8 +143,8 @@ def test_pairing_check_refuses_a_tap_on_the_last_layer(tmp_path):
 def test_gptq_gguf_type_writes_llama_cpp_grid_read_back_exactly(tmp_path):
     from dflash_quant.loading import load_drafter
     from dflash_quant.pipeline import GptqJob, run_gptq
-    from dflash_quant.quantize.drafter import QuantSettings
     from dflash_quant.quantize.kquant import quantize_drafter_kquant
+    from dflash_quant.quantize.settings import QuantSettings
 
     out = tmp_path / "q3k"
     run_gptq(
@@ -202,7 +202,7 @@ def test_mixes_assign_types_per_tensor_as_llama_quantize():
 
 def test_gptq_mix_writes_each_tensor_on_its_type(tmp_path):
     from dflash_quant.pipeline import GptqJob, run_gptq
-    from dflash_quant.quantize.drafter import QuantSettings
+    from dflash_quant.quantize.settings import QuantSettings
 
     out = tmp_path / "q3km"
     run_gptq(
@@ -230,7 +230,7 @@ def test_gptq_mix_writes_each_tensor_on_its_type(tmp_path):
 
 def test_gguf_type_needs_format_gguf(tmp_path):
     from dflash_quant.pipeline import GptqJob, run_gptq
-    from dflash_quant.quantize.drafter import QuantSettings
+    from dflash_quant.quantize.settings import QuantSettings
 
     with pytest.raises(UsageError, match="add --format gguf"):
         run_gptq(GptqJob(output=tmp_path / "x", quant=QuantSettings(method="rtn"), gguf_type="Q4_K"))

@@ -3,15 +3,11 @@ import warnings
 import pytest
 import torch
 
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.quantize import (
-    GPTQFallbackWarning,
-    HessianAccumulator,
-    QuantSpec,
-    gptq_quantize,
-    relative_output_error,
-    rtn_quantize,
-)
+from dflash_quant.quantize.gptq import GPTQFallbackWarning, gptq_quantize, relative_output_error
+from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def _correlated(rows, width, seed=0):

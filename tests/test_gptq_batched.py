@@ -6,10 +6,11 @@ import warnings
 import pytest
 import torch
 
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import UsageError
-from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize
-from dflash_quant.quantize.gptq import GPTQFallbackWarning, gptq_quantize_shared
+from dflash_quant.quantize.gptq import GPTQFallbackWarning, gptq_quantize, gptq_quantize_shared
 from dflash_quant.quantize.gptq_batched import gptq_quantize_groups, gptq_quantize_many
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def _hessian(width, rows, seed, dead=()):

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize
-from dflash_quant.quantize.gptq import gptq_quantize_shared
+from dflash_quant.calibration.hessian import HessianAccumulator
+from dflash_quant.quantize.gptq import gptq_quantize, gptq_quantize_shared
+from dflash_quant.quantize.spec import QuantSpec
 
 
 @pytest.mark.parametrize("desc_act", [False, True])

@@ -1,10 +1,14 @@
 import pytest
 import torch
 
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, marlin_problems, pack_gptq_v1
 from dflash_quant.io.gptq_v1 import pack_dim0, unpack_dim0, unpack_gptq_v1
-from dflash_quant.quantize import HessianAccumulator, QuantizedWeight, QuantSpec, gptq_quantize, rtn_quantize
+from dflash_quant.quantize.gptq import gptq_quantize
+from dflash_quant.quantize.grid import QuantizedWeight
+from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def _hessian(width, seed=0):

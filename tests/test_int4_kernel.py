@@ -30,8 +30,8 @@ from dflash_quant.kernels.int4_linear import (
     plan,
     use_int4_kernel,
 )
-from dflash_quant.quantize.grid import QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,13 @@ from tiny import save_hybrid_target
 
 from dflash_quant.errors import UsageError
 from dflash_quant.loading import load_drafter, load_target
-from dflash_quant.speculative.decode import SpecResult, _taps, rejection_step, speculative_generate, target_generate
+from dflash_quant.speculative.decode import (
+    SpecResult,
+    rejection_step,
+    speculative_generate,
+    tap_states,
+    target_generate,
+)
 from dflash_quant.speculative.lookup import (
     MODES,
     Lookup,
@@ -142,7 +148,7 @@ def test_drafter_context_stays_exact(pair, mode):
     rows = torch.cat([c for _, c in fed], dim=1)
     assert [p for p, _ in fed][0] == 0
     full = torch.cat([ids[0], torch.tensor(spec.tokens)])[None]
-    taps = _taps(target(full, output_hidden_states=True).hidden_states, drafter.target_layer_ids, "cpu")
+    taps = tap_states(target(full, output_hidden_states=True).hidden_states, drafter.target_layer_ids, "cpu")
     assert rows.shape[1] <= full.shape[1]
     torch.testing.assert_close(rows, taps[:, : rows.shape[1]], atol=1e-4, rtol=1e-4)
     starts = [p for p, _ in fed]

@@ -3,11 +3,11 @@
 from dataclasses import replace
 
 from dflash_quant.memory.budget import BudgetSettings, cache_bytes, compute_budget, resolve_drafter, resolve_target
+from dflash_quant.memory.engine import padding_layers
+from dflash_quant.memory.engine import vllm_group_size as group_size
 from dflash_quant.memory.gpus import GiB
 from dflash_quant.memory.hybrid import hybrid_layout, state_page_bytes
 from dflash_quant.memory.kv import parse_shape
-from dflash_quant.memory.mtp import padding_layers
-from dflash_quant.memory.mtp import vllm_group_size as group_size
 from dflash_quant.memory.presets import load_preset
 
 

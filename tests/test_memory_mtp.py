@@ -12,14 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_quant.errors import UsageError
 from dflash_quant.memory.budget import BudgetSettings, resolve_drafter, resolve_target
-from dflash_quant.memory.mtp import (
-    compare_mtp,
-    mtp_head,
-    mtp_param_count,
-    padding_layers,
-    resolve_mtp_weights,
-    vllm_group_size,
-)
+from dflash_quant.memory.engine import padding_layers, vllm_group_size
+from dflash_quant.memory.mtp import compare_mtp, mtp_head, mtp_param_count, resolve_mtp_weights
 from tests.tiny import hybrid_target_config, save_hybrid_target
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

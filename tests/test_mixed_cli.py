@@ -14,10 +14,11 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_dynamic import layer_setting
 from dflash_quant.loading import load_drafter
 from dflash_quant.quantize import mixed_plan as mp
-from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
-from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.mixed import Candidate, min_bytes
 from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.settings import QuantSettings
+from dflash_quant.quantize.spec import QuantSpec
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 

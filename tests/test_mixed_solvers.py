@@ -5,15 +5,18 @@ import torch
 from tiny import save_drafter
 
 from dflash_quant.calibration.capture import CalibrationStats, input_group
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.export.gptq_v1 import pack_gptq_v1
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1
 from dflash_quant.loading import load_drafter
-from dflash_quant.quantize.drafter import QuantSettings, quantize_drafter
-from dflash_quant.quantize.gptq import HessianAccumulator, gptq_quantize
+from dflash_quant.quantize.drafter import quantize_drafter
+from dflash_quant.quantize.gptq import gptq_quantize
 from dflash_quant.quantize.gptq_batched import gptq_quantize_many
-from dflash_quant.quantize.grid import CLIP_SHRINKS, QuantSpec, clip_params, find_params, group_params
+from dflash_quant.quantize.grid import CLIP_SHRINKS, clip_params, find_params, group_params
 from dflash_quant.quantize.mixed import Candidate, output_error
 from dflash_quant.quantize.mixed_table import build_table, load_table, save_table
+from dflash_quant.quantize.settings import QuantSettings
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def _heavy(rows: int, cols: int, seed: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import torch
 
 from dflash_quant.calibration.capture import CalibrationStats
-from dflash_quant.quantize.gptq import HessianAccumulator
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.quantize.mixed import Candidate, max_quality, packed_bytes
 from dflash_quant.quantize.mixed_table import build_table, load_table, save_table
 

@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from dflash_quant.errors import UsageError
-from dflash_quant.quantize import QuantSpec, find_params, group_params, rtn_quantize
+from dflash_quant.quantize.grid import find_params, group_params
+from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ from dflash_quant.io.source import resolve
 from dflash_quant.io.weights import read_safetensors
 from dflash_quant.loading import load_target, target_quant
 from dflash_quant.loading.target_quant import PackedLinear, PackedScheme
-from dflash_quant.quantize.grid import QuantSpec
 from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dflash_quant.artifact.reports import REPORT_FILES, Budget, Check
-from dflash_quant.artifact.schema import Record, ReportFile, _type_name
+from dflash_quant.artifact.schema import Record, ReportFile, type_name
 
 BEGIN = "<!-- BEGIN GENERATED: python -m dflash_quant.artifact.docgen -->"
 END = "<!-- END GENERATED -->"
@@ -34,7 +34,7 @@ def _table(cls: type[Record]) -> tuple[list[str], list[type[Record]]]:
     children: list[type[Record]] = []
     for name, tp, meta in cls.fields():
         child = _nested(tp)
-        kind = _type_name(tp)
+        kind = type_name(tp)
         if child is not None:
             kind = kind.replace("an object", f"`{child.__name__}`").replace("objects", f"`{child.__name__}`s")
             children.append(child)

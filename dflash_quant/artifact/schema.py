@@ -48,15 +48,15 @@ def _plural(name: str) -> str:
     return f"{head}s of {rest}" if rest else f"{head}s"
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         parts = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in parts) + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
+        return " or ".join(type_name(a) for a in parts) + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
     if origin is list:
-        return f"a list of {_plural(_type_name(typing.get_args(tp)[0]))}"
+        return f"a list of {_plural(type_name(typing.get_args(tp)[0]))}"
     if origin is dict:
-        return f"an object of {_plural(_type_name(typing.get_args(tp)[1]))}"
+        return f"an object of {_plural(type_name(typing.get_args(tp)[1]))}"
     if tp is Any:
         return "any JSON value"
     if isinstance(tp, type) and issubclass(tp, Record):
@@ -82,15 +82,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 return _convert(value, arg, where)
             except Malformed:
                 continue
-        raise Malformed(where, _type_name(tp))
+        raise Malformed(where, type_name(tp))
     if origin is list:
         if not isinstance(value, list):
-            raise Malformed(where, _type_name(tp))
+            raise Malformed(where, type_name(tp))
         (item,) = typing.get_args(tp)
         return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise Malformed(where, _type_name(tp))
+            raise Malformed(where, type_name(tp))
         _, item = typing.get_args(tp)
         return {str(k): _convert(v, item, f"{where}.{k}") for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, Record):
@@ -104,7 +104,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             raise Malformed(where, "an integer")
         return value
     if not isinstance(value, tp):
-        raise Malformed(where, _type_name(tp))
+        raise Malformed(where, type_name(tp))
     return value
 
 
@@ -139,7 +139,7 @@ class Record:
             key = f"{where}.{name}" if where else name
             if name not in data:
                 if meta.get("required"):
-                    raise Malformed(key, f"present ({_type_name(tp)})")
+                    raise Malformed(key, f"present ({type_name(tp)})")
                 continue
             kwargs[name] = _convert(data[name], tp, key)
         known = {name for name, _, _ in cls.fields()}

@@ -11,9 +11,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_quant.calibration.capture import CalibrationStats, DraftCall
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.io.atomic import check_writable_dir, replace_atomic, write_json_atomic
-from dflash_quant.quantize.gptq import HessianAccumulator
 
 STATS = "hessians.safetensors"
 REPLAY = "replay.safetensors"

@@ -18,9 +18,10 @@ from typing import cast
 
 import torch
 
+from dflash_quant.calibration.hessian import HessianAccumulator
+from dflash_quant.calibration.peak import PeakProbe
 from dflash_quant.errors import UsageError
 from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
-from dflash_quant.quantize.gptq import HessianAccumulator
 from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.speculative.decode import speculative_generate
 
@@ -212,8 +213,6 @@ def capture(
 
     def keep(module, args):
         record.append(DraftCall(args[0].detach().cpu(), args[1].detach().cpu(), args[2].detach().cpu()))
-
-    from dflash_quant.calibration.peak import PeakProbe
 
     probe = PeakProbe(target, drafter) if measure else None
     rec_handle = drafter.register_forward_pre_hook(keep) if keep_replay else None

@@ -18,9 +18,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dflash_quant.calibration.capture import CaptureState, DraftCall
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.io.atomic import replace_atomic
-from dflash_quant.quantize.gptq import HessianAccumulator
 
 FILE = "calib-checkpoint.safetensors"
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from dflash_quant.memory.calibration import predict_calibration
+from dflash_quant.memory.kv import parse_shape
+
 
 def _tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
@@ -137,8 +140,6 @@ def predict_run(
     Weights are counted as numel x the run's element size (what the configs imply), not read from the
     allocator; a target module offloaded by --device-map counts once, as the largest one streamed in.
     rows: prompts decoded as rows of one batch (batched capture)."""
-    from dflash_quant.memory.calibration import predict_calibration
-    from dflash_quant.memory.kv import parse_shape
 
     size = torch.empty((), dtype=dtype).element_size()
     name = str(dtype).replace("torch.", "")

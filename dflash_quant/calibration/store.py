@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+import dflash_quant
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.speculative.check_cache import model_identity
 
 _STALE_S = 24 * 3600  # a temp or trash folder this old belongs to a run that died: removed on the next write
 
@@ -64,8 +66,6 @@ def store_key(
     hessian_device: torch.device,
 ) -> dict[str, Any]:
     """The --calib-cache key (drafter weights, prompt spec, settings) plus what else the Hessians depend on."""
-    from dflash_quant import __version__
-    from dflash_quant.speculative.check_cache import model_identity
 
     return {
         **key,
@@ -77,7 +77,7 @@ def store_key(
         "stop_token_ids": sorted(stop_token_ids),
         "device": torch.device(device).type,
         "hessian_device": torch.device(hessian_device).type,
-        "version": __version__,
+        "version": dflash_quant.__version__,  # read per call (a test bumps it)
     }
 
 

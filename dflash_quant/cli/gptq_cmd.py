@@ -333,7 +333,7 @@ def gptq(
         with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache, check_cache):
             from dflash_quant.calibration.store import default_dir as calib_store_dir
             from dflash_quant.pipeline.gptq import GptqJob, run_gptq
-            from dflash_quant.quantize.drafter import QuantSettings
+            from dflash_quant.quantize.settings import QuantSettings
             from dflash_quant.speculative.check_cache import default_dir
 
             quant = QuantSettings(

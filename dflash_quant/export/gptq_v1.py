@@ -17,7 +17,8 @@ from dflash_quant.export.gptq_dynamic import layer_setting
 from dflash_quant.io.gptq_v1 import pack_tensors, unpack_dim0
 from dflash_quant.io.weights import read_safetensors
 from dflash_quant.models.config import read_config_json
-from dflash_quant.quantize.grid import SUPPORTED_BITS, QuantizedWeight, QuantSpec
+from dflash_quant.quantize.grid import QuantizedWeight
+from dflash_quant.quantize.spec import SUPPORTED_BITS, QuantSpec
 
 
 def pack_gptq_v1(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

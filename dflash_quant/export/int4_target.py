@@ -17,9 +17,12 @@ from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.export.compressed_tensors import pack_weight
 from dflash_quant.io.atomic import atomic_dir
-from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.io.weights import read_safetensors
+from dflash_quant.models.config import read_config_json
 from dflash_quant.quantize.rtn import rtn_quantize
+from dflash_quant.quantize.spec import QuantSpec
 
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -43,9 +46,6 @@ def _config(spec: QuantSpec) -> dict[str, Any]:
 
 def write_int4_target(src: Path, dst: Path, spec: QuantSpec, overwrite: bool = False) -> dict[str, int]:
     """Write `dst` (config, packed safetensors, tokenizer); returns {quantized, dense} tensor counts."""
-    from dflash_quant.export.compressed_tensors import pack_weight
-    from dflash_quant.io.weights import read_safetensors
-    from dflash_quant.loading.drafter import read_config_json
 
     raw = read_config_json(src / "config.json")
     if raw.get("quantization_config"):

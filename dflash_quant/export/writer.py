@@ -14,7 +14,8 @@ from dflash_quant.artifact.reports import Provenance, QuantReport
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
 from dflash_quant.io.atomic import write_json_atomic
 from dflash_quant.models.model import DFlashDrafter
-from dflash_quant.quantize.drafter import QuantOutcome, QuantSettings
+from dflash_quant.quantize.drafter import QuantOutcome
+from dflash_quant.quantize.settings import QuantSettings
 
 
 def _skip_rules(kept: list[str], n_layers: int) -> dict[str, dict]:

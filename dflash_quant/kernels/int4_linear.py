@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_quant.errors import UsageError
+from dflash_quant.io.gptq_v1 import decode_gptq_v1, pack_dim0
+from dflash_quant.io.weights import read_safetensors
 from dflash_quant.kernels import int4_cuda
 from dflash_quant.kernels.int4_choice import KERNEL_ORDER, check_int4_kernel
 
@@ -100,6 +102,12 @@ def kernel_problem(name: str, codes: Int4Codes, device: torch.device) -> str | N
     return None
 
 
+def tinygemm_pack(unsigned: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit codes [out, in] (in % 128 == 0) in tinygemm's tiled layout (`_weight_int4pack_mm`)."""
+    u8 = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)  # [out, in/2], even column high
+    return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8 if unsigned.shape[1] % 1024 == 0 else 2)
+
+
 class Int4Linear(nn.Module):
     """y = x W^T + b with W held only as 4-bit codes in the layout of one kernel."""
 
@@ -128,14 +136,10 @@ class Int4Linear(nn.Module):
             self._cuda_split = weights.split
             self._cuda_variant = 0  # benchmarks/gpu_int4.py tries development variants of the kernel
         elif kernel == "triton":
-            from dflash_quant.io.gptq_v1 import pack_dim0
-
             self.register_buffer("qweight", pack_dim0(codes.codes.T, 4))  # [in/8, out]
             self.register_buffer("scales", codes.scales.to(torch.float16).contiguous())
             self.register_buffer("zeros", codes.zeros.to(torch.float16).contiguous())
         elif kernel == "tinygemm":
-            from dflash_quant.loading.target_quant import tinygemm_pack
-
             scale = codes.scales.float()
             zero = (8 - codes.zeros.float()) * scale  # tinygemm decodes (u - 8) * scale + zero
             self.register_buffer("packed", tinygemm_pack(codes.codes.to(torch.int32)))
@@ -202,8 +206,6 @@ class Int4Linear(nn.Module):
 
 def gptq_codes(path: Path, qcfg: dict[str, Any]) -> dict[str, tuple[Int4Codes, torch.Tensor | None]]:
     """Every GPTQ v1 Linear of a drafter directory: name (without `model.`) -> (codes, bias)."""
-    from dflash_quant.io.gptq_v1 import decode_gptq_v1
-    from dflash_quant.io.weights import read_safetensors
 
     tensors = read_safetensors(path)
     bits, group = int(qcfg["bits"]), int(qcfg["group_size"])

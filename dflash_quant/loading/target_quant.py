@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.kernels.int4_linear import tinygemm_pack
 
 CHUNK_BYTES = 8 << 20  # dense fp32 transient per dequantized block
 GPTQ_EXTRA = "pip install 'dflash-quant[gptq-target]'"
@@ -199,12 +200,6 @@ class PackedLinear(nn.Module):
             b = self.bias[r0:r1] if self.bias is not None else None
             out[..., r0:r1] = F.linear(x, w, b)
         return out
-
-
-def tinygemm_pack(unsigned: torch.Tensor) -> torch.Tensor:
-    """Unsigned 4-bit codes [out, in] (in % 128 == 0) in tinygemm's tiled layout (`_weight_int4pack_mm`)."""
-    u8 = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)  # [out, in/2], even column high
-    return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), 8 if unsigned.shape[1] % 1024 == 0 else 2)
 
 
 def resident_bytes(model: nn.Module) -> int:

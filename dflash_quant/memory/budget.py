@@ -56,8 +56,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.io.weights import weight_files
+from dflash_quant.io.weights import read_header, weight_files
+from dflash_quant.memory.engine import (
+    ACT_BYTES,
+    LOGITS_COPIES,
+    drafter_layer_keys,
+    kv_buckets,
+    layer_peak,
+    padding_bytes,
+    round_up,
+)
 from dflash_quant.memory.gpus import GiB, MiB, parse_bytes
+from dflash_quant.memory.hybrid import hybrid_layout
 from dflash_quant.memory.kv import (
     ModelShape,
     dtype_bytes,
@@ -74,6 +84,8 @@ from dflash_quant.memory.weights import (
     priced_drafter_parts,
     weights_from_files,
 )
+from dflash_quant.models.config_check import check_layers_present
+from dflash_quant.reference import pair_dir, parse_shipped, shipped_id
 
 ENGINES = ("vllm", "reference")
 DEFAULT_UTILIZATION = {"vllm": 0.90, "reference": 1.0}
@@ -82,8 +94,6 @@ DEFAULT_CUDA_GRAPHS = {"vllm": int(0.5 * GiB), "reference": 0}
 DEFAULT_PREFILL_CHUNK = 2048  # vLLM max_num_batched_tokens for `vllm serve` on GPUs < 70 GiB
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM max_num_seqs default on GPUs < 70 GiB
 DEFAULT_BLOCK_SIZE = 16
-ACT_BYTES = 2  # bf16 activations
-LOGITS_COPIES = 3  # fp32 logits, probabilities, one sampler temporary
 # torch allocates the cuBLAS workspace through its caching allocator on the first matmul, so it shows in
 # the allocator peak: CUBLAS_WORKSPACE_CONFIG's default on Hopper is :4096:8 = 32 MiB (see PyTorch's
 # cuBLAS notes); older GPUs use less. The reference engine counts it; vLLM's overhead term already does.
@@ -180,7 +190,7 @@ def validate_settings(s: BudgetSettings) -> None:
 # ----------------------------------------------------------------------------------- model resolution
 
 
-def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
+def load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
     """(config dict, directory with weights or None, label) from a preset name, directory or config.json."""
     if isinstance(spec, dict):
         return spec, None, str(spec.get("_preset", "config"))
@@ -188,7 +198,6 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
     preset = load_preset(text)
     if preset is not None:
         return preset, None, f"preset:{text.lower()}"
-    from dflash_quant.reference import pair_dir, parse_shipped, shipped_id
 
     shipped = parse_shipped(text)
     if shipped:  # a shipped pair's part, by its name (`reference:target`)
@@ -206,8 +215,6 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
 
 def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool) -> None:
     """The config's layer count against the weights beside it (headers only), like the loader does."""
-    from dflash_quant.io.weights import read_header
-    from dflash_quant.models.config_check import check_layers_present
 
     if root is None:
         return
@@ -221,7 +228,7 @@ def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engin
 
     weights: None (files, else the config's dtype), a format (bf16|fp16|fp8|int8|int4), or a size ('17.8GB').
     """
-    cfg, root, label = _load_config(spec)
+    cfg, root, label = load_config(spec)
     shape = parse_shape(cfg, source=label)
     _check_layers(shape, root, label, exact=False)
     if shape.is_drafter:
@@ -253,7 +260,7 @@ def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engin
 
 def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> DrafterSpec:
     """Drafter from an artifact dir (packed bytes from files), a bf16 drafter dir, a config.json or a preset."""
-    cfg, root, label = _load_config(spec)
+    cfg, root, label = load_config(spec)
     shape = parse_shape(cfg, source=label)
     _check_layers(shape, root, label, exact=True)
     if group_size != -1 and group_size < 1:
@@ -282,15 +289,11 @@ def resolve_drafter(spec: str | Path | dict, *, group_size: int = 128) -> Drafte
 # ------------------------------------------------------------------------------------------- caches
 
 
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block if n > 0 else 0
-
-
 def cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> dict[str, int]:
     """Per-request caches at `context` tokens (target KV, target recurrent state, drafter context KV)."""
     if s.engine == "vllm" and target.shape.recurrent is not None:
         return _hybrid_cache_bytes(target, drafter, s, context)
-    tokens = _round_up(context, s.block_size) if s.engine == "vllm" else context
+    tokens = round_up(context, s.block_size) if s.engine == "vllm" else context
     t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
     d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
     slots_k = s.spec_tokens if s.engine == "vllm" else 0
@@ -304,15 +307,13 @@ def _hybrid_cache_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings
     lay = layout(target, s)
     r = target.shape.recurrent
     assert r is not None
-    tokens = _round_up(context, lay.block_tokens)
+    tokens = round_up(context, lay.block_tokens)
     t_kv = kv_per_token(target.shape, s.kv_dtype).bytes_for(tokens)
     d_kv = kv_per_token(drafter.shape, s.drafter_kv_dtype or s.kv_dtype).bytes_for(tokens)
     return {"target_kv": t_kv, "target_state": r.num_layers * lay.state_bytes_per_layer, "drafter_kv": d_kv}
 
 
 def layout(target: ModelSpec, s: BudgetSettings):
-    from dflash_quant.memory.hybrid import hybrid_layout
-
     return hybrid_layout(
         target.shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=s.spec_tokens,
         prefix_caching=s.prefix_caching,
@@ -321,7 +322,6 @@ def layout(target: ModelSpec, s: BudgetSettings):
 
 def group_padding_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings, context: int) -> int:
     """Per-request bytes of vLLM's padding layers (memory/mtp.py: buckets by KV spec, groups of one size)."""
-    from dflash_quant.memory.mtp import drafter_layer_keys, kv_buckets, padding_bytes
 
     if target.shape.recurrent is None:
         return 0  # one attention spec per model: vLLM pads only the hybrid pool's buckets here
@@ -330,22 +330,6 @@ def group_padding_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings
 
 
 # --------------------------------------------------------------------------------------- activations
-
-
-def _layer_peak(shape: ModelShape, tokens: int, a: int = ACT_BYTES) -> int:
-    """Largest transient of one target layer on `tokens` rows in a fused serving engine (bytes)."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    q = shape.num_attention_heads * shape.head_dim * (2 if shape.attn_output_gate else 1)
-    kvd = shape.num_kv_heads * shape.head_dim
-    attn = tokens * (q + 2 * kvd + shape.num_attention_heads * shape.head_dim) * a
-    mlp_i = shape.moe_intermediate_size * 8 if shape.num_experts else i  # routed tokens, top-8 order of magnitude
-    mlp = tokens * 3 * mlp_i * a  # fused gate_up (2I) + activation output (I)
-    lin = 0
-    r = shape.recurrent
-    if r is not None:
-        vd = r.v_heads * r.v_dim
-        lin = tokens * (r.conv_dim + vd + 2 * r.v_heads + r.conv_dim + 2 * vd) * a
-    return max(attn, mlp, lin) + 2 * tokens * h * a  # + residual stream (hidden, residual)
 
 
 def activation_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings) -> int:
@@ -370,7 +354,7 @@ def activation_bytes(target: ModelSpec, drafter: ModelSpec, s: BudgetSettings) -
     logits = rows * t.vocab_size * 4 * LOGITS_COPIES
     block = (d.block_size or s.spec_tokens + 1) * s.concurrency
     draft_fwd = block * (hd + 3 * d.intermediate_size) * a
-    return _layer_peak(t, tok) + taps + ctx_proj + logits + draft_fwd
+    return layer_peak(t, tok) + taps + ctx_proj + logits + draft_fwd
 
 
 def reference_activation_bytes(

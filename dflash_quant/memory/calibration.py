@@ -18,7 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_quant.artifact.reports import CalibrationBudget, CalibrationFix, GpuRef
+from dflash_quant.errors import UsageError
+from dflash_quant.memory.budget import DEFAULT_CUBLAS_WORKSPACE, resolve_drafter, resolve_target
+from dflash_quant.memory.gpus import resolve_gpu
 from dflash_quant.memory.kv import ModelShape, dtype_bytes, kv_per_token, recurrent_state_bytes
+from dflash_quant.memory.weights import count_params
 
 FP32 = 4
 
@@ -138,7 +143,6 @@ def _gib(n: int, up: bool = False) -> str:
 def mean_layer_bytes(shape: ModelShape, weight_bytes: int) -> int:
     """One decoder layer's share of the target's weights (embedding and head left out): what accelerate
     streams onto the GPU at a time for an offloaded layer."""
-    from dflash_quant.memory.weights import count_params
 
     pc = count_params(shape)
     outside = pc.other.get("embed_tokens", 0) + pc.other.get("lm_head", 0)
@@ -158,10 +162,6 @@ def calibration_budget(
     """Will `gptq` calibration (bf16 target and drafter, fp32 Hessians) fit on `gpu`? If not, which flags fix it:
     first --hessian-device cpu; then also --device-map auto with a --max-memory that leaves the GPU room for
     the activations and one streamed layer."""
-    from dflash_quant.artifact.reports import CalibrationBudget, CalibrationFix, GpuRef
-    from dflash_quant.errors import UsageError
-    from dflash_quant.memory.budget import DEFAULT_CUBLAS_WORKSPACE, resolve_drafter, resolve_target
-    from dflash_quant.memory.gpus import resolve_gpu
 
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise UsageError("--prompt-tokens and --max-new-tokens must be at least 1")

@@ -39,7 +39,9 @@ from dflash_quant.memory.budget import (
     ModelSpec,
     required_bytes,
 )
-from dflash_quant.memory.gpus import fmt_bytes
+from dflash_quant.memory.gpus import fmt_bytes, parse_bytes
+from dflash_quant.memory.kv import dtype_bytes
+from dflash_quant.memory.plan import budget_objects
 
 # the step-1 changes, in the order tried within one number of changes
 FREE_CHANGES = ("no_prefix_caching", "kv_fp8", "state_bf16")
@@ -62,8 +64,6 @@ class ServingKnobs:
 
     def check(self) -> None:
         """Refuse a bad value before anything is loaded (the same checks `budget` makes)."""
-        from dflash_quant.memory.gpus import parse_bytes
-        from dflash_quant.memory.kv import dtype_bytes
 
         for flag, value in (("--kv-dtype", self.kv_dtype), ("--drafter-kv-dtype", self.drafter_kv_dtype),
                             ("--state-dtype", self.state_dtype)):  # fmt: skip
@@ -107,7 +107,6 @@ class FitChoice:
 
 def budget_for(target: str, drafter: str, gpu: str, context: int, target_weights: str | None, knobs: ServingKnobs):
     """(target, drafter, settings) as `budget` builds them from the same flags (vLLM engine, batch 1)."""
-    from dflash_quant.memory.plan import budget_objects
 
     return budget_objects(
         target, drafter, gpu, context, 1, knobs.spec_tokens, target_weights, knobs.kv_dtype,

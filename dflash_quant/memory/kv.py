@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.models.config_check import check_model_fields, draft_fields, positive_int
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -279,7 +280,6 @@ def parse_shape(src: str | Path | dict, source: str = "config") -> ModelShape:
 
     The count fields are checked by config_check (the same checks the loader applies); a DFlash drafter's
     block size and taps come from config_check.draft_fields, the one reading of a drafter config."""
-    from dflash_quant.models.config_check import check_model_fields, draft_fields, positive_int
 
     if not isinstance(src, dict) and source == "config":
         source = str(src)

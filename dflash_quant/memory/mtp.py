@@ -27,26 +27,28 @@ from dataclasses import dataclass, field, replace
 from dflash_quant.errors import UsageError
 from dflash_quant.io.weights import weight_files
 from dflash_quant.memory.budget import (
-    ACT_BYTES,
-    LOGITS_COPIES,
     BudgetSettings,
     DrafterSpec,
     ModelSpec,
-    _layer_peak,
-    _round_up,
     activation_bytes,
     cache_bytes,
     validate_settings,
 )
+from dflash_quant.memory.engine import (
+    ACT_BYTES,
+    LOGITS_COPIES,
+    drafter_layer_keys,
+    kv_buckets,
+    layer_peak,
+    padding_bytes,
+    padding_layers,
+    round_up,
+)
 from dflash_quant.memory.hybrid import hybrid_layout
 from dflash_quant.memory.kv import (
     FULL,
-    LINEAR,
-    MAMBA,
-    SLIDING,
     ModelShape,
     dtype_bytes,
-    recurrent_state_bytes,
     text_config,
 )
 from dflash_quant.memory.weights import count_params, priced_bytes, weights_from_files
@@ -134,78 +136,6 @@ def mtp_kv_per_token(shape: ModelShape, head: MTPHead, kv_dtype: str | None = No
 # ----------------------------------------------------------------------------- vLLM KV-cache grouping
 
 
-def vllm_group_size(counts: list[int]) -> int:
-    """vLLM's group size for buckets of these layer counts (`_get_kv_cache_groups_uniform_page_size`)."""
-    smallest, largest = min(counts), max(counts)
-    return largest if largest < smallest * 1.5 else smallest
-
-
-def padding_layers(counts: dict[tuple, int]) -> dict[tuple, int]:
-    """Padding layers vLLM adds to each bucket: the last group of every bucket is filled to the group size."""
-    if len(counts) <= 1:
-        return {k: 0 for k in counts}  # one spec: a single group, no padding
-    size = vllm_group_size(list(counts.values()))
-    return {k: -n % size for k, n in counts.items()}
-
-
-def kv_buckets(target: ModelShape, draft_layers: list[tuple]) -> dict[tuple, int]:
-    """Layer counts per KV spec: (kind, kv_heads, head_dim, window). vLLM buckets by spec equality, so a drafter
-    layer joins the target's bucket only with the same heads and head_dim (an MTP layer always does)."""
-    out: dict[tuple, int] = {}
-    for kind in target.layer_types:
-        key: tuple
-        if kind in (LINEAR, MAMBA):
-            key = ("state",)
-        elif kind == SLIDING:
-            key = (SLIDING, target.num_kv_heads, target.head_dim, target.sliding_window)
-        elif kind == FULL:
-            key = (FULL, target.num_kv_heads, target.head_dim, None)
-        else:
-            continue  # MLP-only layers hold no cache
-        out[key] = out.get(key, 0) + 1
-    for key in draft_layers:
-        out[key] = out.get(key, 0) + 1
-    return out
-
-
-def drafter_layer_keys(drafter: ModelShape) -> list[tuple]:
-    keys = []
-    for kind in drafter.layer_types:
-        if kind == SLIDING:
-            keys.append((SLIDING, drafter.num_kv_heads, drafter.head_dim, drafter.sliding_window))
-        else:
-            keys.append((FULL, drafter.num_kv_heads, drafter.head_dim, None))
-    return keys
-
-
-def padding_bytes(target: ModelShape, buckets: dict[tuple, int], s: BudgetSettings, tokens: int, k: int) -> int:
-    """Per-request bytes of the padding layers: each costs what one real layer of its bucket costs."""
-    pads = padding_layers(buckets)
-    b_kv = dtype_bytes(s.kv_dtype or target.dtype, what="KV dtype")
-    total = 0
-    r = target.recurrent
-    lay = None
-    if r is not None and s.engine == "vllm":  # the hybrid pool's pages and blocks (memory/hybrid.py)
-        lay = hybrid_layout(target, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=k,
-                            prefix_caching=s.prefix_caching)  # fmt: skip
-        tokens = _round_up(tokens, lay.block_tokens)
-    for key, n in pads.items():
-        if not n:
-            continue
-        if key == ("state",):
-            assert r is not None  # a state bucket exists only for a target with recurrent layers
-            if lay is not None:
-                per_layer = lay.state_bytes_per_layer
-            else:
-                per_layer = recurrent_state_bytes(target, k, ssm_dtype=s.state_dtype) // r.num_layers
-        else:
-            _, heads, hd, window = key
-            held = min(tokens, window) if window else tokens
-            per_layer = 2 * heads * hd * b_kv * held
-        total += n * per_layer
-    return total
-
-
 # ------------------------------------------------------------------------------------------ methods
 
 
@@ -225,7 +155,7 @@ class Method:
 
 
 def _tokens(s: BudgetSettings, context: int) -> int:
-    return _round_up(context, s.block_size)
+    return round_up(context, s.block_size)
 
 
 def no_spec_method(t: ModelSpec, s: BudgetSettings) -> Method:
@@ -241,7 +171,7 @@ def no_spec_method(t: ModelSpec, s: BudgetSettings) -> Method:
         if s.activation_bytes is not None:
             return s.activation_bytes
         rows = max(s.max_num_seqs, conc)
-        return _layer_peak(shape, s.prefill_chunk) + rows * shape.vocab_size * 4 * LOGITS_COPIES
+        return layer_peak(shape, s.prefill_chunk) + rows * shape.vocab_size * 4 * LOGITS_COPIES
 
     return Method("none", "none", 0, 0, "-", act, per_request, _slots(shape, s, 0),
                   padding_layers(buckets))  # fmt: skip
@@ -262,7 +192,7 @@ def mtp_method(t: ModelSpec, head: MTPHead, weights: MTPWeights, s: BudgetSettin
         if shape.recurrent is not None:  # the head's pages live in the hybrid pool: whole blocks of vLLM's size
             lay = hybrid_layout(shape, kv_dtype=s.kv_dtype, state_dtype=s.state_dtype, spec_tokens=k,
                                 prefix_caching=s.prefix_caching)  # fmt: skip
-            tokens = _round_up(tokens, lay.block_tokens)
+            tokens = round_up(tokens, lay.block_tokens)
         return {"target_kv": c["target_kv"], "target_state": c["target_state"], "draft_kv": kv_tok * tokens,
                 "kv_group_padding": padding_bytes(shape, buckets, s, tokens, k)}  # fmt: skip
 
@@ -297,7 +227,7 @@ def mtp_activation_bytes(shape: ModelShape, s: BudgetSettings, k: int, concurren
     rows = max(s.max_num_seqs, concurrency * (k + 1))
     logits = rows * shape.vocab_size * 4 * LOGITS_COPIES
     draft_step = concurrency * (h + 3 * shape.intermediate_size) * a
-    return _layer_peak(shape, tok) + tok * h * a + tok * 4 * h * a + logits + draft_step
+    return layer_peak(shape, tok) + tok * h * a + tok * 4 * h * a + logits + draft_step
 
 
 def dflash_method(t: ModelSpec, d: DrafterSpec, form: str, s: BudgetSettings) -> Method:

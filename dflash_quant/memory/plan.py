@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash_quant.artifact.reports import Budget
+from dflash_quant.artifact.sources import model_label
 from dflash_quant.errors import UsageError
+from dflash_quant.memory.budget import (
+    DEFAULT_RUNTIME_OVERHEAD,
+    ENGINES,
+    BudgetSettings,
+    compare_drafters,
+    kv_summary,
+    load_config,
+    resolve_drafter,
+    resolve_target,
+)
+from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
+from dflash_quant.memory.kv import dtype_bytes
+from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS, compare_mtp, mtp_head
 
 if TYPE_CHECKING:
     from dflash_quant.artifact.reports import Budget
@@ -33,15 +48,6 @@ def budget_objects(
     *,
     prefix_caching: bool = True,
 ):
-    from dflash_quant.memory.budget import (
-        DEFAULT_RUNTIME_OVERHEAD,
-        ENGINES,
-        BudgetSettings,
-        resolve_drafter,
-        resolve_target,
-    )
-    from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
-    from dflash_quant.memory.kv import dtype_bytes
 
     if engine not in ENGINES:
         raise UsageError(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}")
@@ -86,8 +92,6 @@ def budget_report(t, d, settings, *, target_label: str | None = None, drafter_la
     """What `budget --json` prints and memory.json embeds as budget_24gb (artifact.reports.Budget).
 
     The labels replace the model arguments as given (an artifact records them in their portable form)."""
-    from dflash_quant.artifact.reports import Budget
-    from dflash_quant.memory.budget import compare_drafters, kv_summary
 
     budgets = compare_drafters(t, d, settings)
     report = Budget.from_dict(
@@ -140,7 +144,6 @@ def embedded_budget(
     drafter_label: str | None = None,
 ):
     """The 24 GB budget stored in memory.json: one request, vLLM defaults, bf16 vs this drafter."""
-    from dflash_quant.artifact.sources import model_label
 
     t, d, settings = budget_objects(
         target, drafter, gpu, context, 1, None, target_weights, None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
@@ -157,7 +160,6 @@ def embedded_budget(
 
 def parse_mtp_tokens(text: str | None) -> tuple[int, ...]:
     """'1,2,3' -> (1, 2, 3); None -> the default K = 1..3."""
-    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS
 
     if text is None:
         return DEFAULT_MTP_TOKENS
@@ -172,16 +174,13 @@ def parse_mtp_tokens(text: str | None) -> tuple[int, ...]:
 
 def mtp_comparison(target: str, t, d, settings, mtp_tokens=None, mtp_weights: str | None = None) -> dict:
     """`budget --compare-mtp`: no speculation, MTP (each K), DFlash bf16 / quantized, side by side."""
-    from dflash_quant.memory.budget import _load_config
-    from dflash_quant.memory.mtp import DEFAULT_MTP_TOKENS, compare_mtp
 
-    _, root, _ = _load_config(target)
+    _, root, _ = load_config(target)
     return compare_mtp(t, d, settings, root=root, mtp_tokens=mtp_tokens or DEFAULT_MTP_TOKENS, mtp_weights=mtp_weights)
 
 
 def with_mtp_comparison(rep: Budget, target: str, t, d, settings) -> Budget:
     """Add the MTP comparison to a budget report when the target ships an MTP head (memory.json, the card)."""
-    from dflash_quant.memory.mtp import mtp_head
 
     if settings.engine == "vllm" and mtp_head(t.shape) is not None:
         rep.compare_mtp = mtp_comparison(target, t, d, settings)

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_quant.artifact.manifest import has_manifest, record_files, require_intact, updating
 from dflash_quant.artifact.reports import Budget, MemoryReport
+from dflash_quant.artifact.sources import model_label, portable_path
+from dflash_quant.io.atomic import signals_raise, write_json_atomic
 from dflash_quant.memory.kv import kv_per_token, parse_shape, read_config
 from dflash_quant.memory.weights import disk_bytes, weights_from_files
 
@@ -28,7 +31,6 @@ def build_memory_report(
     """`resident`: measures what loading it holds (loading.drafter.measure_resident), called once the files are
     read; None: not measured.
     `artifact_name` / `baseline_name`: how to record them (default: their portable form, never absolute)."""
-    from dflash_quant.artifact.sources import model_label, portable_path
 
     artifact = Path(artifact)
     rep = weights_from_files(artifact)
@@ -91,8 +93,6 @@ def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = N
     Into an artifact with a manifest: its recorded files are checked first (a mismatch is refused) and
     only memory.json's entry is updated; weights are never re-hashed into the manifest here.
     """
-    from dflash_quant.artifact.manifest import has_manifest, record_files, require_intact, updating
-    from dflash_quant.io.atomic import signals_raise
 
     own = Path(artifact) / MEMORY_JSON
     target = Path(out) if out else own
@@ -104,8 +104,6 @@ def write_memory_json(report: MemoryReport, artifact: Path, out: Path | None = N
         if in_artifact:
             report.write(artifact)
         else:
-            from dflash_quant.io.atomic import write_json_atomic
-
             write_json_atomic(target, report.to_dict())
         if manifest:
             record_files(Path(artifact), (MEMORY_JSON,))

@@ -33,7 +33,8 @@ from dflash_quant.loading.runtime import (
     stop_tokens,
 )
 from dflash_quant.pipeline.preflight import guard_run
-from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
+from dflash_quant.quantize.drafter import candidate_linears, extra_linears, quantize_drafter
+from dflash_quant.quantize.settings import QuantSettings
 from dflash_quant.speculative.lookup import LookupSettings
 from dflash_quant.speculative.verify import (
     TIMED_PROMPTS,

@@ -23,23 +23,11 @@ from typing import cast
 
 import torch
 
+from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import UsageError
-from dflash_quant.quantize.gptq import (
-    DAMP_TRIES,
-    HessianAccumulator,
-    _damped_inverse_factor,
-    checked_inputs,
-    rtn_fallback,
-    split_rows,
-)
-from dflash_quant.quantize.grid import (
-    QuantizedWeight,
-    QuantSpec,
-    dequantize_codes,
-    find_params,
-    group_params,
-    quantize_codes,
-)
+from dflash_quant.quantize.gptq import DAMP_TRIES, checked_inputs, damped_inverse_factor, rtn_fallback, split_rows
+from dflash_quant.quantize.grid import QuantizedWeight, dequantize_codes, find_params, group_params, quantize_codes
+from dflash_quant.quantize.spec import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +63,7 @@ def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent
         W = W[:, order]
         H = H[order][:, order]
     col_group = (order if (static_groups or not grouped) else torch.arange(in_features, device=W.device)) // width
-    Hinv, damp_used = _damped_inverse_factor(H, damp_percent, damp_tries)
+    Hinv, damp_used = damped_inverse_factor(H, damp_percent, damp_tries)
     del H
     if Hinv is None:
         return rtn_fallback(weight, spec, name, damp_used, stacklevel=3)

@@ -21,7 +21,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.quantize.grid import _FP16_MAX, _FP16_TINY, QuantSpec, find_params
+from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, find_params
+from dflash_quant.quantize.spec import QuantSpec
 
 _DIVISION: dict[tuple[str, int], frozenset[str]] = {}
 
@@ -223,8 +224,8 @@ def solve_blocks(W, Hinv, col_group, S, Z, spec: QuantSpec, block_size: int, pre
             n_groups,
             inv_q,
             inv_q1,
-            _FP16_TINY,
-            _FP16_MAX,
+            FP16_TINY,
+            FP16_MAX,
             ncols=i2 - i1,
             MAXQ=spec.maxq,
             WIDTH=width if in_kernel else 1,

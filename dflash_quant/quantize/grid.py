@@ -18,49 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.quantize.spec import QuantSpec
 
-SUPPORTED_BITS = (2, 3, 4, 8)
-_FP16_TINY = torch.finfo(torch.float16).tiny  # smallest normal fp16: keeps scales full precision
-_FP16_MAX = torch.finfo(torch.float16).max
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How to quantize: bits per weight, input columns per group (-1: one group per row), symmetric grid."""
-
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    v1_zeros: bool = True
-
-    def __post_init__(self):
-        if self.bits not in SUPPORTED_BITS:
-            raise UsageError(f"bits={self.bits} is not supported; use one of {list(SUPPORTED_BITS)}")
-        if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size <= 0):
-            raise UsageError(
-                f"group_size={self.group_size!r} is invalid; use -1 (per row) or a positive width like 128"
-            )
-
-    @property
-    def maxq(self) -> int:
-        return (1 << self.bits) - 1
-
-    def group_width(self, in_features: int, name: str = "") -> int:
-        """Columns per group for a layer of this input width; rejects sizes that do not divide it."""
-        if self.group_size == -1:
-            return in_features
-        if in_features % self.group_size:
-            valid = [g for g in (16, 32, 64, 128, 256, 512, 1024) if in_features % g == 0]
-            where = f"layer {name!r}" if name else "the layer"
-            raise UsageError(
-                f"group_size={self.group_size} does not divide the input width {in_features} of {where}; "
-                f"use -1 or one of {valid}"
-            )
-        return self.group_size
-
-    def n_groups(self, in_features: int, name: str = "") -> int:
-        return in_features // self.group_width(in_features, name)
+FP16_TINY = torch.finfo(torch.float16).tiny  # smallest normal fp16: keeps scales full precision
+FP16_MAX = torch.finfo(torch.float16).max
 
 
 def find_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,14 +53,14 @@ def find_params(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.T
 
 
 def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
-    if torch.any(scale > _FP16_MAX):
+    if torch.any(scale > FP16_MAX):
         raise DFlashQuantError(
-            f"a quantization scale of {scale.max().item():.3g} overflows fp16 (weights above ~{_FP16_MAX:.0f}); "
+            f"a quantization scale of {scale.max().item():.3g} overflows fp16 (weights above ~{FP16_MAX:.0f}); "
             "check the weights for corruption or keep that layer unquantized"
         )
     # Round *up* to the next fp16 value: a smaller scale would clip the group's extremes (at 8 bits the
     # nearest-fp16 error, up to 2**-11 relative, times 255 steps is a visible fraction of a step).
-    s16 = scale.clamp(min=_FP16_TINY).half()
+    s16 = scale.clamp(min=FP16_TINY).half()
     up = torch.nextafter(s16, torch.full_like(s16, float("inf")))
     return torch.where(s16.float() < scale, up, s16).float()
 

@@ -19,7 +19,7 @@ import torch
 
 from dflash_quant.errors import UsageError
 from dflash_quant.quantize.gptq import gptq_quantize
-from dflash_quant.quantize.grid import QuantSpec
+from dflash_quant.quantize.spec import QuantSpec
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ import numpy as np
 
 from dflash_quant.errors import UsageError
 from dflash_quant.memory.fit import ServingKnobs
+from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.mixed import Candidate, Choice, min_bytes
+from dflash_quant.speculative.verify import spec_runs
 
 BITS = (2, 3, 4, 8)
 # vLLM's Marlin kernels take groups 32/64/128 and per channel (-1); per channel drops the groups' scales and
@@ -273,8 +275,6 @@ def measure_points(
     """bf16 tau and its tokens/steps per prompt, and per uniform setting (summed loss, tau, tau ratio, tau
     loss, tokens/steps per prompt) on the dev prompts; `lengths_out` receives the bf16 drafter's acceptance
     lengths (for tau at fewer tokens, `--fit`)."""
-    from dflash_quant.quantize.drafter import quantize_drafter
-    from dflash_quant.speculative.verify import spec_runs
 
     def tau(m, label: str) -> tuple[float, dict[str, list[int]]]:
         runs = spec_runs(m, target_model, dev_ids, check, progress(f"mix: tau map, {label}", len(dev_ids)))

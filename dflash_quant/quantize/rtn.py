@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.quantize.grid import QuantizedWeight, QuantSpec, group_params, quantize_codes
+from dflash_quant.quantize.grid import QuantizedWeight, group_params, quantize_codes
+from dflash_quant.quantize.spec import QuantSpec
 
 
 def rtn_quantize(

@@ -26,7 +26,7 @@ import torch
 
 from dflash_quant.models.model import DFlashDrafter, DraftCache
 from dflash_quant.models.model2 import DFlash2Drafter
-from dflash_quant.speculative.decode import SpecResult, _taps
+from dflash_quant.speculative.decode import SpecResult, tap_states
 from dflash_quant.speculative.target_cache import cache_kw, make_cache
 
 INVALID = 1 << 40  # position of a slot no query may see (rejected draft, padding)
@@ -150,7 +150,7 @@ def batched_speculative_generate(
         logits_to_keep=1,
     )
     first = out.logits[:, -1].argmax(-1).cpu()
-    ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)  # [B, width, taps*H]
+    ctx = tap_states(out.hidden_states, drafter.target_layer_ids, device)  # [B, width, taps*H]
     ctx_pos = slot_pos.clone()
     starts = list(lens)
     active: list[int] = []  # result index of each batch row
@@ -242,7 +242,7 @@ def batched_speculative_generate(
                 finished.append(i)
         committed = j[None] < torch.tensor(produced_all)[:, None]
         slot_pos = torch.cat([slot_pos, new_pos.where(committed, torch.full_like(new_pos, INVALID))], dim=1)
-        ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)
+        ctx = tap_states(out.hidden_states, drafter.target_layer_ids, device)
         ctx_pos = block_pos.where(committed, torch.full_like(block_pos, INVALID))
         if finished:
             left = [i for i in range(rows) if i not in set(finished)]

@@ -83,7 +83,7 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def _taps(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int], device: torch.device) -> torch.Tensor:
+def tap_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int], device: torch.device) -> torch.Tensor:
     # hidden_states[0] is the embedding output, so decoder layer l's output is at l + 1. A split target's
     # layers live on several devices: each tap moves to the drafter's device (only the tapped layers move).
     return torch.cat([hidden_states[i + 1].to(device) for i in layer_ids], dim=-1)
@@ -166,7 +166,7 @@ def speculative_generate(
     result.target_forwards += 1
     last_logits = out.logits[0, -1].to(device)
     ids[n] = _sample(_probs(last_logits, temperature), generator) if temperature > 0 else last_logits.argmax()
-    ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)
+    ctx = tap_states(out.hidden_states, drafter.target_layer_ids, device)
     start = n
     stopped = int(ids[n]) in stops
 
@@ -251,7 +251,7 @@ def speculative_generate(
         start += produced
         t_state.commit(saved, ids, start, final=stopped or start + 1 >= max_len)
         if size > 1:  # the committed tokens' taps; a step without the drafter hands them on to the next one
-            new_ctx = _taps(out.hidden_states, drafter.target_layer_ids, device)[row : row + 1, :produced]
+            new_ctx = tap_states(out.hidden_states, drafter.target_layer_ids, device)[row : row + 1, :produced]
             ctx = new_ctx if ran_drafter else torch.cat([ctx, new_ctx], dim=1)
 
     end = min(start + 1, max_len)

@@ -41,7 +41,8 @@ def rtn_fake_quantize(weight: torch.Tensor, bits: int, group_size: int = 128, sy
 def _quantizer(bits: int, group_size: int, sym: bool):
     """The project's RTN (dflash_quant.quantize.rtn) when present, else the local min-max RTN."""
     try:
-        from dflash_quant.quantize.rtn import QuantSpec, rtn_quantize
+        from dflash_quant.quantize.rtn import rtn_quantize
+        from dflash_quant.quantize.spec import QuantSpec
     except ImportError:
         return lambda w: rtn_fake_quantize(w, bits, group_size if w.shape[1] % group_size == 0 else -1, sym)
 

@@ -7,9 +7,11 @@ gptqmodel = pytest.importorskip("gptqmodel", reason="gptqmodel is not installed 
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear  # noqa: E402
 from gptqmodel.utils.model import convert_gptq_v1_to_v2_format_module  # noqa: E402
 
+from dflash_quant.calibration.hessian import HessianAccumulator  # noqa: E402
 from dflash_quant.export.gptq_v1 import pack_gptq_v1  # noqa: E402
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1  # noqa: E402
-from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize  # noqa: E402
+from dflash_quant.quantize.gptq import gptq_quantize  # noqa: E402
+from dflash_quant.quantize.spec import QuantSpec  # noqa: E402
 
 pytestmark = pytest.mark.interop
 

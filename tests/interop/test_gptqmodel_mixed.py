@@ -8,12 +8,14 @@ import torch
 gptqmodel = pytest.importorskip("gptqmodel", reason="gptqmodel is not installed (build it with `make interop`)")
 from gptqmodel.quantization.config import dynamic_get  # noqa: E402
 
+from dflash_quant.calibration.hessian import HessianAccumulator  # noqa: E402
 from dflash_quant.export.gptq_dynamic import layer_setting  # noqa: E402
 from dflash_quant.export.gptq_v1 import pack_gptq_v1  # noqa: E402
 from dflash_quant.export.writer import quantization_config  # noqa: E402
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1  # noqa: E402
-from dflash_quant.quantize import HessianAccumulator, QuantSpec, gptq_quantize  # noqa: E402
-from dflash_quant.quantize.drafter import QuantSettings  # noqa: E402
+from dflash_quant.quantize.gptq import gptq_quantize  # noqa: E402
+from dflash_quant.quantize.settings import QuantSettings  # noqa: E402
+from dflash_quant.quantize.spec import QuantSpec  # noqa: E402
 
 from .test_gptqmodel import _gptqmodel_linear  # noqa: E402
 
