@@ -217,6 +217,17 @@ class TargetQuantization(Record):
     extra: E = doc("", factory=dict)
 
 
+def target_quant_label(tq: dict[str, Any]) -> str:
+    """One line for tables and cards: `compressed-tensors pack-quantized W4 g32 sym, 6.23 MiB resident`."""
+    size = f"{tq['resident_bytes'] / 2**20:.2f} MiB resident" if tq.get("resident_bytes") is not None else ""
+    if not tq.get("format"):
+        return f"dense, {size}" if size else "dense"
+    group = "per-channel" if tq.get("group_size") == -1 else f"g{tq.get('group_size')}"
+    grid = "sym" if tq.get("symmetric") else "asym"
+    head = f"{tq.get('quant_method')} {tq.get('format')} W{tq.get('bits')} {group} {grid}, kernel {tq.get('kernel')}"
+    return f"{head}, {size}" if size else head
+
+
 @dataclass
 class DrafterKernel(Record):
     kernel: str | None = doc(

@@ -51,7 +51,7 @@ def _summary(result) -> Table:
     if tq := result.target_quantization:
         table.add_row("target weights resident", _fmt_bytes(tq.get("resident_bytes")))
         if tq.get("format"):
-            from dflash_quant.loading.target_quant import target_quant_label  # torch: only once a table is printed
+            from dflash_quant.artifact.reports import target_quant_label
 
             table.add_row("target quantization", target_quant_label(tq))
     if par:

@@ -10,8 +10,6 @@ from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
 from dflash_quant.errors import UsageError
-from dflash_quant.memory.plan import budget_objects as _budget_objects
-from dflash_quant.memory.plan import budget_report, mtp_comparison, parse_mtp_tokens, with_mtp_comparison
 
 
 def _check_out(out: Path, artifact: Path, baseline: Path | None) -> None:
@@ -265,6 +263,7 @@ def register(app: typer.Typer) -> None:
         if dev not in (None, "cpu", "cuda") and not dev.startswith("cuda:"):
             raise UsageError(f"unknown --device {device!r}; use cpu, cuda or none")
         from dflash_quant.artifact.manifest import has_manifest, require_intact
+        from dflash_quant.memory.plan import budget_objects, budget_report, with_mtp_comparison
         from dflash_quant.memory.report import MEMORY_JSON
 
         if has_manifest(artifact):  # an exported artifact: measure only what the export vouches for
@@ -272,7 +271,7 @@ def register(app: typer.Typer) -> None:
             require_intact(artifact, stage="memory", skip=(MEMORY_JSON,) if rewrites else ())
         budget = None
         if budget_target:
-            t, d, settings = _budget_objects(
+            t, d, settings = budget_objects(
                 budget_target, str(artifact), budget_gpu, budget_context, 1, None, budget_target_weights,
                 None, None, None, "vllm", None, None, None, 2048, 256, None, 0, 128,
             )  # fmt: skip
@@ -380,6 +379,8 @@ def register(app: typer.Typer) -> None:
         kv_hessian: str = typer.Option("block+context", "--kv-hessian", help="--calibration: block | block+context."),
     ) -> None:
         """Will the target + drafter fit on this card? Headroom, max context, max concurrency; bf16 vs int4 drafter."""
+        from dflash_quant.memory.plan import budget_objects, budget_report, mtp_comparison, parse_mtp_tokens
+
         if calibration:
             from dflash_quant.memory.calibration import calibration_budget
 
@@ -391,7 +392,7 @@ def register(app: typer.Typer) -> None:
             else:
                 _print_calibration(crep)
             return
-        t, d, settings = _budget_objects(
+        t, d, settings = budget_objects(
             target, drafter, gpu, context, concurrency, spec_tokens, target_weights, kv_dtype, drafter_kv_dtype,
             state_dtype, engine, utilization, runtime_overhead, cuda_graphs, prefill_chunk, max_num_seqs,
             activation, new_tokens, group_size, prefix_caching=prefix_caching,

@@ -291,7 +291,7 @@ def verify(
     else:
         out_console.print(_table(summaries, par))
         if tgt.quantization is not None:
-            from dflash_quant.loading.target_quant import target_quant_label
+            from dflash_quant.artifact.reports import target_quant_label
 
             out_console.print(f"target weights: {target_quant_label(tgt.quantization.to_dict())}")
         for d in drafters:

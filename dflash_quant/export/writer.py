@@ -11,10 +11,14 @@ from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.artifact.reports import Provenance, QuantReport
+from dflash_quant.export.gptq_dynamic import dynamic_overrides
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
 from dflash_quant.io.atomic import write_json_atomic
+from dflash_quant.io.weights import read_header
+from dflash_quant.memory.weights import bytes_by_part
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.drafter import QuantOutcome
+from dflash_quant.quantize.mixed import Candidate
 from dflash_quant.quantize.settings import QuantSettings
 
 
@@ -53,9 +57,6 @@ def quantization_config(
     extra: dict[str, Any] = {"quantizer": [f"dflash-quant:{__version__}"], "dflash_quant": ours}
     dynamic: dict[str, dict] = _skip_rules(kept, n_layers) if kept else {}
     if picks:
-        from dflash_quant.export.gptq_dynamic import dynamic_overrides
-        from dflash_quant.quantize.mixed import Candidate
-
         base = Candidate(settings.bits, settings.group_size)
         dynamic.update(dynamic_overrides({n: Candidate(b, g) for n, (b, g) in picks.items()}, base))
         ours["mixed"] = True
@@ -75,7 +76,6 @@ def quantization_config(
 
 def _tensor_bytes(path: Path) -> dict[str, int]:
     """Bytes of every tensor in the written file, from its header."""
-    from dflash_quant.io.weights import read_header
 
     return {
         name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()
@@ -85,7 +85,6 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
 def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]) -> dict[str, Any]:
     """Every tensor of the source at bf16 vs every tensor of the written file, in total and by drafter part
     (backbone Linears, fc, norms, conv, selector codebooks, selector projection)."""
-    from dflash_quant.memory.weights import bytes_by_part
 
     bf16 = {name: t.numel() * 2 for name, t in state.items()}
     return {

@@ -8,10 +8,15 @@ from typing import Any
 
 import torch
 
+from dflash_quant.artifact.reports import Provenance
 from dflash_quant.errors import DFlashQuantError, UsageError, check_count
-from dflash_quant.loading.drafter import LoadedDrafter, load_drafter
+from dflash_quant.io.source import resolve
+from dflash_quant.loading.drafter import LoadedDrafter, load_drafter, read_draft_config
 from dflash_quant.loading.target import LoadedTarget, load_target
 from dflash_quant.models.checks import check_pair
+from dflash_quant.prompts import encode_prompt, load_prompts
+from dflash_quant.reference import PAIRS, pair_dir
+from dflash_quant.reference import default_target as shipped_target
 
 DTYPES = {
     "float32": torch.float32,
@@ -76,8 +81,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def default_target(drafter_src: str) -> str:
     """The target a drafter was made for: a shipped pair's, or the one recorded in an artifact."""
-    from dflash_quant.artifact.reports import Provenance
-    from dflash_quant.reference import default_target as shipped_target
 
     shipped = shipped_target(drafter_src)
     if shipped:
@@ -95,8 +98,6 @@ def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype, placement: Any = None
 ) -> tuple[LoadedDrafter, LoadedTarget]:
     """The drafter on `device`; the target there too, or split by `placement` (devmap.Placement)."""
-    from dflash_quant.io.source import resolve
-    from dflash_quant.loading.drafter import read_draft_config
 
     read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype, placement=placement)
@@ -107,7 +108,6 @@ def load_pair(
 
 def reference_pair_of(target: LoadedTarget) -> str | None:
     """The name of the shipped pair whose target this is (`reference`, `reference-dflash2`), else None."""
-    from dflash_quant.reference import PAIRS, pair_dir
 
     for name in PAIRS:
         try:
@@ -139,7 +139,6 @@ def encode_prompts(
 ) -> list[list[int]]:
     """Token ids of the prompts. A prompt that cannot fit the target's positions with max_new_tokens after it
     is refused (exit 2) rather than truncated: a cut prompt would be a different, silently measured prompt."""
-    from dflash_quant.prompts import encode_prompt, load_prompts
 
     if target.tokenizer is None:
         raise DFlashQuantError(f"target {target.source.id} has no tokenizer files; add them to the target directory")
@@ -165,7 +164,6 @@ def encode_prompts(
 
 def prompt_categories(spec: str, limit: int | None) -> list[str | None]:
     """Each prompt's category (the built-in set's code / math / chat / reproduce; None for plain files)."""
-    from dflash_quant.prompts import load_prompts
 
     return [p.category for p in load_prompts(spec)][:limit]
 

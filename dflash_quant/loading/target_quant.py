@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_quant.artifact.reports import TargetQuantization
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.weights import read_safetensors
 from dflash_quant.kernels.int4_linear import tinygemm_pack
 
 CHUNK_BYTES = 8 << 20  # dense fp32 transient per dequantized block
@@ -225,7 +227,6 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from dflash_quant.io.weights import read_safetensors
 
     return read_safetensors(path)
 
@@ -369,21 +370,9 @@ def load_quantized_target(
 
 def describe(model: nn.Module, info: dict[str, Any] | None):
     """TargetQuantization of a loaded target (dense targets: only resident_bytes)."""
-    from dflash_quant.artifact.reports import TargetQuantization
 
     if info is not None:
         kernels = sorted({m.kernel for m in model.modules() if isinstance(m, PackedLinear)})
         if kernels:
             info = {**info, "kernel": ",".join(kernels)}
     return TargetQuantization.from_dict({**(info or {}), "resident_bytes": resident_bytes(model)})
-
-
-def target_quant_label(tq: dict[str, Any]) -> str:
-    """One line for tables and cards: `compressed-tensors pack-quantized W4 g32 sym, 6.23 MiB resident`."""
-    size = f"{tq['resident_bytes'] / 2**20:.2f} MiB resident" if tq.get("resident_bytes") is not None else ""
-    if not tq.get("format"):
-        return f"dense, {size}" if size else "dense"
-    group = "per-channel" if tq.get("group_size") == -1 else f"g{tq.get('group_size')}"
-    grid = "sym" if tq.get("symmetric") else "asym"
-    head = f"{tq.get('quant_method')} {tq.get('format')} W{tq.get('bits')} {group} {grid}, kernel {tq.get('kernel')}"
-    return f"{head}, {size}" if size else head

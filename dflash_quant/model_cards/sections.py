@@ -6,6 +6,7 @@ import shlex
 from typing import Any
 
 from dflash_quant import __version__
+from dflash_quant.artifact.reports import target_quant_label
 from dflash_quant.model_cards.chart import CHART_NAME, MIX_CHART_NAME
 from dflash_quant.model_cards.fmt import NOT_MEASURED, fmt_any, fmt_bool, fmt_bytes, fmt_float, fmt_pct, missing, table
 from dflash_quant.model_cards.reading import block_size, dig, scrub_command
@@ -46,8 +47,6 @@ def section_summary(ctx: dict) -> str:
         )
     tq = dig(prov, "target_quantization")
     if isinstance(tq, dict) and tq.get("format"):
-        from dflash_quant.loading.target_quant import target_quant_label
-
         lines.append(f"- **Target quantization (calibrated and checked against this form):** {target_quant_label(tq)}")
     lines.append(
         f"- **Source drafter:** `{src['id'] or 'not recorded'}`"

@@ -10,15 +10,16 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dflash_quant.artifact.reports import Provenance
 from dflash_quant.errors import DFlashQuantError, UsageError, check_count, check_tolerance
 from dflash_quant.io.atomic import check_writable_dir, guard_output
+from dflash_quant.reference import default_target, pair_dir, parse_shipped
 
 KV_MODES = ("block", "block+context")  # calibration.capture.KV_MODES, repeated here to stay free of torch
 
 
 def _model_paths(src: str) -> list[Path]:
     """Local files behind a drafter/target argument: its directory, the reference pair, or its Hub cache folder."""
-    from dflash_quant.reference import pair_dir, parse_shipped
 
     shipped = parse_shipped(src)
     if shipped:
@@ -38,8 +39,6 @@ def _model_paths(src: str) -> list[Path]:
 
 def _default_target(drafter: str) -> str | None:
     """The target recorded by an artifact used as the drafter (mirrors runtime.default_target, without loading)."""
-    from dflash_quant.artifact.reports import Provenance
-    from dflash_quant.reference import default_target
 
     shipped = default_target(drafter)
     if shipped:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash_quant.models.devmap import input_device
 from dflash_quant.models.model import DFlashDrafter, DraftCache
 from dflash_quant.speculative.lookup import Lookup, LookupSettings, join_proposals, point_mass, two_row_step
 from dflash_quant.speculative.target_cache import TargetCache, cache_kw, make_cache
@@ -139,7 +140,6 @@ def speculative_generate(
     input_ids live on the drafter's device; a target split by a device_map (devmap) gets its inputs on its
     embedding's device, and its taps and picked tokens come back to the drafter's.
     """
-    from dflash_quant.models.devmap import input_device
 
     device = input_ids.device
     t_dev = input_device(target, device)

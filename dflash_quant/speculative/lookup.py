@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from dflash_quant.errors import UsageError
+
 MODES = ("prefer", "agree", "extend", "both")
 DEFAULT_MODE = "both"
 # `both`'s lookup row by default (at least the drafter's block - 1): chosen on the development split
@@ -60,7 +62,6 @@ class LookupSettings:
 
     def check(self, block: int | None = None) -> None:
         """Refuse bad settings; `block` (the drafter's block size, when known) bounds `both`'s row length."""
-        from dflash_quant.errors import UsageError
 
         if self.mode not in MODES:
             raise UsageError(f"unknown lookup mode {self.mode!r}; use one of {', '.join(MODES)}")

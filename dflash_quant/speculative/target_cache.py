@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers import cache_utils as cu
 
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.models.devmap import input_device
 
 # Looked up by name: the classes moved between transformers releases (5.17 on the GPU image, 5.24 here).
 _LINEAR = getattr(cu, "LinearAttentionCacheLayerMixin", None)
@@ -218,7 +219,6 @@ class TargetCache:
         if not self.stateful or final:
             self._crop(rejected)
             return
-        from dflash_quant.models.devmap import input_device
 
         device = input_device(self.target, ids.device)  # a split target takes its ids on its embedding's device
         t0 = _sync(device)

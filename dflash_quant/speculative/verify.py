@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from dflash_quant.models.devmap import input_device
 from dflash_quant.models.model import DFlashDrafter
+from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.speculative.decode import (
     GreedyResult,
     SpecResult,
@@ -39,7 +41,6 @@ def baseline_runs(
     progress: Callable[[], None] | None = None,
 ) -> list[GreedyResult]:
     """Target-only greedy decoding of every prompt (the lossless reference and the speed baseline)."""
-    from dflash_quant.models.devmap import input_device
 
     device = input_device(target, torch.device("cpu"))
     runs = []
@@ -98,7 +99,6 @@ def spec_runs(
     """The speculative run of every prompt. With settings.batch > 1 (and a pair batch_decode takes), the first
     `timed` prompts still run one by one (their times are the speed measurement, as comparable with the
     target-only baseline's as before) and the others as batches of settings.batch rows (same results)."""
-    from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 
     batched = settings.batch > 1 and unbatchable(drafter, target, settings.temperature, settings.lookup) is None
     alone = prompts[:timed] if batched else prompts
