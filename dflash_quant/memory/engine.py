@@ -13,10 +13,14 @@ from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape, dty
 class KvSettings(Protocol):
     """The serving settings the padding layers depend on (memory.budget.BudgetSettings has them)."""
 
-    engine: str
-    kv_dtype: str | None
-    state_dtype: str | None
-    prefix_caching: bool
+    @property
+    def engine(self) -> str: ...
+    @property
+    def kv_dtype(self) -> str | None: ...
+    @property
+    def state_dtype(self) -> str | None: ...
+    @property
+    def prefix_caching(self) -> bool: ...
 
 
 ACT_BYTES = 2  # bf16 activations
