@@ -139,7 +139,8 @@ def build_random(case: str, device: torch.device):
 
 
 def load_reference(device: torch.device):
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
+    from dflash_quant.loading.target import load_target
     from dflash_quant.reference import pair_dir
 
     pair = pair_dir()

@@ -30,7 +30,7 @@ import torch
 from dflash_quant.calibration.capture import capture
 from dflash_quant.calibration.peak import predict_run
 from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
-from dflash_quant.models.devmap import Placement
+from dflash_quant.models.placement import Placement
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 

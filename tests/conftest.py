@@ -35,7 +35,8 @@ def reference_artifact(tmp_path_factory):
 
     The output lies outside the working directory and the command line names it by its absolute path, as a
     user's would, so tests can check that no machine path reaches any file of the artifact."""
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
 
     out = tmp_path_factory.mktemp("reference_run") / "reference-int4"
     job = GptqJob(

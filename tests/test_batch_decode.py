@@ -160,8 +160,9 @@ def test_spec_runs_batched_record(tiny_target):
 
 
 def _reference(name):
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
 
     target = load_target("reference:target")  # float32
     prompts = encode_prompts(target, default_prompt_spec(target, "heldout"), 12, True, 48, "a", "b")
@@ -274,8 +275,9 @@ def test_batched_capture_replay_and_hybrid_fall_back(tiny_target):
 
 def test_batched_capture_reference_pair_and_predicted_peak():
     from dflash_quant.calibration.peak import predict_run
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
 
     d, t = load_drafter("reference"), load_target("reference:target")
     ids = encode_prompts(t, "reference:calib", 6, True)
@@ -300,7 +302,8 @@ def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
     rows and bf16 check, the record says what ran batched, and the check cache keys the two apart."""
     import json
 
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
 
     def run(name, check_batch, calib_batch):
         out = tmp_path / name
@@ -341,7 +344,7 @@ def test_gptq_batched_check_and_calibration_match_one_by_one(tmp_path):
 def test_batch_defaults_and_fallbacks(tiny_target):
     from types import SimpleNamespace
 
-    from dflash_quant.pipeline.gptq import CPU_BATCH, calib_rows, default_batch
+    from dflash_quant.pipeline.batching import CPU_BATCH, calib_rows, default_batch
 
     assert default_batch(None, torch.device("cpu")) == CPU_BATCH == 16
     assert default_batch(None, torch.device("cuda")) == 1 and default_batch(3, torch.device("cuda")) == 3
@@ -362,7 +365,7 @@ def test_gpu_rows_fit_in_memory():
     import json
     from types import SimpleNamespace
 
-    from dflash_quant.pipeline.gptq import GPU_BATCH, row_bytes, rows_that_fit
+    from dflash_quant.pipeline.batching import GPU_BATCH, row_bytes, rows_that_fit
     from dflash_quant.reference import pair_dir
 
     gib = 1 << 30
@@ -406,7 +409,7 @@ def test_cuda_attention_backends(monkeypatch):
 
 
 def test_check_rows_on_cuda(monkeypatch):
-    from dflash_quant.pipeline.gptq import CPU_BATCH, GPU_BATCH, check_rows
+    from dflash_quant.pipeline.batching import CPU_BATCH, GPU_BATCH, check_rows
 
     gib = 1 << 30
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

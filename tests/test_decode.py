@@ -2,7 +2,8 @@ import pytest
 import torch
 from tiny import save_drafter
 
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.target import load_target
 from dflash_quant.models.model import DFlashDrafter, DraftCache
 from dflash_quant.speculative.decode import rejection_step, speculative_generate, target_generate
 

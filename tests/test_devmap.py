@@ -28,7 +28,7 @@ from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
 from dflash_quant.memory.calibration import calibration_budget, hessian_widths
 from dflash_quant.memory.kv import parse_shape
 from dflash_quant.memory.presets import preset_path
-from dflash_quant.models.devmap import Placement, make_placement
+from dflash_quant.models.placement import Placement, make_placement
 from dflash_quant.speculative.verify import CheckSettings, baseline_runs, spec_runs
 
 CPU = torch.device("cpu")

@@ -10,7 +10,8 @@ from tiny import dflash2_raw_config, dflash2_state_dict, save_dflash2_drafter, s
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.target import load_target
 from dflash_quant.models.checks import check_pair
 from dflash_quant.models.config import parse_draft_config
 from dflash_quant.models.model2 import DFlash2Drafter, grouped_causal_conv

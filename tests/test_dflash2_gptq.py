@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tiny import save_dflash2_drafter, save_target
 
-from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import load_drafter
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 

@@ -13,9 +13,10 @@ from dflash_quant.calibration.capture import capture
 from dflash_quant.errors import UsageError
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1
 from dflash_quant.io.weights import read_header
-from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.memory.weights import DRAFTER_PARTS, part_of
-from dflash_quant.pipeline import GptqJob, run_gptq
+from dflash_quant.pipeline.job import GptqJob
+from dflash_quant.pipeline.run import run_gptq
 from dflash_quant.quantize.drafter import candidate_linears, select_linears
 from dflash_quant.quantize.settings import QuantSettings
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dflash_quant.artifact.manifest import verify_manifest
-from dflash_quant.loading import load_drafter
-from dflash_quant.pipeline import GptqJob, run_gptq
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.pipeline.job import GptqJob
+from dflash_quant.pipeline.run import run_gptq
 from dflash_quant.quantize.settings import QuantSettings
 
 gguf = pytest.importorskip("gguf")

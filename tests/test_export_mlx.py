@@ -7,7 +7,8 @@ import pytest
 
 from dflash_quant.export.convert import convert_artifact
 from dflash_quant.export.gptq_v1 import read_gptq_artifact
-from dflash_quant.pipeline import GptqJob, run_gptq
+from dflash_quant.pipeline.job import GptqJob
+from dflash_quant.pipeline.run import run_gptq
 from dflash_quant.quantize.settings import QuantSettings
 
 mx = pytest.importorskip("mlx.core")

@@ -83,7 +83,7 @@ def test_grid_refuses_widths_it_cannot_hold():
 
 def _stats(names, kv_hessian="block+context", seed=0):
     """Calibration statistics for the reference drafter's Linears from random inputs, with the inputs kept."""
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     model = load_drafter(str(PAIR / "drafter")).model
     g = torch.Generator().manual_seed(seed)
@@ -102,7 +102,7 @@ def _stats(names, kv_hessian="block+context", seed=0):
 
 
 def test_imatrix_reads_back_as_sum_of_squares_under_drafter_tensor_names(tmp_path):
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     names = load_drafter(str(PAIR / "drafter")).model.linear_names()
     stats, inputs, _ = _stats(names)
@@ -141,8 +141,9 @@ def test_pairing_check_refuses_a_tap_on_the_last_layer(tmp_path):
 
 
 def test_gptq_gguf_type_writes_llama_cpp_grid_read_back_exactly(tmp_path):
-    from dflash_quant.loading import load_drafter
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.loading.drafter import load_drafter
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
     from dflash_quant.quantize.kquant import quantize_drafter_kquant
     from dflash_quant.quantize.settings import QuantSettings
 
@@ -201,7 +202,8 @@ def test_mixes_assign_types_per_tensor_as_llama_quantize():
 
 
 def test_gptq_mix_writes_each_tensor_on_its_type(tmp_path):
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
     from dflash_quant.quantize.settings import QuantSettings
 
     out = tmp_path / "q3km"
@@ -229,7 +231,8 @@ def test_gptq_mix_writes_each_tensor_on_its_type(tmp_path):
 
 
 def test_gguf_type_needs_format_gguf(tmp_path):
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
     from dflash_quant.quantize.settings import QuantSettings
 
     with pytest.raises(UsageError, match="add --format gguf"):
@@ -246,7 +249,7 @@ def test_llama_quantize_accepts_the_imatrix(tmp_path, kind):
     """llama-quantize --imatrix loads our file and uses it for every tensor (IQ2/IQ3 refuse to run without one)."""
     from dflash_quant.export.gguf import write_gguf
     from dflash_quant.export.gptq_v1 import GptqArtifact
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     names = load_drafter(str(PAIR / "drafter")).model.linear_names()
     stats, _, model = _stats(names)
@@ -284,7 +287,7 @@ def test_mix_types_equal_llama_quantize_choice(tmp_path):
 
     from dflash_quant.export.gguf import write_gguf
     from dflash_quant.export.gptq_v1 import GptqArtifact
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.quantize.kmix import LLAMA_QUANTIZE_NAME
 
     model = load_drafter(str(PAIR / "drafter")).model

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny import save_drafter, save_target
 
 from dflash_quant.artifact.manifest import verify_manifest
-from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import load_drafter
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 pytestmark = pytest.mark.slow

@@ -14,8 +14,9 @@ FIELDS = ("tokens", "accepted", "drafted", "acceptance_lengths", "target_forward
 
 
 def _pair(device, dtype=torch.float32):
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, resolve_device, stop_tokens
+    from dflash_quant.loading.target import load_target
 
     dev = resolve_device(device)  # on CUDA also sets the attention backends the CLI uses
     target = load_target("reference:target", device=dev, dtype=dtype)

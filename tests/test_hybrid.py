@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from dflash_quant.calibration.capture import capture
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.target import load_target
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.speculative import target_cache
 from dflash_quant.speculative.decode import speculative_generate, target_generate

@@ -138,7 +138,7 @@ def rtn_artifacts(rtn_artifact, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_cpu_drafter_keeps_the_dequantized_weights(rtn_artifact):
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     loaded = load_drafter(rtn_artifact)
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
@@ -288,8 +288,9 @@ def triton_one_config():
 def test_reference_pair_tau_through_the_kernel(rtn_artifact, triton_one_config, kernel, fuse):
     """tau of the int4 drafter through the kernel within the parity gate's default tolerance (0.03) of the
     dequantized drafter's, same prompts (bf16)."""
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
     from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     dev = torch.device("cuda")
@@ -473,8 +474,9 @@ def test_q_k_v_run_as_one_gemm_over_the_context_and_block(rtn_artifacts, pair, m
     batched) and the first block's hidden states equal one GEMM a Linear (exact stand-in kernel), DFlash v1
     and DFlash2."""
     import dflash_quant.kernels.int4_linear as il
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
     from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     monkeypatch.setattr(il, "Int4Linear", _Exact)  # named cuda: a kernel that rebuilds its bf16 weight
@@ -578,8 +580,9 @@ def test_reference_drafter_through_our_kernel_in_the_interpreter(rtn_artifact, m
 
     import dflash_quant.kernels.int4_linear as il
     from dflash_quant.kernels.int4_triton import _w4a16_kernel, reset_tuning
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
     from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
     from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
     _w4a16_kernel.configs = [
@@ -614,7 +617,7 @@ def test_a_kernel_that_cannot_run_falls_back_or_refuses(rtn_artifact, monkeypatc
     """Every kernel passes over a Linear it cannot run: `auto` then keeps the dequantized weights and says why
     for each kernel tried; a kernel asked for by name is a usage error naming the Linear."""
     import dflash_quant.kernels.int4_linear as il
-    from dflash_quant.loading import load_drafter
+    from dflash_quant.loading.drafter import load_drafter
 
     loaded = load_drafter(rtn_artifact)
     monkeypatch.setattr(il, "plan", lambda choice, qcfg, device, dtype: (["triton", "tinygemm"], None))

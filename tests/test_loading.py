@@ -7,7 +7,8 @@ from safetensors.torch import save_file
 from tiny import save_drafter, save_target
 
 from dflash_quant.errors import DFlashQuantError
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.target import load_target
 from dflash_quant.models.checks import check_pair
 
 

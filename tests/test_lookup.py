@@ -5,7 +5,8 @@ import torch
 from tiny import save_hybrid_target
 
 from dflash_quant.errors import UsageError
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.target import load_target
 from dflash_quant.speculative.decode import (
     SpecResult,
     rejection_step,
@@ -522,7 +523,8 @@ def test_verify_lookup_cli_reports_both_runs_by_category(tiny_pair, tmp_path):
 def test_gptq_parity_with_lookup_on_the_reference_pair(tmp_path):
     """`run_gptq` with lookup: both drafters get a lookup record beside the gate, read back by Parity."""
     from dflash_quant.artifact.reports import Parity
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
 
     out = tmp_path / "int4"
     job = GptqJob(

@@ -12,7 +12,7 @@ from tiny import save_drafter, save_pair_with_prompts
 
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_dynamic import layer_setting
-from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.mixed import Candidate, min_bytes

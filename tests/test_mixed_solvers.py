@@ -8,7 +8,7 @@ from dflash_quant.calibration.capture import CalibrationStats, input_group
 from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.export.gptq_v1 import pack_gptq_v1
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1
-from dflash_quant.loading import load_drafter
+from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.gptq import gptq_quantize
 from dflash_quant.quantize.gptq_batched import gptq_quantize_many

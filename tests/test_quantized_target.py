@@ -15,7 +15,8 @@ from torch import nn
 from dflash_quant.export.int4_target import write_int4_target
 from dflash_quant.io.source import resolve
 from dflash_quant.io.weights import read_safetensors
-from dflash_quant.loading import load_target, target_quant
+from dflash_quant.loading import target_quant
+from dflash_quant.loading.target import load_target
 from dflash_quant.loading.target_quant import PackedLinear, PackedScheme
 from dflash_quant.quantize.rtn import rtn_quantize
 from dflash_quant.quantize.spec import QuantSpec

@@ -8,8 +8,9 @@ import pytest
 import torch
 from tiny import save_hybrid_target
 
-from dflash_quant.loading import load_drafter, load_target
+from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, load_pair, stop_tokens
+from dflash_quant.loading.target import load_target
 from dflash_quant.speculative.decode import GreedyResult, SpecResult, target_check, target_generate
 from dflash_quant.speculative.verify import CheckSettings, baseline_runs, reference_runs, spec_runs, summarize
 
@@ -127,7 +128,8 @@ def test_gptq_parity_report_equals_the_full_baseline_path(tmp_path):
 
     from safetensors.torch import load_file
 
-    from dflash_quant.pipeline import GptqJob, run_gptq
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
 
     reports = {}
     for full in (True, False):

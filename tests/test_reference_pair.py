@@ -60,7 +60,8 @@ def test_configs_parse():
 
 @pytest.fixture(scope="module")
 def pair():
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
+    from dflash_quant.loading.target import load_target
     from dflash_quant.models.checks import check_pair
 
     drafter = load_drafter("reference")
@@ -236,7 +237,8 @@ def test_dflash2_training_smoke(tmp_path):
     import subprocess
     import sys
 
-    from dflash_quant.loading import load_drafter, load_target
+    from dflash_quant.loading.drafter import load_drafter
+    from dflash_quant.loading.target import load_target
     from dflash_quant.models.checks import check_pair
     from dflash_quant.models.model2 import DFlash2Drafter
 

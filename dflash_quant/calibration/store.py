@@ -28,6 +28,7 @@ import dflash_quant
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration.capture import CalibrationStats
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.cache_dirs import calib_store_dir
 from dflash_quant.speculative.check_cache import model_identity
 
 _STALE_S = 24 * 3600  # a temp or trash folder this old belongs to a run that died: removed on the next write
@@ -35,7 +36,7 @@ _STALE_S = 24 * 3600  # a temp or trash folder this old belongs to a run that di
 
 def default_dir() -> Path:
     """~/.cache/dflash-quant/calib (or under $XDG_CACHE_HOME), beside the check cache."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-quant" / "calib"
+    return calib_store_dir()
 
 
 def file_sha256(path: Path) -> str | None:

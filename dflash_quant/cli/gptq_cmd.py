@@ -20,7 +20,6 @@ from dflash_quant.cli.common import (
     out_console,
     print_json,
 )
-from dflash_quant.kernels.int4_choice import check_int4_kernel
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -283,30 +282,27 @@ def gptq(
     mix_dev_new_tokens: int = typer.Option(64, help="Mixed precision: tokens per prompt for the tau map."),
 ) -> None:
     """Calibrate on the drafter's own inputs, GPTQ-quantize it, export GPTQ v1, and prove acceptance parity."""
-    from dflash_quant.errors import check_count
+    # The job is built from the flags here and checked, guarded and run by run_gptq: torch loads only after the
+    # checks and the output lock, so refusals are instant.
     from dflash_quant.io.atomic import Terminated
-    from dflash_quant.pipeline.preflight import check_gptq_args, guard_run
-
-    check_gptq_args(num_prompts, eval_num_prompts, tolerance, kv_hessian)
-    check_count(check_batch, "--check-batch")
-    check_count(calib_batch, "--calib-batch")
-    check_int4_kernel(int4_kernel)
-    from dflash_quant.models.devmap import check_hessian_device, make_placement
-
-    placement = make_placement(device_map, max_memory)  # map syntax and devices, before the output is touched
-    check_hessian_device(hessian_device)
-    goal = None
+    from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
     from dflash_quant.memory.fit import ServingKnobs
+    from dflash_quant.memory.gpus import parse_bytes
+    from dflash_quant.models.placement import make_placement
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
+    from dflash_quant.quantize.settings import QuantSettings
 
+    placement = make_placement(device_map, max_memory)  # the map's syntax and devices
     serving = ServingKnobs(
         spec_tokens, kv_dtype, drafter_kv_dtype, state_dtype, prefix_caching, gpu_memory_utilization, cuda_graphs
     )
+    goal = None
     if (
         max_tau_loss is not None or max_bytes is not None or fit is not None or context is not None or target_weights
         or serving.given()
     ):  # fmt: skip
-        from dflash_quant.memory.gpus import parse_bytes, resolve_gpu
-        from dflash_quant.quantize.mixed_plan import MixedGoal
+        from dflash_quant.quantize.mixed_plan import MixedGoal  # torch: only for a mixed-precision job
 
         goal = MixedGoal(
             max_tau_loss=max_tau_loss,
@@ -318,86 +314,79 @@ def gptq(
             dev_max_new_tokens=mix_dev_new_tokens,
             serving=serving,
         )
-        goal.check()
-        if fit is not None:
-            resolve_gpu(fit)
     look = None
-    if lookup:  # a bad lookup setting is refused before the output is touched (torch loads only with --lookup)
-        from dflash_quant.speculative.lookup import LookupSettings
+    if lookup:
+        from dflash_quant.speculative.lookup import LookupSettings  # torch: only with --lookup
 
         look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
-        look.check()
+    job = GptqJob(
+        output=output,
+        drafter=drafter,
+        target=target,
+        quant=QuantSettings(
+            method=method,
+            bits=bits,
+            group_size=group_size,
+            sym=sym,
+            desc_act=desc_act,
+            static_groups=static_groups,
+            clip_search=clip_search,
+            damp=damp,
+            sequential=sequential,
+            profile=profile,
+            skip=tuple(skip),
+            quantize_conv=quantize_conv,
+            quantize_selector=quantize_selector,
+        ),
+        overwrite=overwrite,
+        calib_prompts=calib_prompts,
+        calib_num_prompts=num_prompts,
+        calib_max_new_tokens=max_new_tokens,
+        kv_hessian=kv_hessian,
+        calib_cache=calib_cache,
+        calib_store=None if no_calib_cache else calib_store_dir(),
+        calib_store_max_bytes=int(calib_cache_max_gb * 1e9),
+        verify=verify,
+        eval_prompts=eval_prompts,
+        eval_num_prompts=eval_num_prompts,
+        eval_max_new_tokens=eval_max_new_tokens,
+        tolerance=tolerance,
+        device=device,
+        dtype=dtype,
+        chat_template=chat_template,
+        write_card=card,
+        format=fmt,
+        # a --check-cache given here is an input too (never overwritten); the default one lies in ~/.cache
+        check_cache=None if no_check_cache else (check_cache or check_cache_dir()),
+        full_baseline=full_baseline,
+        check_batch=check_batch,
+        calib_batch=calib_batch,
+        command=["dflash-quant", *sys.argv[1:]],
+        lookup=look,
+        gguf_type=gguf_type,
+        gguf_scale_search=gguf_scale_search,
+        placement=placement,
+        hessian_device=hessian_device,
+        calib_checkpoint_every=calib_checkpoint_every,
+        int4_kernel=int4_kernel,
+        mixed=goal,
+    )
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    )  # fmt: skip
+
+    def stage(label: str, total: int | None):
+        bar.start()  # at the first stage: nothing is drawn for a refused job
+        task = bar.add_task(label, total=total)
+        return lambda: bar.advance(task)
+
     try:
-        # Path checks and the output lock come before the heavy imports, so refusals are instant.
-        # (a --check-cache given here is an input too; the default one lies in ~/.cache)
-        with guard_run(output, overwrite, drafter, target, (calib_prompts, eval_prompts), calib_cache, check_cache):
-            from dflash_quant.calibration.store import default_dir as calib_store_dir
-            from dflash_quant.pipeline.gptq import GptqJob, run_gptq
-            from dflash_quant.quantize.settings import QuantSettings
-            from dflash_quant.speculative.check_cache import default_dir
-
-            quant = QuantSettings(
-                method=method,
-                bits=bits,
-                group_size=group_size,
-                sym=sym,
-                desc_act=desc_act,
-                static_groups=static_groups,
-                clip_search=clip_search,
-                damp=damp,
-                sequential=sequential,
-                profile=profile,
-                skip=tuple(skip),
-                quantize_conv=quantize_conv,
-                quantize_selector=quantize_selector,
-            )
-            job = GptqJob(
-                output=output,
-                drafter=drafter,
-                target=target,
-                quant=quant,
-                overwrite=overwrite,
-                calib_prompts=calib_prompts,
-                calib_num_prompts=num_prompts,
-                calib_max_new_tokens=max_new_tokens,
-                kv_hessian=kv_hessian,
-                calib_cache=calib_cache,
-                calib_store=None if no_calib_cache else calib_store_dir(),
-                calib_store_max_bytes=int(calib_cache_max_gb * 1e9),
-                verify=verify,
-                eval_prompts=eval_prompts,
-                eval_num_prompts=eval_num_prompts,
-                eval_max_new_tokens=eval_max_new_tokens,
-                tolerance=tolerance,
-                device=device,
-                dtype=dtype,
-                chat_template=chat_template,
-                write_card=card,
-                format=fmt,
-                check_cache=None if no_check_cache else (check_cache or default_dir()),
-                full_baseline=full_baseline,
-                check_batch=check_batch,
-                calib_batch=calib_batch,
-                command=["dflash-quant", *sys.argv[1:]],
-                lookup=look,
-                gguf_type=gguf_type,
-                gguf_scale_search=gguf_scale_search,
-                placement=placement,
-                hessian_device=hessian_device,
-                calib_checkpoint_every=calib_checkpoint_every,
-                int4_kernel=int4_kernel,
-                mixed=goal,
-            )
-            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-            with Progress(*columns, console=err_console, transient=True) as bar:
-
-                def stage(label: str, total: int | None):
-                    task = bar.add_task(label, total=total)
-                    return lambda: bar.advance(task)
-
-                result = run_gptq(job, progress=stage)
+        result = run_gptq(job, progress=stage)
     except Terminated as exc:
         fail(f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum)
+    finally:
+        bar.stop()
     if json_out:
         print_json(
             {

@@ -49,7 +49,7 @@ def make_imatrix(
 
     check_not_an_input(output, "--output", input_paths(drafter, target, [calib_prompts], calib_cache))
 
-    from dflash_quant.models.devmap import make_placement
+    from dflash_quant.models.placement import make_placement
 
     placement = make_placement(device_map, max_memory)  # before anything loads
     from dflash_quant.calibration import cache as calib_cache_mod

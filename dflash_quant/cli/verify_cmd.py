@@ -184,7 +184,7 @@ def verify(
     look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
     if look is not None:
         look.check()
-    from dflash_quant.models.devmap import make_placement
+    from dflash_quant.models.placement import make_placement
 
     placement = make_placement(device_map, max_memory)
     dev = resolve_device(device)

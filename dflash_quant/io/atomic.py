@@ -389,8 +389,8 @@ def remove_stale(final: Path) -> list[Path]:
 def guard_output(output: Path | str, overwrite: bool, inputs: Iterable[Path] = ()) -> Iterator[Path]:
     """Check the output, take its lock, clean stale temp dirs, and raise Terminated on signals, until exit.
 
-    Re-entrant within one process (the CLI takes it before the heavy imports, run_gptq again), so the
-    lock and signal handlers are only set up and released by the outermost level.
+    Re-entrant within one process (a nested guard of the same output is a no-op), so the lock and signal
+    handlers are only set up and released by the outermost level.
     """
     final = check_output(output, overwrite, list(inputs))
     with signals_raise():

@@ -1,5 +1,3 @@
-"""The `gptq` job: load -> calibrate -> quantize -> export -> verify -> report -> card."""
-
-from dflash_quant.pipeline.gptq import GptqJob, GptqResult, run_gptq
-
-__all__ = ["GptqJob", "GptqResult", "run_gptq"]
+"""The `gptq` job: a typed job checked once (job.py), run under one output guard (run.py), through plain stage
+functions (stages.py: load -> inputs -> calibrate -> (mix) -> quantize -> record -> export -> verify -> report ->
+card; calibrate.py, mixed_stage.py and parity.py hold the larger ones, batching.py the rows per batch)."""

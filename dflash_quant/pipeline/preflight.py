@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dflash_quant.artifact.reports import Provenance
-from dflash_quant.errors import DFlashQuantError, UsageError, check_count, check_tolerance
+from dflash_quant.errors import DFlashQuantError
 from dflash_quant.io.atomic import check_writable_dir, guard_output
 from dflash_quant.reference import default_target, pair_dir, parse_shipped
 
@@ -81,12 +81,3 @@ def guard_run(
     inputs = input_paths(drafter, target, prompt_specs, calib_cache, check_cache)
     with guard_output(output, overwrite, inputs) as final:
         yield final
-
-
-def check_gptq_args(num_prompts: int | None, eval_num_prompts: int | None, tolerance: float, kv_hessian: str) -> None:
-    """Argument ranges of `gptq` that typer cannot express, checked before the output is touched."""
-    check_count(num_prompts, "--num-prompts")
-    check_count(eval_num_prompts, "--eval-num-prompts")
-    check_tolerance(tolerance)
-    if kv_hessian not in KV_MODES:
-        raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")

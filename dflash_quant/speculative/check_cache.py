@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,14 @@ import torch
 
 from dflash_quant import __version__
 from dflash_quant.io.atomic import replace_atomic
+from dflash_quant.io.cache_dirs import check_cache_dir
 from dflash_quant.io.weights import weight_files, weights_sha256
 from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
 
 def default_dir() -> Path:
     """~/.cache/dflash-quant/check (or under $XDG_CACHE_HOME)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-quant" / "check"
+    return check_cache_dir()
 
 
 _HASH_LIMIT = 4 << 30  # bytes: above this a target is identified by its files' names, sizes and mtimes

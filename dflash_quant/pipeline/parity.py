@@ -1,0 +1,159 @@
+"""The verify stage of `gptq`: the bf16 source and the exported drafter (read back from its files) on held-out
+prompts with the same target; the parity gate's verdict. The target-only and bf16 runs are cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_quant.artifact.reports import Parity
+from dflash_quant.artifact.sources import portable_path, prompt_label
+from dflash_quant.io.weights import weights_sha256
+from dflash_quant.kernels.int4_linear import use_int4_kernel
+from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.runtime import prompt_categories, stop_tokens
+from dflash_quant.loading.target import LoadedTarget
+from dflash_quant.pipeline.batching import check_rows, row_bytes
+from dflash_quant.pipeline.job import GptqJob, Progress
+from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
+from dflash_quant.speculative.decode import GreedyResult, SpecResult
+from dflash_quant.speculative.verify import (
+    TIMED_PROMPTS,
+    CheckSettings,
+    baseline_runs,
+    by_category,
+    lookup_summary,
+    parity,
+    reference_runs,
+    spec_runs,
+    summarize,
+    warm_up,
+)
+
+
+def check_parity(
+    job: GptqJob,
+    source_id: str,
+    artifact: Path,
+    target: LoadedTarget,
+    spec: str,
+    eval_ids: list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Progress,
+) -> Parity:
+    """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
+    base = load_drafter(job.drafter, device=device, dtype=dtype)
+    quant = load_drafter(artifact, device=device, dtype=dtype)
+    kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
+    block = base.config.block_size
+    settings = CheckSettings(
+        job.eval_max_new_tokens,
+        0.0,
+        block,
+        job.seed,
+        stop_tokens(target),
+        batch=check_rows(
+            job.check_batch, device, dtype, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens)
+        ),
+    )
+    warm_up(base.model, target.model, eval_ids[0], settings)
+    # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
+    cache = CheckCache(job.check_cache)
+    tkey = check_key(
+        target=model_identity(target.source.path), prompts=eval_ids, settings=settings, device=device, dtype=dtype
+    )
+    dkey = check_key(
+        target=tkey["target"],
+        prompts=eval_ids,
+        settings=settings,
+        device=device,
+        dtype=dtype,
+        drafter=weights_sha256(base.source.path),
+    )
+    base_runs = cached_runs(
+        cache,
+        "spec",
+        dkey,
+        SpecResult,
+        lambda: spec_runs(
+            base.model, target.model, eval_ids, settings, progress("parity: bf16 drafter", len(eval_ids))
+        ),
+    )
+    if job.full_baseline:  # every prompt decoded target-only, one token per forward
+
+        def reference_of() -> list[GreedyResult]:
+            return baseline_runs(
+                target.model, eval_ids, settings, progress("parity: target-only baseline", len(eval_ids))
+            )
+    else:  # the bf16 run's tokens checked in one target forward per prompt; a few prompts decoded for speed
+        tkey["reference"] = f"target_check+{TIMED_PROMPTS}"
+
+        def reference_of() -> list[GreedyResult]:
+            candidates = [r.tokens for r in base_runs]
+            adv = progress("parity: target's greedy output", len(eval_ids))
+            return reference_runs(target.model, eval_ids, candidates, settings, TIMED_PROMPTS, adv)
+
+    reference = cached_runs(cache, "baseline", tkey, GreedyResult, reference_of)
+    categories = prompt_categories(spec, job.eval_num_prompts)
+    checks = []
+    drafters = ((source_id, "bf16", base.model, base_runs), (portable_path(job.output), "quantized", quant.model, None))
+    for name, label, model, runs in drafters:
+        if runs is None:
+            runs = spec_runs(
+                model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids))
+            )
+        check = summarize(name, runs, reference, settings, block)
+        if cats := by_category(runs, categories):
+            check["by_category"] = cats
+        if job.lookup is not None:  # reported beside the gate; the gate's tau stays the drafter's own
+            looked = CheckSettings(job.eval_max_new_tokens, 0.0, block, job.seed, settings.stop_token_ids, job.lookup)
+            adv = progress(f"parity: {label} drafter + lookup", len(eval_ids))
+            check["lookup"] = lookup_summary(
+                check, runs, spec_runs(model, target.model, eval_ids, looked, adv), reference, looked, block, categories
+            )
+        checks.append(check)
+    s_base, s_quant = checks
+    verdict = parity(s_base, s_quant, job.tolerance, greedy=True, exact=dtype == torch.float32)
+    if job.lookup is not None and dtype == torch.float32:
+        for check in checks:
+            if check["lookup"]["lossless"] is False:
+                verdict["passed"] = False
+                verdict["reasons"].append(
+                    f"greedy output of {check['drafter']} with lookup differs from the target's own"
+                )
+    return Parity.from_dict(
+        {
+            "passed": verdict["passed"],
+            "tolerance": job.tolerance,
+            "tau_ratio": verdict["tau_ratio"],
+            "per_position_ratio": verdict["per_position_ratio"],
+            "lossless": s_quant["lossless"],
+            "reasons": verdict["reasons"],
+            "notes": verdict["notes"],
+            "lossless_gated": verdict["lossless_gated"],
+            "lossless_status": verdict["lossless_status"],
+            "temperature": 0.0,
+            "prompt_set": prompt_label(spec),
+            "num_prompts": len(eval_ids),
+            "max_new_tokens": job.eval_max_new_tokens,
+            "block_size": block,
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "baseline": s_base,
+            "quantized": s_quant,
+            "target_quantization": target.quantization.to_dict() if target.quantization is not None else None,
+            "drafter_kernel": kernel,
+            "spec_speed_ratio": (
+                round(s_quant["spec_tokens_per_s"] / s_base["spec_tokens_per_s"], 4)
+                if s_quant.get("spec_tokens_per_s") and s_base.get("spec_tokens_per_s")
+                else None
+            ),
+            # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
+            "cache": {
+                "target_only": cache.events.get("baseline", "off"),
+                "bf16_drafter": cache.events.get("spec", "off"),
+            },
+        }
+    )

@@ -1,0 +1,370 @@
+"""The stages of a checked `gptq` job, in order: load -> inputs -> calibrate -> (mix) -> quantize -> record ->
+export -> verify -> report -> card, each a plain function of typed inputs and outputs. run_stages runs them
+into a temp dir beside the guarded output and publishes it in one rename (pipeline.run holds the guard)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from dflash_quant import __version__
+from dflash_quant.artifact.manifest import write_manifest
+from dflash_quant.artifact.reports import Calibration, Parity, Provenance, Quantization, QuantReport, SourceRef
+from dflash_quant.artifact.sources import portable_command, portable_path, prompt_label, source_ref
+from dflash_quant.calibration.capture import CalibrationStats
+from dflash_quant.errors import UsageError
+from dflash_quant.export.convert import convert_artifact
+from dflash_quant.export.gguf import pairing_problem, write_kquant_gguf
+from dflash_quant.export.writer import export_gptq
+from dflash_quant.io.atomic import staging
+from dflash_quant.io.source import Source
+from dflash_quant.io.weights import weights_sha256
+from dflash_quant.loading.drafter import LoadedDrafter, measure_resident
+from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype
+from dflash_quant.loading.target import LoadedTarget
+from dflash_quant.memory.plan import embedded_budget
+from dflash_quant.memory.report import build_memory_report, write_memory_json
+from dflash_quant.model_cards.card import write_card
+from dflash_quant.models.config import read_config_json
+from dflash_quant.models.devmap import device_summary
+from dflash_quant.pipeline.calibrate import calib_key, calibrate
+from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress
+from dflash_quant.pipeline.mixed_stage import MixPlan, plan_mix
+from dflash_quant.pipeline.parity import check_parity
+from dflash_quant.quantize.drafter import QuantOutcome, candidate_linears, quantize_drafter
+from dflash_quant.quantize.kquant import grid_for, quantize_drafter_kquant
+from dflash_quant.quantize.settings import QuantSettings
+
+
+@dataclass
+class Loaded:
+    """The pair on its device, in the run's dtype."""
+
+    drafter: LoadedDrafter
+    target: LoadedTarget
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass
+class Inputs:
+    """What the run reads besides the models: the Linears it may quantize, the weights' hashes, the prompts."""
+
+    candidates: list[str]
+    drafter_sha: str
+    target_sha: str
+    calib_spec: str
+    calib_ids: list[list[int]]  # empty for round-to-nearest (nothing to calibrate)
+    eval_spec: str | None  # None without --verify
+    eval_ids: list[list[int]]
+
+
+@dataclass
+class Calibrated:
+    stats: CalibrationStats | None  # None: round-to-nearest
+    info: dict[str, Any]  # provenance's calibration record (before the placement is added)
+
+
+@dataclass
+class Quantized:
+    outcome: QuantOutcome
+    quant: QuantSettings  # the settings applied (a mix: its base grid)
+    mix: MixPlan | None
+    report: QuantReport  # its byte counts are filled in by export
+
+
+def load(job: GptqJob) -> Loaded:
+    """The pair (config and weight headers checked before the target loads), and the checks that need it."""
+    device = resolve_device(job.device)
+    dtype = resolve_dtype(job.dtype, device)
+    drafter, target = load_pair(job.drafter, job.target, device, dtype, job.placement)
+    if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
+        if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
+            raise UsageError(problem)
+    if job.lookup is not None:  # its row length against the drafter's block, before any compute
+        job.lookup.check(drafter.config.block_size)
+    return Loaded(drafter, target, device, dtype)
+
+
+def inputs(job: GptqJob, loaded: Loaded) -> Inputs:
+    """Linears, hashes and prompts; every prompt problem (length, overlap) is refused before the target runs."""
+    drafter, target = loaded.drafter, loaded.target
+    candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
+    drafter_sha = weights_sha256(drafter.source.path)
+    target_sha = weights_sha256(target.source.path)
+    calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
+    eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
+    calib_ids: list[list[int]] = []
+    if job.quant.method == "gptq":
+        calib_ids = encode_prompts(
+            target, calib_spec, job.calib_num_prompts, job.chat_template, job.calib_max_new_tokens
+        )
+        seen = set(map(tuple, calib_ids))
+        if any(tuple(p) in seen for p in eval_ids):
+            raise UsageError("some parity prompts also appear in the calibration prompts; use disjoint prompt sets")
+    return Inputs(candidates, drafter_sha, target_sha, calib_spec, calib_ids, eval_spec, eval_ids)
+
+
+def _eval_prompts(job: GptqJob, target: LoadedTarget, calib_spec: str) -> tuple[str, list[list[int]]]:
+    spec = job.eval_prompts or default_prompt_spec(target, "heldout")
+    if spec == calib_spec:
+        raise UsageError(
+            f"parity prompts {spec!r} are the calibration prompts; pass held-out prompts with --eval-prompts"
+        )
+    return spec, encode_prompts(
+        target,
+        spec,
+        job.eval_num_prompts,
+        job.chat_template,
+        job.eval_max_new_tokens,
+        "--eval-max-new-tokens",
+        "--eval-num-prompts",
+    )
+
+
+def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress) -> Calibrated:
+    """GPTQ's Hessians (pipeline.calibrate: cached, stored, checkpointed); round-to-nearest needs none."""
+    info: dict[str, Any]
+    if job.quant.method != "gptq":
+        info = {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
+        return Calibrated(None, info)
+    stats, info = calibrate(
+        job,
+        loaded.drafter,
+        loaded.target,
+        ins.calib_spec,
+        ins.calib_ids,
+        ins.drafter_sha,
+        loaded.device,
+        progress,
+        ins.target_sha,
+    )
+    info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
+    return Calibrated(stats, info)
+
+
+def mix(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, progress: Progress) -> MixPlan:
+    """The per-Linear bits and groups of a mixed-precision job (pipeline.mixed_stage)."""
+    key = calib_key(job, loaded.drafter, loaded.target, ins.calib_spec, ins.calib_ids, ins.drafter_sha)
+    return plan_mix(job, loaded.drafter, loaded.target, cal.stats, ins.calib_ids, key, progress)
+
+
+def quantize(
+    job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, plan: MixPlan | None, progress: Progress
+) -> Quantized:
+    """GPTQ (or RTN) of the chosen Linears, in place: the drafter now holds the dequantized weights."""
+    quant = job.quant if plan is None else replace(job.quant, bits=plan.base.bits, group_size=plan.base.group_size)
+    label = "mixed" if plan is not None else f"{quant.bits}-bit"
+    advance = progress(f"quantizing ({quant.method}, {label})", len(ins.candidates))
+    model = loaded.drafter.model
+    if job.gguf_type is not None:
+        outcome = quantize_drafter_kquant(
+            model, cal.stats, quant, job.gguf_type, progress=lambda name: advance(), scale_search=job.gguf_scale_search
+        )
+    else:
+        outcome = quantize_drafter(
+            model,
+            cal.stats,
+            quant,
+            progress=lambda name: advance(),
+            picks=plan.picks if plan else None,
+            solve=plan.solve if plan else None,
+        )
+    report = QuantReport.from_dict(
+        {
+            "layers": outcome.layers,
+            "kept_bf16": outcome.kept,
+            "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
+            "quantized_bytes": None,  # export fills it from the written file
+            "seconds": round(outcome.seconds, 3),
+        }
+    )
+    return Quantized(outcome, quant, plan, report)
+
+
+def record(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, q: Quantized) -> Provenance:
+    """provenance.json: tool, command, sources and their hashes, calibration, quantization, mix, device."""
+    target = loaded.target
+    calib_info = dict(cal.info)
+    if job.placement is not None:
+        placed = device_summary(target.model) or {}
+        calib_info["target_placement"] = {
+            **job.placement.describe(),
+            "resolved": placed.get("map"),
+            "weight_bytes": placed.get("weight_bytes"),
+        }
+    return Provenance(
+        tool="dflash-quant",
+        tool_version=__version__,
+        created_utc=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        command=portable_command(job.command),
+        source_drafter=source_ref(loaded.drafter.source, ins.drafter_sha),
+        target=source_ref(target.source, ins.target_sha),
+        target_quantization=target.quantization,
+        calibration=Calibration.from_dict(
+            {
+                **calib_info,
+                "prompts": prompt_label(calib_info["prompts"]),
+                "seed": job.seed,
+                "chat_template": job.chat_template,
+            }
+        ),
+        quantization=Quantization.from_dict(
+            {
+                **asdict(q.quant),
+                "skip": list(q.quant.skip),
+                "skipped": q.outcome.kept,
+                **_grid_fields(job.gguf_type, q.outcome.layers, job.gguf_scale_search),
+            }
+        ),
+        mixed=q.mix.record if q.mix is not None else None,
+        device=str(loaded.device),
+        dtype=str(loaded.dtype).replace("torch.", ""),
+    )
+
+
+def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]], scale_search: int = 0) -> dict[str, Any]:
+    """A run on a llama.cpp grid records that grid (a mix: its default grid, and bits/weight over all its
+    tensors), not the GPTQ v1 defaults it did not use."""
+    if gguf_type is None:
+        return {}
+    grid = grid_for(gguf_type)
+    sizes = [(math.prod(layer["shape"]), layer["bits_per_weight"]) for layer in layers]
+    total = sum(n for n, _ in sizes)
+    return {
+        "bits": grid.code_bits,
+        "group_size": grid.sub,
+        "sym": not grid.has_min,
+        "desc_act": False,
+        "static_groups": False,
+        "gguf_type": gguf_type,
+        "gguf_scale_search": scale_search,
+        "bits_per_weight": round(sum(n * b for n, b in sizes) / total, 4) if total else grid.bits_per_weight,
+    }
+
+
+def export(
+    tmp: Path, final: Path, job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, provenance: Provenance
+) -> None:
+    """The weights in the job's format, config, provenance and quant report; memory.json of the GPTQ tensors
+    before any conversion. A llama.cpp grid is written as GGUF directly (no GPTQ v1 step)."""
+    drafter, target = loaded.drafter, loaded.target
+    if job.gguf_type is not None:
+        write_kquant_gguf(
+            tmp,
+            drafter.model,
+            drafter.raw_config,
+            drafter.source.path,
+            q.outcome,
+            job.gguf_type,
+            target.source.path,
+            provenance,
+            q.report,
+            cal.stats,
+        )
+        return
+    export_gptq(
+        tmp, drafter.model, drafter.raw_config, q.outcome, q.quant, provenance, q.report, q.mix.picks if q.mix else None
+    )
+    target_name = provenance.target.id if provenance.target is not None else None
+    _memory(tmp, final, drafter.source, target_name, target.source.path, loaded.device)
+    if job.format != "gptq":  # same codes in the engine's layout; parity loads these
+        convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)
+
+
+def _memory(
+    artifact: Path, final: Path, source: Source, target_name: str | None, target: Path, device: torch.device
+) -> None:
+    """memory.json with a 24 GB budget for this target (int4 weights, 8k context, vLLM defaults).
+
+    Measured in the temp dir, recorded under the names the artifact will have (never the temp dir's)."""
+    name = portable_path(final)
+    budget = embedded_budget(str(target), str(artifact), target_label=target_name, drafter_label=name)
+    report = build_memory_report(
+        artifact,
+        baseline=source.path,
+        resident=lambda: measure_resident(artifact, device.type),
+        budget_24gb=budget,
+        artifact_name=name,
+        baseline_name=source_ref(source).id,
+    )
+    write_memory_json(report, artifact)
+
+
+def verify(job: GptqJob, loaded: Loaded, ins: Inputs, source: SourceRef, artifact: Path, progress: Progress) -> Parity:
+    """The parity gate: the bf16 source against the exported files (pipeline.parity)."""
+    assert ins.eval_spec is not None  # verify runs only with --verify, which encodes the parity prompts
+    return check_parity(
+        job,
+        cast(str, source.id),
+        artifact,
+        loaded.target,
+        ins.eval_spec,
+        ins.eval_ids,
+        loaded.device,
+        loaded.dtype,
+        progress,
+    )
+
+
+def report(artifact: Path, parity: Parity | None) -> None:
+    """parity.json beside the weights (nothing without --verify)."""
+    if parity is not None:
+        parity.write(artifact)
+
+
+def card(job: GptqJob, artifact: Path) -> None:
+    """The model card (README.md, charts), then manifest.json over every file: the last write of the artifact."""
+    if job.write_card:
+        write_card(artifact, command=job.command)
+    write_manifest(artifact)
+
+
+def run_stages(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
+    """The stages of a checked job whose output `final` is guarded by the caller (pipeline.run.run_gptq)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    loaded = load(job)
+    timings["load_s"] = time.perf_counter() - t0
+    ins = inputs(job, loaded)
+    t = time.perf_counter()
+    cal = calibrated(job, loaded, ins, progress)
+    if cal.stats is not None:
+        timings["calibrate_s"] = time.perf_counter() - t
+    plan = None
+    if job.mixed is not None:
+        t = time.perf_counter()
+        plan = mix(job, loaded, ins, cal, progress)
+        timings["mix_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    q = quantize(job, loaded, ins, cal, plan, progress)
+    timings["quantize_s"] = time.perf_counter() - t
+    provenance = record(job, loaded, ins, cal, q)
+    parity = None
+    with staging(final, job.overwrite) as tmp:
+        export(tmp, final, job, loaded, cal, q, provenance)
+        if job.verify:
+            t = time.perf_counter()
+            assert provenance.source_drafter is not None  # record() always sets it
+            parity = verify(job, loaded, ins, provenance.source_drafter, tmp, progress)
+            timings["verify_s"] = time.perf_counter() - t
+        report(tmp, parity)
+        card(job, tmp)
+    timings["total_s"] = time.perf_counter() - t0
+    tq = loaded.target.quantization
+    return GptqResult(
+        output=job.output,
+        passed=parity.passed if parity is not None else None,
+        parity=parity.to_dict() if parity is not None else None,
+        quant_report=q.report.to_dict(),
+        timings=timings,
+        reasons=(parity.reasons or []) if parity is not None else [],
+        calibration=provenance.calibration.to_dict() if provenance.calibration is not None else None,
+        target_quantization=tq.to_dict() if tq is not None else None,
+    )
