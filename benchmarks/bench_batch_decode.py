@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from dflash_quant.loading.drafter import load_drafter
-from dflash_quant.loading.target import load_target
 from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+from dflash_quant.loading.target import load_target
 from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.speculative.decode import speculative_generate
 

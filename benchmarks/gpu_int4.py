@@ -344,8 +344,8 @@ def race(drafters: dict, target, prompts, settings, rounds: int, device: torch.d
 def e2e(args) -> dict:
     from dflash_quant.kernels.int4_linear import use_int4_kernel
     from dflash_quant.loading.drafter import load_drafter
-    from dflash_quant.loading.target import load_target
     from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+    from dflash_quant.loading.target import load_target
     from dflash_quant.speculative.verify import CheckSettings
 
     device, dtype = torch.device(args.device), torch.bfloat16

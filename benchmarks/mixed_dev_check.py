@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from dflash_quant.loading.drafter import load_drafter
-from dflash_quant.loading.target import load_target
 from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+from dflash_quant.loading.target import load_target
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 PAIRS = {"reference": "pair", "reference-dflash2": "dflash2_pair"}

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from dflash_quant.loading.drafter import load_drafter
-from dflash_quant.loading.target import load_target
 from dflash_quant.loading.runtime import encode_prompts, stop_tokens
+from dflash_quant.loading.target import load_target
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 PAIRS = {"reference": ("pair", "ref"), "reference-dflash2": ("dflash2_pair", "d2")}

@@ -1,4 +1,4 @@
-"""The decode loop on CUDA (run on the lent GPU: `pytest -m gpu tests/test_gpu_decode.py`)."""
+"""The decode loop on CUDA (needs a CUDA GPU: `pytest -m gpu tests/test_gpu_decode.py`)."""
 
 import pytest
 import torch

@@ -3,8 +3,8 @@
 CPU: the GPTQ v1 codes as the kernels read them decode to our own dequantized weight; act-order columns
 permuted into tiles give the same product; the kernel choice falls back to dequant where none runs.
 Triton interpreter (local only: TRITON_INTERPRET=1 and triton importable, e.g. from a --target dir, with
-numpy < 2.4 ahead of it on PYTHONPATH: 2.4 breaks the interpreter's scalar conversion; session 13 ran triton 3.6
-with numpy 2.3.5): our split-K kernel against the bf16 dequantized matmul, and the drafter through it. gpu: every kernel against the fp32 dequantized
+numpy < 2.4 ahead of it on PYTHONPATH: 2.4 breaks the interpreter's scalar conversion; triton 3.6
+with numpy 2.3.5 works): our split-K kernel against the bf16 dequantized matmul, and the drafter through it. gpu: every kernel against the fp32 dequantized
 matmul, and the reference pair's tau with the int4 drafter through each kernel against the dequantized one.
 """
 

@@ -243,7 +243,7 @@ struct Tile {
 // block of the column adds them up in split order. DISCARD (a development variant): the last block then drops the
 // dead partials from L2, so that they are not written back to DRAM when evicted (a step writes ~54 MB of them
 // against the 557 MB of codes it reads). The two store loops are written out on purpose: one helper
-// taking the store as a lambda gave the same bits 2 % slower at 16 rows on the H200 (session 10's A/B).
+// taking the store as a lambda gave the same bits 2 % slower at 16 rows on the H200 (an A/B of the two builds).
 template <int MT, bool DISCARD>
 __device__ __forceinline__ void finish(const float (&acc)[MT][T][4], __nv_bfloat16* __restrict__ out,
                                        float* __restrict__ ws, int* __restrict__ counters, int M, int N, int tile0,

@@ -279,7 +279,7 @@ def use_int4_codes(
     """Replace the Linears named in `layers` (codes on the model's device) with the first kernel of `kernels`
     that runs them all; raises KernelUnavailable when none does (the weights are then left as they were). With
     `fuse`, Linears on one input run as one GEMM: k|v and gate|up, and q|k|v (Int4QKV) with `qkv`. q|k|v is on by
-    default since it was timed (H100, session 15): a step's GEMMs at 16 rows 0.371 ms against 0.398 with q and
+    default since it was timed (H100): a step's GEMMs at 16 rows 0.371 ms against 0.398 with q and
     k|v apart, one layer's q/k/v 11.7-15.0 us against 16.8-18.6 at 0-16 context rows, the same tokens as the
     dequantized drafter (benchmarks/results/int4_cuda_dev/*_h100_s15*.json)."""
     device = next(model.parameters()).device

@@ -97,7 +97,7 @@ def default_target(drafter_src: str) -> str:
 def load_pair(
     drafter_src: str, target_src: str | None, device: torch.device, dtype: torch.dtype, placement: Any = None
 ) -> tuple[LoadedDrafter, LoadedTarget]:
-    """The drafter on `device`; the target there too, or split by `placement` (devmap.Placement)."""
+    """The drafter on `device`; the target there too, or split by `placement` (models.placement.Placement)."""
 
     read_draft_config(resolve(drafter_src))  # config and weight-header errors before the target loads
     target = load_target(target_src or default_target(drafter_src), device=device, dtype=dtype, placement=placement)

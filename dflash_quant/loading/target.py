@@ -45,7 +45,7 @@ def load_target(
     revision: str | None = None,
     placement: Any = None,
 ) -> LoadedTarget:
-    """The target on `device`, or split by `placement` (a devmap.Placement, checked before weights load)."""
+    """The target on `device`, or split by `placement` (a models.placement.Placement, checked before weights load)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -3,7 +3,7 @@
 The map is parsed and checked against the target built on the meta device (no weights read) before
 `from_pretrained` runs, so a typo in a module name or a GPU that does not exist is one `error:` line, not a
 traceback after minutes of loading. Tensors crossing devices are moved where they are used: inputs to the
-target's embedding device, taps and logits back to the drafter's device (see decode.py).
+target's embedding device, taps and logits back to the drafter's device (see speculative/decode.py).
 """
 
 from __future__ import annotations

@@ -15,10 +15,13 @@ from torch import nn
 from dflash_quant.artifact.reports import FitServing, Mixed
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_dynamic import base_setting, vllm_fused_conflicts
+from dflash_quant.loading.runtime import stop_tokens
+from dflash_quant.memory import fit as mf
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import select_linears
 from dflash_quant.quantize.mixed import Candidate, max_quality
 from dflash_quant.quantize.mixed_table import build_table, load_curve, load_table, save_curve, save_table
+from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 
 @dataclass
@@ -69,8 +72,6 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     elif goal.kind == "fit":
         fit_opts = _fit_options(goal, target, drafter, table, candidates, rest, least)
     # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
-    from dflash_quant.loading.runtime import stop_tokens
-    from dflash_quant.speculative.verify import CheckSettings
 
     dev_ids = calib_ids[: goal.dev_prompts]
     ckey = {
@@ -113,7 +114,6 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
 
             def measure_k(k: int) -> float:
                 """bf16 tau on the dev prompts drafting K tokens ([bonus, K masks], as vLLM does), cached."""
-                from dflash_quant.speculative.verify import spec_runs
 
                 got = curve.setdefault("bf16_tau_by_block", {})
                 if str(k + 1) not in got:
@@ -209,7 +209,6 @@ class _FitOpts:
 def _fit_options(goal, target, drafter, table, candidates, rest: int, least: int) -> _FitOpts:
     """The budget side of --fit, before the tau map: every candidate serving setting and its room; refuse at
     once when none leaves room for the smallest mix (memory/fit.py)."""
-    from dflash_quant.memory import fit as mf
 
     assert goal.fit_gpu is not None and goal.context is not None
     block = drafter.config.block_size
@@ -237,7 +236,6 @@ def _fit_choice(
     acceptance lengths; vLLM drafts a shorter block for a smaller K and DFlash's block attention is non-causal,
     so the chosen K is also measured (`measure_k`, one decode of the dev prompts) and recorded beside the
     estimate. Returns the record and the Linears' budget."""
-    from dflash_quant.memory import fit as mf
 
     assert goal.fit_gpu is not None and goal.context is not None
     cache: dict[int, float] = {}

@@ -75,7 +75,7 @@ def guard_run(
     calib_cache: Path | None,
     check_cache: Path | None = None,
 ) -> Iterator[Path]:
-    """Every path check of a gptq run, then its output lock (see export.atomic.guard_output); yields the resolved output."""
+    """Every path check of a gptq run, then its output lock (see io.atomic.guard_output); yields the resolved output."""
     if calib_cache is not None:
         check_writable_dir(calib_cache, "--calib-cache")  # what calibration.cache.check_location checks, without torch
     inputs = input_paths(drafter, target, prompt_specs, calib_cache, check_cache)
