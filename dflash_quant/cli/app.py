@@ -1,4 +1,8 @@
-"""The `dflash-quant` command: a thin Typer layer over the pipeline functions."""
+"""The `dflash-quant` command: a thin Typer layer over the pipeline functions.
+
+Every command module is imported for `--help`, so a command imports what it runs inside its own body (most
+of the package loads torch): start-up stays at Typer's cost and a refusal comes before any heavy import.
+"""
 
 from __future__ import annotations
 

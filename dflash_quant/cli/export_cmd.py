@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
+from dflash_quant.errors import UsageError
 
 
 def export_artifact(
@@ -24,7 +25,6 @@ def export_artifact(
 ) -> dict:
     """Write `fmt` to `output` atomically: weights, config, the source's reports, card, fresh manifest."""
     from dflash_quant.artifact.manifest import write_manifest
-    from dflash_quant.errors import UsageError
     from dflash_quant.export.convert import convert_artifact
     from dflash_quant.io.atomic import atomic_dir
 

@@ -20,6 +20,8 @@ from dflash_quant.cli.common import (
     out_console,
     print_json,
 )
+from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
+from dflash_quant.memory.gpus import parse_bytes
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -285,9 +287,7 @@ def gptq(
     # The job is built from the flags here and checked, guarded and run by run_gptq: torch loads only after the
     # checks and the output lock, so refusals are instant.
     from dflash_quant.io.atomic import Terminated
-    from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
     from dflash_quant.memory.fit import ServingKnobs
-    from dflash_quant.memory.gpus import parse_bytes
     from dflash_quant.models.placement import make_placement
     from dflash_quant.pipeline.job import GptqJob
     from dflash_quant.pipeline.run import run_gptq

@@ -16,6 +16,7 @@ from dflash_quant.cli.common import (
     out_console,
     print_json,
 )
+from dflash_quant.errors import UsageError
 
 
 def make_imatrix(
@@ -35,7 +36,6 @@ def make_imatrix(
     device_map: str | None = None,
     max_memory: str | None = None,
 ) -> dict:
-    from dflash_quant.errors import UsageError
 
     output = Path(output)
     if output.is_dir():

@@ -8,10 +8,10 @@ import typer
 from rich.table import Table
 
 from dflash_quant.cli.common import handle_errors, out_console, print_json
+from dflash_quant.io.source import resolve
 
 
 def describe(src: str) -> dict:
-    from dflash_quant.io.source import resolve
     from dflash_quant.io.weights import read_safetensors
     from dflash_quant.loading.drafter import read_draft_config
     from dflash_quant.memory.weights import module_of

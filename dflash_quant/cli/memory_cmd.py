@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from dflash_quant.cli.common import err_console, handle_errors, out_console, print_json
-from dflash_quant.errors import UsageError
+from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.memory.gpus import fmt_bytes
 
 
 def _check_out(out: Path, artifact: Path, baseline: Path | None) -> None:
@@ -30,7 +31,6 @@ def _check_out(out: Path, artifact: Path, baseline: Path | None) -> None:
 
 def _dflash2_lines(drafter: dict) -> list[str]:
     """A DFlash2 drafter's conv and selector bytes, which every engine keeps bf16, and their share."""
-    from dflash_quant.memory.gpus import fmt_bytes
 
     q = drafter.get("quantized_by_part") or {}
     if not (q.get("conv") or q.get("selector_codebooks")):
@@ -46,7 +46,6 @@ def _dflash2_lines(drafter: dict) -> list[str]:
 
 def _print_budget(rep) -> None:
     """rep: artifact.reports.Budget."""
-    from dflash_quant.memory.gpus import fmt_bytes
 
     forms = list(rep.budgets)
     s = rep.settings
@@ -98,7 +97,6 @@ def _print_budget(rep) -> None:
 
 def _print_calibration(rep) -> None:
     """rep: artifact.reports.CalibrationBudget."""
-    from dflash_quant.memory.gpus import fmt_bytes
 
     assert rep.gpu is not None and rep.predicted is not None
     out_console.print(
@@ -121,7 +119,6 @@ def _print_calibration(rep) -> None:
 
 
 def _print_mtp_comparison(rep: dict) -> None:
-    from dflash_quant.memory.gpus import fmt_bytes
 
     cmp = rep["compare_mtp"]
     methods = cmp["methods"]
@@ -182,7 +179,6 @@ def _print_mtp_comparison(rep: dict) -> None:
 
 def _print_memory(rep) -> None:
     """rep: artifact.reports.MemoryReport."""
-    from dflash_quant.memory.gpus import fmt_bytes
 
     w = rep.weights
     table = Table(title=f"memory: {rep.artifact}", title_justify="left")
@@ -245,7 +241,6 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     ) -> None:
         """Weight bytes by module and dtype, disk bytes, bf16 comparison, resident memory, context KV per token."""
-        from dflash_quant.errors import DFlashQuantError
         from dflash_quant.loading.drafter import measure_resident
         from dflash_quant.memory.report import build_memory_report, write_memory_json
 

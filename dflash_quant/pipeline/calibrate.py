@@ -33,6 +33,7 @@ def calibrate(
     progress: Progress,
     target_sha: str = "",
 ) -> tuple[CalibrationStats, dict[str, Any]]:
+    """The Hessians of `prompts` and provenance's calibration record (cached, stored, resumed: see the module)."""
     key = calib_key(job, drafter, target, spec, prompts, drafter_sha)
     info = {
         "prompts": spec,
