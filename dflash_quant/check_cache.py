@@ -22,7 +22,7 @@ import torch
 from dflash_quant import __version__
 from dflash_quant.artifact.files import replace_atomic
 from dflash_quant.decode import GreedyResult, SpecResult
-from dflash_quant.loading import weight_files, weights_sha256
+from dflash_quant.io.weights import weight_files, weights_sha256
 
 
 def default_dir() -> Path:

@@ -5,7 +5,6 @@ Safetensors only, no remote code. The pairing is validated before any compute.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +17,18 @@ from safetensors import SafetensorError, safe_open
 from dflash_quant.config import DFlashDraftConfig, parse_draft_config, read_config_json
 from dflash_quant.config_check import DraftFields, check_layers_present, check_model_fields, draft_fields
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.weights import (
+    DENSE,
+    GGUF,
+    GPTQ,
+    Entry,
+    config_format,
+    confined,
+    existing,
+    mlx_packing_problem,
+    tensor_entries,
+    weight_files,
+)
 from dflash_quant.model import DFlashDrafter
 from dflash_quant.model2 import build_drafter
 
@@ -86,70 +97,10 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
     return Source(id=text, path=Path(local), revision=revision, kind="hub")
 
 
-def _cache_repo(root: Path) -> Path | None:
-    """`<cache>/models--org--name` when root is one of its `snapshots/<rev>` folders (files link to ../../blobs)."""
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        return root.parent.parent
-    return None
-
-
-def confined(root: Path, name: str) -> Path:
-    """root/name, refused unless it stays inside root (or, for an HF cache snapshot, inside its repo folder)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name.startswith("/")
-        or "\\" in name
-        or "\0" in name
-        or re.match(r"^[A-Za-z]:", name)
-        or any(p in ("", ".", "..") for p in name.split("/"))
-    ):
-        raise DFlashQuantError(
-            f"{root}: file name {name!r} points outside the model directory; only plain "
-            "relative names are read (fix the index or re-download the model)"
-        )
-    real_root = Path(root).resolve()
-    allowed = _cache_repo(real_root) or real_root
-    real = (Path(root) / name).resolve()
-    if not real.is_relative_to(allowed):
-        raise DFlashQuantError(
-            f"{Path(root) / name} resolves to {real}, outside the model directory {root}; "
-            "copy the file into the model directory instead of linking to it"
-        )
-    return Path(root) / name
-
-
-def weight_files(path: Path, required: bool = True) -> list[Path]:
-    """The safetensors files of a model dir (index shards or *.safetensors); pickle-only dirs are refused.
-
-    Every file returned (and the index) stays inside the model directory: a shard named `../x` or `/x`,
-    or a symlink leading out, is refused (an HF cache snapshot's links into its own blobs/ are fine).
-    """
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        confined(path, index.name)
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise DFlashQuantError(f"{index} is not a valid safetensors index; re-download the model") from exc
-        return [confined(path, s) for s in shards]
-    files = [confined(path, f.name) for f in sorted(path.glob("*.safetensors"))]
-    if files or not required:
-        return files
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise DFlashQuantError(
-            f"{path} holds only pickle checkpoints (.bin/.pt), which are never loaded; convert them to safetensors"
-        )
-    raise DFlashQuantError(f"no *.safetensors weights in {path}; point at a model directory")
-
-
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory (shards merged), with a clear error on corrupt files."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        if not file.is_file():
-            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
+    for file in existing(weight_files(path)):
         try:
             with safe_open(file, framework="pt") as fh:
                 for key in fh.keys():
@@ -159,20 +110,6 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 f"{file} is not a readable safetensors file ({exc}); re-download or re-export it"
             ) from exc
     return tensors
-
-
-def read_headers(path: Path, required: bool = True) -> dict[str, dict]:
-    """Every tensor's header entry (dtype, shape, offsets) across a model dir's files; nothing is loaded.
-
-    Each file's header is checked against its size (memory.weights.read_header)."""
-    from dflash_quant.memory.weights import read_header
-
-    out: dict[str, dict] = {}
-    for file in weight_files(path, required=required):
-        if not file.is_file():
-            raise DFlashQuantError(f"{file} is missing (listed in the index); re-download the model")
-        out.update(read_header(file))
-    return out
 
 
 def _expected_shapes(f: DraftFields) -> dict[str, tuple[int | None, int | None]]:
@@ -191,14 +128,14 @@ def _expected_shapes(f: DraftFields) -> dict[str, tuple[int | None, int | None]]
     }
 
 
-def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
-    """The drafter config against its safetensors headers, before any model is built: layer count and the
+def check_draft_weights(fields: DraftFields, entries: dict[str, Entry], source: str, shapes: bool = True) -> None:
+    """The drafter config against its weights' headers, before any model is built: layer count and the
     shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
-    names = [k[len("model.") :] if k.startswith("model.") else k for k in headers]
+    names = [k[len("model.") :] if k.startswith("model.") else k for k in entries]
     check_layers_present(fields.num_hidden_layers, names, source)
     if not shapes:
         return
-    stored = dict(zip(names, (h.get("shape") for h in headers.values()), strict=False))
+    stored = dict(zip(names, (list(e.shape) for e in entries.values()), strict=False))
     for part, (n_out, n_in) in _expected_shapes(fields).items():
         base = part if part == "fc" else f"layers.0.{part}"
         weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")
@@ -220,11 +157,13 @@ def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig
     file = confined(source.path, "config.json")
     raw = read_config_json(file)
     fields = draft_fields(raw, str(file))
-    dense = not raw.get("quantization_config") and not raw.get("quantization")
-    gptq = (raw.get("quantization_config") or {}).get("quant_method") == "gptq"
-    # GGUF artifacts have no safetensors; MLX / compressed-tensors pack their weights under other shapes,
-    # so only the layer count is compared for them
-    check_draft_weights(fields, read_headers(source.path, required=False), str(file), shapes=dense or gptq)
+    entries = tensor_entries(source.path, required=False)
+    if problem := mlx_packing_problem(source.path, entries):
+        raise DFlashQuantError(problem)
+    # MLX / compressed-tensors pack their weights under other shapes: only the layer count is compared for them
+    # (GGUF entries carry the logical shape, GPTQ's qweight its output width)
+    fmt = config_format(raw)
+    check_draft_weights(fields, entries, str(file), shapes=fmt in (DENSE, GPTQ, GGUF))
     return raw, parse_draft_config(raw, source=str(file))
 
 
@@ -237,14 +176,7 @@ def check_target_config(source: Source, raw: dict[str, Any]) -> None:
     cfg = text_config(raw)
     check_model_fields(cfg, file)
     if cfg.get("num_hidden_layers") is not None:
-        check_layers_present(cfg["num_hidden_layers"], list(read_headers(source.path)), file, exact=False)
-
-
-def weights_sha256(path: Path) -> str:
-    """sha256 of a model's safetensors files, concatenated in index order."""
-    from dflash_quant.artifact.files import sha256_files
-
-    return sha256_files(weight_files(path))
+        check_layers_present(cfg["num_hidden_layers"], list(tensor_entries(source.path)), file, exact=False)
 
 
 def layer_setting(qcfg: dict[str, Any], name: str) -> tuple[int, int]:
@@ -288,7 +220,7 @@ def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor
     """Dense weights of a drafter dir, each quantized format dequantized through its own reader."""
     qcfg = raw.get("quantization_config") or {}
     method = qcfg.get("quant_method")
-    if method == "gguf":
+    if method == GGUF:
         from dflash_quant.export.gguf import read_gguf
 
         return read_gguf(source.path)

@@ -22,7 +22,8 @@ from dflash_quant.errors import UsageError
 from dflash_quant.export.atomic import staging
 from dflash_quant.export.manifest import write_manifest
 from dflash_quant.export.writer import export_gptq
-from dflash_quant.loading import load_drafter, weights_sha256
+from dflash_quant.io.weights import weights_sha256
+from dflash_quant.loading import load_drafter
 from dflash_quant.lookup import LookupSettings
 from dflash_quant.preflight import guard_run
 from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, extra_linears, quantize_drafter
@@ -518,8 +519,8 @@ def _run(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
         else:
             export_gptq(tmp, drafter, outcome, job.quant, provenance, quant_report, mix.picks if mix else None)
         result.quant_report = quant_report.to_dict()
-        if job.gguf_type is None:  # memory of the GPTQ tensors, before any conversion
-            _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
+        # memory of the tensors as written (a conversion below restates it for its own files)
+        _memory(tmp, final, drafter.source, target_ref.id, target.source.path, device)
         if job.format != "gptq" and job.gguf_type is None:  # same codes in the engine's layout; parity loads these
             from dflash_quant.export.convert import convert_artifact
 

@@ -22,8 +22,8 @@ from dflash_quant.artifact.reports import (
 )
 from dflash_quant.artifact.sources import portable_command, source_ref
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.weights import read_header
 from dflash_quant.loading import Source, resolve
-from dflash_quant.memory.weights import read_header
 from dflash_quant.reference import PACKAGE_DIR, pair_dir
 
 

@@ -12,8 +12,9 @@ from tiny import save_dflash2_drafter, save_drafter, save_target
 from dflash_quant.calibration.capture import capture
 from dflash_quant.errors import UsageError
 from dflash_quant.export.gptq_v1 import unpack_gptq_v1
+from dflash_quant.io.weights import read_header
 from dflash_quant.loading import load_drafter
-from dflash_quant.memory.weights import DRAFTER_PARTS, part_of, read_header
+from dflash_quant.memory.weights import DRAFTER_PARTS, part_of
 from dflash_quant.pipeline import GptqJob, run_gptq
 from dflash_quant.quantize.drafter import QuantSettings, candidate_linears, select_linears
 

@@ -1,4 +1,4 @@
-"""The one atomic JSON writer, the one sha256 helper, and the portable form of a local path."""
+"""The one atomic JSON writer, sha256 of open files, and the portable form of a local path."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from dflash_quant.io.weights import sha256_files
 
 
 def replace_atomic(path: Path, write: Callable[[Path], object]) -> Path:
@@ -51,15 +53,6 @@ def sha256_fileobj(fh: BinaryIO) -> str:
     """sha256 of what is left to read from an open binary file."""
     digest = hashlib.sha256()
     _update(digest, fh)
-    return digest.hexdigest()
-
-
-def sha256_files(paths: Iterable[Path]) -> str:
-    """sha256 of the files' bytes, concatenated in the given order (one file: its plain sha256)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as fh:
-            _update(digest, fh)
     return digest.hexdigest()
 
 

@@ -57,7 +57,7 @@ def make_imatrix(
     from dflash_quant.config import read_config_json
     from dflash_quant.export.gguf import pairing_problem
     from dflash_quant.export.imatrix import write_for_stats
-    from dflash_quant.loading import weights_sha256
+    from dflash_quant.io.weights import weights_sha256
     from dflash_quant.runtime import (
         default_prompt_spec,
         encode_prompts,

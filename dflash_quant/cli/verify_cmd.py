@@ -214,7 +214,7 @@ def verify(
 
     from dflash_quant.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
     from dflash_quant.decode import GreedyResult, SpecResult
-    from dflash_quant.loading import weights_sha256
+    from dflash_quant.io.weights import weights_sha256
 
     cache = CheckCache(None if no_check_cache else (check_cache or default_dir()))
     key = check_key(target=model_identity(tgt.source.path), prompts=encoded, settings=settings, device=dev, dtype=dt)

