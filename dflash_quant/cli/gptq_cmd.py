@@ -86,6 +86,22 @@ def _summary(result) -> Table:
     return table
 
 
+def _stopped(exc: BaseException, kept) -> None:
+    """The one line for a signal: what was cleaned up and, after a checkpoint, that a rerun resumes."""
+    from dflash_quant.export.atomic import Terminated
+
+    if isinstance(exc, Terminated):
+        message, code = f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum
+    else:
+        message, code = "interrupted; no output was written", 130
+    if kept is not None and kept.path.is_file():  # calibration.checkpoint.Kept
+        message += (
+            f"; the partial calibration ({kept.done} of {kept.total} prompts) was kept in the cache at "
+            f"{kept.path.parent}: rerun the same command to resume it"
+        )
+    fail(message, code)
+
+
 @handle_errors
 def gptq(
     drafter: str = typer.Argument(
@@ -148,7 +164,8 @@ def gptq(
     no_calib_cache: bool = typer.Option(
         False,
         "--no-calib-cache",
-        help="Neither read nor write the calibration store (~/.cache/dflash-quant/calib): always recalibrate.",
+        help="Neither reuse nor store finished calibrations (~/.cache/dflash-quant/calib): always recalibrate "
+        "(an interrupted run's checkpoint still waits there for its rerun).",
     ),
     calib_cache_max_gb: float = typer.Option(
         20.0,
@@ -174,7 +191,8 @@ def gptq(
         16,
         "--calib-checkpoint-every",
         min=0,
-        help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
+        help="Checkpoint calibration every N prompts into the calibration cache, so the rerun of an interrupted "
+        "command resumes (0: off).",
     ),
     calib_batch: int | None = typer.Option(
         None,
@@ -326,6 +344,7 @@ def gptq(
 
         look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_max_tokens)
         look.check()
+    job = None
     try:
         # Path checks and the output lock come before the heavy imports, so refusals are instant.
         # (a --check-cache given here is an input too; the default one lies in ~/.cache)
@@ -395,8 +414,8 @@ def gptq(
                     return lambda: bar.advance(task)
 
                 result = run_gptq(job, progress=stage)
-    except Terminated as exc:
-        fail(f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum)
+    except (Terminated, KeyboardInterrupt) as exc:
+        _stopped(exc, job.kept_checkpoint if job is not None else None)
     if json_out:
         print_json(
             {
