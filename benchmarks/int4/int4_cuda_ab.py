@@ -5,7 +5,7 @@ back-to-back launches, the builds in alternating order, medians; outputs compare
 weights each shape by its count in a step. --rotate: each graph cycles through enough copies of the weight that
 none is served from L2, as in a drafter step (without it the small weights stay in L2 between launches).
 
-python benchmarks/int4_cuda_ab.py OLD.cu [--new NEW.cu] [--rotate] --out results/int4_cuda_ab.json
+python benchmarks/int4/int4_cuda_ab.py OLD.cu [--new NEW.cu] [--rotate] --out benchmarks/int4/results/int4_cuda_ab.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_scaling import graph_us, per_launch_us, random_weights  # noqa: E402

@@ -5,7 +5,7 @@ and variant 8), next to the unchanged build and bf16, in one run. A part left ou
 as it is. The builds that leave something out compute wrong results: they exist only to be timed. Each timing is a
 CUDA graph cycling through enough copies of the weight that nothing is served from L2.
 
-python benchmarks/int4_cuda_parts.py --out results/int4_cuda_dev/int4_cuda_parts.json
+python benchmarks/int4/int4_cuda_parts.py --out benchmarks/int4/results/int4_cuda_parts.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_ab import SHAPES  # noqa: E402
@@ -63,7 +63,7 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-# probes of the split-K sum (sessions 17-18): a build that keeps the sum's code but does not run it, one that
+# probes of the split-K sum: a build that keeps the sum's code but does not run it, one that
 # counts in without ordering, one whose blocks store their partials and exit (no count-in), one that counts in but
 # whose last block adds nothing (wrong results, all four: timing only). Discarding the dead partials is
 # development variant 6 (`--variants 0,6`), not an edit.

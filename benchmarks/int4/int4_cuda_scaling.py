@@ -6,7 +6,7 @@ blocks, chunks and bytes with and without a split (65536 x 128 unsplit against 4
 on), and a launch of a one-element torch kernel for the graph's own cost per node. bf16 (torch.matmul) on the
 same shapes in the same run.
 
-python benchmarks/int4_cuda_scaling.py --out results/int4_cuda_scaling.json
+python benchmarks/int4/int4_cuda_scaling.py --out benchmarks/int4/results/int4_cuda_scaling.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash_quant.artifact.files import write_json_atomic  # noqa: E402
 from dflash_quant.int4_cuda import CudaWeights, matmul  # noqa: E402

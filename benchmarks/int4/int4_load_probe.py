@@ -3,7 +3,7 @@ MMAs (`int4_load_probe.cu`), the shipped kernel's cp.async pieces against bulk c
 the shipped kernel and bf16 (cuBLAS) on the same shapes, grids and split-K, in one run. Each timing is a CUDA
 graph cycling through enough copies of the weight that nothing is served from L2.
 
-python benchmarks/int4_load_probe.py --out results/int4_cuda_dev/int4_load_probe.json
+python benchmarks/int4/int4_load_probe.py --out benchmarks/int4/results/int4_load_probe.json
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_ab import SHAPES  # noqa: E402

@@ -5,7 +5,7 @@ k|v@(16+c) (two launches) and as q|k|v@(16+c) (one, q's context rows dropped), b
 and as q|k|v@(16+c). Each from a CUDA graph cycling through enough copies of the weights that nothing is served
 from L2; microseconds a layer, median of the graph's replays.
 
-python benchmarks/int4_qkv_rows.py --out results/int4_qkv_rows.json
+python benchmarks/int4/int4_qkv_rows.py --out benchmarks/int4/results/int4_qkv_rows.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from int4_cuda_scaling import graph_us, random_weights  # noqa: E402

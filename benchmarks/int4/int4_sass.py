@@ -6,7 +6,7 @@ drafter's) the registers ptxas gave it and the length of its main loop: the loop
 its backward branch. cuobjdump comes from the CUDA toolkit or, where the toolkit has none, from triton's wheel
 (`pip download --no-deps triton`, unzipped; pass --cuobjdump).
 
-python benchmarks/int4_sass.py --part no_sum
+python benchmarks/int4/int4_sass.py --part no_sum
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     if cuda_tool("nvcc") is None or not args.cuobjdump:
         raise SystemExit("nvcc and cuobjdump are needed: set CUDA_HOME, or pass --cuobjdump (triton's wheel has one)")
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+    sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
     from int4_cuda_parts import PARTS, PROBES, variant_source
 
     from dflash_quant.int4_cuda import SOURCE

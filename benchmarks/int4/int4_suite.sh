@@ -1,28 +1,27 @@
 #!/usr/bin/env bash
-# Issue #16's next device calls (session 19's version; earlier ones are in git history). JSON and logs under $OUT;
-# each call fits the 10-minute limit. The goal is named for an H200: compare ratios only within one run.
-#   bash benchmarks/int4_next.sh         1. build; one step's GEMMs at 16 rows: the shipped kernel with q|k|v as one
-#                                           launch (cuda+qkv, the runtime's default), the same discarding the
-#                                           split-K sum's dead partials from L2 (cuda+qkv:v6, the same bits), q and
-#                                           k|v apart (cuda+fused), bf16 as the drafter runs it, bf16+fused,
-#                                           bf16+qkv; then what the split-K sum's pieces cost (int4_cuda_parts.py:
-#                                           its code kept but not run, its count-in unordered, partials stored with
-#                                           no count-in, a count-in with no last block's sum)
-#   bash benchmarks/int4_next.sh goal    1'. the goal's number alone, for a call with little device time left (~4 min on
-#                                           the H200 with the build): cuda+qkv, cuda+qkv:v6, cuda+fused, bf16+qkv
-#   bash benchmarks/int4_next.sh parts   1''. the split-K sum's probes alone (call 1's second half), for a card that is
-#                                           not the goal's
-#   bash benchmarks/int4_next.sh e2e     2. speculative tokens/s with q|k|v as one launch and without: the reference
-#                                           pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
-#   bash benchmarks/int4_next.sh tests   3. the cuda GPU tests and q|k|v at a decode step's real rows
-#                                           (int4_qkv_rows.py: context rows 0-16)
+# The int4 kernel's measurements on one GPU (issue #16). JSON and logs under $OUT; each mode runs in under 10 minutes.
+# Compare ratios only within one run: the same kernel's step ratio moves by ~3 % between runs.
+#   bash benchmarks/int4/int4_suite.sh        build; one step's GEMMs at 16 rows from CUDA graphs: the shipped kernel
+#                                             with q|k|v as one launch (cuda+qkv, the runtime's default), the same with
+#                                             the split-K sum's dead partials discarded from L2 (cuda+qkv:v6, same
+#                                             bits), q and k|v apart (cuda+fused), bf16 as the drafter runs it,
+#                                             bf16+fused, bf16+qkv; then the split-K sum's probes (parts, below)
+#   bash benchmarks/int4/int4_suite.sh goal   the step ratio alone (~4 min with the build): cuda+qkv, cuda+qkv:v6,
+#                                             cuda+fused, bf16+qkv
+#   bash benchmarks/int4/int4_suite.sh parts  the split-K sum's probes alone (int4_cuda_parts.py: its code kept but
+#                                             not run, partials stored with no count-in, a count-in with no last
+#                                             block's sum, no sum)
+#   bash benchmarks/int4/int4_suite.sh e2e    speculative tokens/s with q|k|v as one launch and without: the reference
+#                                             pair (gpu_int4.py e2e) and the 8B-shaped random pair (e2e-full)
+#   bash benchmarks/int4/int4_suite.sh tests  the cuda GPU tests and q|k|v at a decode step's real rows
+#                                             (int4_qkv_rows.py: context rows 0-16)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/tx}
 export MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1
 OUT=${OUT:?set OUT to a results directory}
 PY=${PY:-python3}
 parts() {  # what the split-K sum's pieces cost
-  timeout 320 $PY benchmarks/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
+  timeout 320 $PY benchmarks/int4/int4_cuda_parts.py --parts no_sum,sum_not_run,sum_stores_only,sum_no_last \
     --out "$OUT/int4_cuda_parts_sum.json" > "$OUT/parts.log" 2>&1
   echo "parts rc=$?"; tail -1 "$OUT/parts.log" | cut -c1-1500
 }
@@ -56,10 +55,10 @@ case "${1:-}" in
     timeout 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu -k cuda tests/test_int4_kernel.py tests/test_int4_cuda.py \
       > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -2 "$OUT/gpu_tests.log"
-    timeout 90 $PY benchmarks/int4_qkv_rows.py --out "$OUT/int4_qkv_rows.json" > "$OUT/qkv_rows.log" 2>&1
+    timeout 90 $PY benchmarks/int4/int4_qkv_rows.py --out "$OUT/int4_qkv_rows.json" > "$OUT/qkv_rows.log" 2>&1
     echo "qkv rows rc=$?"; tail -5 "$OUT/qkv_rows.log"
     ;;
-  *)  # the goal's number first: if the call runs out of time, the parts benchmark is what is lost
+  *)  # the step ratio first: if the time limit cuts the run, the parts benchmark is what is lost
     gemm gemm_qkv 20 "cuda+fused,cuda+qkv,cuda+qkv:v6,bf16+fused,bf16+qkv"
     parts
     ;;

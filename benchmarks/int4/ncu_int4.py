@@ -2,7 +2,7 @@
 three times to warm up and once more to be profiled.
 
 ncu --clock-control none -k regex:w4a16 --launch-skip 9 --launch-count 3 --section SpeedOfLight ... \
-    python benchmarks/ncu_int4.py
+    python benchmarks/int4/ncu_int4.py
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash_quant.int4_cuda import CudaWeights, matmul  # noqa: E402
 

@@ -4,15 +4,15 @@ calibration Hessians (the development split: the pair's calibration prompts), pe
 llama.cpp's per-tensor mixes. In-sample for GPTQ, which minimizes exactly this, unless --eval-calib names the
 Hessians of other calibration prompts (quantize on one half, measure on the other); tau is measured separately.
 
-    python benchmarks/kquant_scale_search.py --calib /tmp/llama_cpp_check/calib --radii 0 1 2 3 5 \
-        --out benchmarks/results/kquant_scale_search_insample.json
+    python benchmarks/studies/kquant_scale_search.py --calib /tmp/llama_cpp_check/calib --radii 0 1 2 3 5 \
+        --out benchmarks/studies/results/kquant_scale_search_insample.json
     # fit on one half of the calibration prompts, error measured on the other (the development split):
     head -64 dflash_quant/reference/pair/calibration_prompts.jsonl > calA.jsonl   # tail -n +65 > calB.jsonl
     dflash-quant gptq --format gguf --gguf-type Q3_K_S --no-verify --no-card --calib-prompts calA.jsonl \
         --calib-cache calibA -o outA                                                # likewise B
-    python benchmarks/kquant_scale_search.py --calib calibA --eval-calib calibB --radii 0 1 2 3 5 \
-        --out benchmarks/results/kquant_scale_search_cv_AB.json                     # and B -> A
-    python benchmarks/kquant_scale_search.py --cost 1024 2048 --radii 0 2 --out ...cost.json   # solver time
+    python benchmarks/studies/kquant_scale_search.py --calib calibA --eval-calib calibB --radii 0 1 2 3 5 \
+        --out benchmarks/studies/results/kquant_scale_search_cv_AB.json             # and B -> A
+    python benchmarks/studies/kquant_scale_search.py --cost 1024 2048 --radii 0 2 --out ...cost.json   # solver time
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dflash_quant.export.gguf import gguf_name
 from dflash_quant.quantize.kmix import tensor_types
 from dflash_quant.quantize.kquant import GRIDS, gptq_kquant, relative_error
 
-PAIR = Path(__file__).resolve().parents[1] / "dflash_quant" / "reference" / "pair"
+PAIR = Path(__file__).resolve().parents[2] / "dflash_quant" / "reference" / "pair"
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Cost of one lookup history search vs one target verify forward, at a long history (CPU unless --device).
 
-    python benchmarks/lookup_cost.py --history 32768
+    python benchmarks/studies/lookup_cost.py --history 32768
 
 The target is the shipped reference target (6 layers, hidden 256) with its rope stretched to the history
 length; its verify forward of one block (8 tokens) reads a KV cache of `history` tokens.

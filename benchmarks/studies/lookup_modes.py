@@ -3,7 +3,8 @@
 Runs the greedy speculative check once without lookup and once per (mode, n-gram) setting on the same
 prompts and target-only reference, and prints tau with/without lookup per prompt category. CPU, fp32:
 
-    python benchmarks/lookup_modes.py --pair reference --prompts builtin:calib --out benchmarks/results/lookup_modes_dev.json
+    python benchmarks/studies/lookup_modes.py --pair reference --prompts builtin:calib \
+        --out benchmarks/studies/results/lookup_modes_dev.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ map was fitted on (the first 32 calibration prompts, 64 new tokens, greedy; the 
 map), and each ratio is set beside the map's prediction (provenance `mixed.predicted_tau_ratio`), with a paired
 bootstrap of `--max-bytes` minus uniform 3-bit over the prompts. `gptq` refuses calibration prompts as parity
 prompts (that guards the held-out gate), so this check decodes directly.
-Usage: python benchmarks/mixed_dev_check.py PAIR WORK OUT.json   (PAIR: reference or reference-dflash2)"""
+Usage: python benchmarks/studies/mixed_dev_check.py PAIR WORK OUT.json   (PAIR: reference or reference-dflash2)"""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def tau(tokens: list[int], steps: list[int], idx: list[int]) -> float:
 
 def main() -> None:
     pair, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    root = Path(__file__).resolve().parents[1] / "dflash_quant" / "reference" / PAIRS[pair]
+    root = Path(__file__).resolve().parents[2] / "dflash_quant" / "reference" / PAIRS[pair]
     torch.set_num_threads(max(1, torch.get_num_threads()))
     target = load_target(root / "target")
     ids = encode_prompts(target, f"{pair}:calib", DEV_PROMPTS, True, NEW_TOKENS)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue #12, `--max-tau-loss 0.01` with a slope per solver kind (mixed_plan.kind_slope_bounds): the default
 # calibration's plan measured on both held-out sets of the pair, the old one (128 of the extra held-out prompts,
-# as benchmarks/mixed_reference.sh) and the unseen-file test set (256, as benchmarks/mixed_unseen.sh), each
-# paired with uniform 4-bit g128 of the same calibration on the same prompts (those scripts' results).
-#   nice -n 10 bash benchmarks/mixed_kinds.sh reference|reference-dflash2
+# as benchmarks/mixed_reference.sh) and the unseen-file test set (256, as benchmarks/studies/mixed_unseen.sh), each
+# paired with uniform 4-bit g128 of the same calibration on the same prompts (those scripts' results:
+# benchmarks/results/mixed_<pair>_u4.json, benchmarks/studies/results/mixed_<pair>_default_u4_test.json).
+#   nice -n 10 bash benchmarks/studies/mixed_kinds.sh reference|reference-dflash2
 # WORK (default /tmp/mixed_unseen_<pair>, mixed_unseen.sh's) holds the calibration, table and tau map.
 set -euo pipefail
 PAIR=${1:-reference}
@@ -14,7 +15,7 @@ case $PAIR in
 esac
 WORK=${WORK:-/tmp/mixed_unseen_$PAIR}
 PY=${PY:-python}
-OUT=benchmarks/results
+OUT=benchmarks/studies/results
 R="$OUT/mixed_${PAIR}"
 run() {  # name, prompts, n
   local res="${R}_$1.json"
@@ -29,6 +30,6 @@ run() {  # name, prompts, n
 run kind_tau benchmarks/prompts/${P}_heldout_extra.jsonl 128
 run kind_tau_test benchmarks/prompts/${P}_test_unseen.jsonl 256
 {
-  $PY benchmarks/paired_tau.py "${R}_kind_tau.json" "${R}_u4.json"
+  $PY benchmarks/paired_tau.py "${R}_kind_tau.json" "benchmarks/results/mixed_${PAIR}_u4.json"
   $PY benchmarks/paired_tau.py "${R}_kind_tau_test.json" "${R}_default_u4_test.json"
 } | tee "${R}_kinds_paired.txt"

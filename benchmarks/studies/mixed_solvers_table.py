@@ -4,7 +4,7 @@ For every Linear of the table (names from the calibration's sensitivity.json) an
 groups 32/64/128/per channel, the relative output error of the four solvers (plain, act-order with static
 groups, clip search, both); then uniform 2/3/4-bit g128 per solver and the search's least loss at uniform
 3-bit g128's bytes with the solver sets plain / +act / +clip / all four.
-Usage: python benchmarks/mixed_solvers_table.py DRAFTER_DIR CALIB_DIR OUT.json"""
+Usage: python benchmarks/studies/mixed_solvers_table.py DRAFTER_DIR CALIB_DIR OUT.json"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Sensitivity table on a real calibration (from `gptq --calib-cache DIR`) and the search at uniform budgets.
 
 Reports predicted totals only (sum of relative GPTQ output errors): no tau is measured here.
-Usage: python benchmarks/mixed_table_reference.py DRAFTER_DIR CALIB_DIR OUT.json"""
+Usage: python benchmarks/studies/mixed_table_reference.py DRAFTER_DIR CALIB_DIR OUT.json"""
 
 from __future__ import annotations
 

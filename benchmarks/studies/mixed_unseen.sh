@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue #12's --max-tau-loss goal under a dev/test protocol built from UNSEEN corpus files (docs/mixed.md,
 # "Calibrating on unseen files"). The pair's held-out corpus files are split in two by file
-# (benchmarks/unseen_split.py): the DEV file (128 prompts: 64 from dev files alternating with 64 of the pair's
+# (benchmarks/studies/unseen_split.py): the DEV file (128 prompts: 64 from dev files alternating with 64 of the pair's
 # shipped calibration prompts) is the GPTQ calibration and, through its first 32, the tau map's dev split; the
 # TEST file (256 prompts from the other files) is only measured on.
-#   nice -n 10 bash benchmarks/mixed_unseen.sh [PAIR]        # reference-dflash2 (default) or reference
+#   nice -n 10 bash benchmarks/studies/mixed_unseen.sh [PAIR]        # reference-dflash2 (default) or reference
 # Steps, each result kept when already there (delete it to re-measure):
 #   1. plan on the dev side only: --max-tau-loss 0.01 with --no-verify (mixed_<pair>_devmixed_tau_plan.json and
 #      its provenance's `mixed` section, which holds the tau map with uniform 4-bit's dev point);
@@ -13,8 +13,10 @@
 #      and, added after the first test numbers as a comparator only, the default calibration's own
 #      --max-tau-loss 0.01 mix (`default_tau_test`);
 #   3. paired bootstrap (benchmarks/paired_tau.py) -> mixed_<pair>_unseen_paired.txt;
-#   4. benchmarks/unseen_dev_check.py: every drafter on the 128 DEV prompts -> mixed_<pair>_unseen_dev_check.json.
-# WORK (default /tmp/mixed_unseen_<pair>) holds both calibrations, the table and the tau map between runs.
+#   4. benchmarks/studies/unseen_dev_check.py: every drafter on the 128 DEV prompts
+#      -> mixed_<pair>_unseen_dev_check.json.
+# Results under benchmarks/studies/results/. WORK (default /tmp/mixed_unseen_<pair>) holds both calibrations, the
+# table and the tau map between runs.
 set -euo pipefail
 PAIR=${1:-reference-dflash2}
 case $PAIR in
@@ -26,11 +28,11 @@ N=${N:-256}
 NEW=${NEW:-64}
 WORK=${WORK:-/tmp/mixed_unseen_$PAIR}
 PY=${PY:-python}
-OUT=benchmarks/results
+OUT=benchmarks/studies/results
 DEV=benchmarks/prompts/${P}_dev_mixed.jsonl
 TEST=benchmarks/prompts/${P}_test_unseen.jsonl
 mkdir -p "$WORK" "$OUT"
-[ -s "$DEV" ] && [ -s "$TEST" ] || $PY benchmarks/unseen_split.py "$PAIR" --dev-out "$DEV" --test-out "$TEST"
+[ -s "$DEV" ] && [ -s "$TEST" ] || $PY benchmarks/studies/unseen_split.py "$PAIR" --dev-out "$DEV" --test-out "$TEST"
 run() {  # name, calibration cache, extra flags...
   local name=$1 cache=$2; shift 2
   local res="$OUT/mixed_${PAIR}_$name.json"
@@ -59,4 +61,5 @@ R="$OUT/mixed_${PAIR}"
   $PY benchmarks/paired_tau.py "${R}_default_tau_test.json" "${R}_default_u4_test.json"
 } | tee "${R}_unseen_paired.txt"
 # dev-side diagnostic (run after the test numbers; decodes the DEV prompts only): the map's 32 and the other 96
-[ -s "${R}_unseen_dev_check.json" ] || $PY benchmarks/unseen_dev_check.py "$PAIR" "$WORK" "${R}_unseen_dev_check.json"
+[ -s "${R}_unseen_dev_check.json" ] ||
+  $PY benchmarks/studies/unseen_dev_check.py "$PAIR" "$WORK" "${R}_unseen_dev_check.json"

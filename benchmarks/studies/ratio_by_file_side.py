@@ -1,6 +1,7 @@
-"""Tau ratio of a gptq --json result split by the held-out file side (benchmarks/unseen_split.py's dev/test rule)
-of each prompt's source file: was a held-out set's ratio carried by the files that became dev or test files?
-  python benchmarks/ratio_by_file_side.py PROMPTS.jsonl RESULT.json [RESULT.json ...]
+"""Tau ratio of a gptq --json result split by the held-out file side (benchmarks/studies/unseen_split.py's
+dev/test rule) of each prompt's source file: was a held-out set's ratio carried by the files that became dev or
+test files?
+  python benchmarks/studies/ratio_by_file_side.py PROMPTS.jsonl RESULT.json [RESULT.json ...]
 """
 
 import importlib.util

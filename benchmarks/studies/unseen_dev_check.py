@@ -1,9 +1,10 @@
-"""Dev-side check of benchmarks/mixed_unseen.sh's drafters: each is decoded on the 128 prompts of the pair's DEV
+"""Dev-side check of benchmarks/studies/mixed_unseen.sh's drafters: each is decoded on the 128 prompts of the pair's DEV
 file (benchmarks/prompts/<p>_dev_mixed.jsonl; 64 new tokens, greedy, the `spec_runs` call of the tau map) and the
 tau ratio is reported per subset: the map's first 32 (and their dev-file / shipped halves), and the 96 prompts the
 map never decoded (48 dev-file, 48 shipped calibration). Never the test prompts. `gptq` refuses calibration
-prompts as parity prompts, so this decodes directly, as benchmarks/mixed_dev_check.py does.
-Usage: python benchmarks/unseen_dev_check.py PAIR WORK OUT.json   (WORK: mixed_unseen.sh's, with its artifacts)"""
+prompts as parity prompts, so this decodes directly, as benchmarks/studies/mixed_dev_check.py does.
+Usage: python benchmarks/studies/unseen_dev_check.py PAIR WORK OUT.json
+(WORK: mixed_unseen.sh's, with its artifacts)"""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ def tau(r: dict[str, list[int]], idx: list[int]) -> float:
 
 def main() -> None:
     if len(sys.argv) != 4 or sys.argv[1] not in PAIRS:
-        raise SystemExit("usage: python benchmarks/unseen_dev_check.py reference|reference-dflash2 WORK OUT.json")
+        raise SystemExit(
+            "usage: python benchmarks/studies/unseen_dev_check.py reference|reference-dflash2 WORK OUT.json"
+        )
     pair, work, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     root = repo / "dflash_quant" / "reference" / PAIRS[pair][0]
     dev_file = repo / "benchmarks" / "prompts" / f"{PAIRS[pair][1]}_dev_mixed.jsonl"
     kinds = [json.loads(line)["kind"] for line in dev_file.read_text().splitlines() if line.strip()]
@@ -39,7 +42,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[int]]] = {}
     for label, path in models.items():
         if not path.is_dir():
-            raise SystemExit(f"{path} is missing; run benchmarks/mixed_unseen.sh {pair} with WORK={work} first")
+            raise SystemExit(f"{path} is missing; run benchmarks/studies/mixed_unseen.sh {pair} with WORK={work} first")
         drafter = load_drafter(path)
         check = CheckSettings(NEW_TOKENS, 0.0, drafter.config.block_size, 0, stop_tokens(target), batch=16)
         res = spec_runs(drafter.model, target.model, ids, check)

@@ -14,7 +14,7 @@ Every new prompt's text is absent from every other prompt file of the repo (the 
 benchmarks/prompts/*) and from the other output. Both pairs share tokenizer, prompt recipe and corpus, so they get
 the same dev-file and test prompts; only the shipped half of DEV differs. Deterministic for one stdlib:
 
-    python benchmarks/unseen_split.py reference-dflash2 --dev-out benchmarks/prompts/d2_dev_mixed.jsonl \\
+    python benchmarks/studies/unseen_split.py reference-dflash2 --dev-out benchmarks/prompts/d2_dev_mixed.jsonl \\
         --test-out benchmarks/prompts/d2_test_unseen.jsonl
 """
 
@@ -26,7 +26,7 @@ import json
 import random
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SALT = "dflash-quant unseen dev/test v1:"
 
 
