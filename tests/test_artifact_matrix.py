@@ -30,7 +30,7 @@ from dflash_quant.reference import pair_dir
 
 gguf = pytest.importorskip("gguf")
 # CLI subprocesses on the reference pair; one worker builds the artifacts once for the whole module
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("artifact_matrix")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="artifact_matrix")]
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 BF16 = str(pair_dir("reference") / "drafter")
