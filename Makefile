@@ -28,7 +28,7 @@ lint: setup
 
 # Two workers: the suite is one core's worth of CLI runs and tiny models (OMP_NUM_THREADS=1), so two cores halve it.
 test: setup lint
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not gpu and not interop and not mlx"

@@ -7,8 +7,8 @@ What is measured here is the budget: the room each candidate setting leaves (mem
 `gptq --fit` runs) and the room the picked settings leave in `budget`. Without the drafter's weights the tau side
 of the choice is not this drafter's: the loss per Linear is a stand-in (size x 4^-bits), the loss -> tau map uses
 the reference pair's measured uniform 3/4-bit tau ratios, and tau_K uses the DFlash2 reference pair's measured
-bf16 acceptance (benchmarks/results/d2_3bit_heldout_gptq_default.json). A real `gptq --fit` measures both on the
-drafter's development prompts.
+bf16 acceptance (benchmarks/studies/results/d2_3bit_heldout_gptq_default.json). A real `gptq --fit` measures both
+on the drafter's development prompts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dflash_quant.memory.budget import compute_budget
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.mixed import max_quality, packed_bytes
 
-REF = Path(__file__).parent / "results/d2_3bit_heldout_gptq_default.json"
+REF = Path(__file__).parent / "studies/results/d2_3bit_heldout_gptq_default.json"
 REF_RATIOS = {3: 0.9573, 4: 0.9962}  # README "Mixed precision": uniform g128 on the reference pair, held-out
 
 

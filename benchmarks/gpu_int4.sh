@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #16 parts 2-4 on the lent H200 in one call (JSON under $OUT, bundled as $OUT/int4.tgz): our int4 kernels.
+# Issue #16 parts 2-4 on one GPU in one run (JSON under $OUT, bundled as $OUT/int4.tgz): our int4 kernels.
 #   Builds our CUDA kernel, then one Qwen3-8B-DFlash-b16 drafter step's GEMMs at 8 and 16 rows, bf16 vs int4
 #   (eager and CUDA graph), and the kernels' gpu tests; optional: E2E=1 tokens/s of the reference pair through
 #   each kernel, EXTENDED=1 the Triton kernel's full tuning space, MAIN_JOB=1 the main job on cuda (timed, with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #16 on the lent GPU in one command (results under $OUT/r, bundled as $OUT/speed.tgz; then locally
+# Issue #16 on one GPU in one command (results under $OUT/r, bundled as $OUT/speed.tgz; then locally
 # `python benchmarks/speed_report.py --results DIR` writes speed_summary.json and speed_summary.png):
 #   1. GPTQ, textbook vs ours, Qwen3-8B-DFlash-b16 shapes, same run      -> bench_gptq_h200_batched.json
 #   2. one drafter step's GEMMs at 8/16 rows, bf16 vs our int4 kernels   -> int4_gemm_h200_cuda_final.json

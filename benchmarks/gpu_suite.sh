@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything this project measures on the lent H200, in one device call (results under $OUT).
+# GPTQ wall time, memory and the main job on one GPU (H200 for the committed results), results under $OUT.
 #   run: bash benchmarks/gpu_suite.sh      (needs $OUT; uses the image's python3 with torch + transformers)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #14 on the lent H200 in one call (results under $OUT): the target split between cuda:0 and CPU offload vs
+# Issue #14 on one GPU in one run (results under $OUT): the target split between cuda:0 and CPU offload vs
 # whole on cuda:0 (tau, tokens, Hessians, calibration peak vs prediction), and a compressed-tensors int4 target
 # kept packed on CUDA (torch's tinygemm kernel) against the same target dequantized on CPU.
 #   run: bash benchmarks/gpu_target_scale.sh [devmap] [int4]   (default both; needs $OUT; the image's python3)

@@ -7,9 +7,9 @@
 # (mixed_<pair>_paired.txt). Measured (128 x 64, CPU fp32), tau ratio held-out:
 #   reference: u4 0.9962, --max-tau-loss 0.01 0.9909 at 1,026,688 vs 1,049,088 B; u3 0.9573, --max-bytes 0.9790
 #   reference-dflash2: u4 0.9871, --max-tau-loss 0.01 0.9866 at 1,026,688 B; u3 0.9528, --max-bytes 0.9751
-# (the --max-tau-loss rows: the shared-slope planner; the per-kind planner's: benchmarks/mixed_kinds.sh)
+# (the --max-tau-loss rows: the shared-slope planner; the per-kind planner's: benchmarks/studies/mixed_kinds.sh)
 # (candidates with the four GPTQ solvers; the plain-solver build's mixes are kept as *_plainsolver.json)
-# The map's check on the dev split: python benchmarks/mixed_dev_check.py PAIR WORK OUT.json
+# The map's check on the dev split: python benchmarks/studies/mixed_dev_check.py PAIR WORK OUT.json
 # WORK (default /tmp/mixed_bench_<pair>) holds the calibration, table and tau map between runs.
 set -euo pipefail
 PAIR=${1:-reference}

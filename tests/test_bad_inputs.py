@@ -42,6 +42,7 @@ class Ctx:
     models: Path
     art: Path  # pristine GPTQ artifact (copied before a row changes it)
     tmp: Path
+    exports: dict[str, Path] | None = None  # real exports of the reference pair, for the "exports" rows
 
     @property
     def d(self) -> str:
@@ -93,6 +94,16 @@ class Ctx:
         path = self.tmp / "art"
         shutil.copytree(self.art, path)
         return path
+
+    def export(self, fmt: str, change: Callable[[Path], None]) -> str:
+        """A copy of a real `fmt` export changed by `change`, its manifest re-recorded (hash-consistent: only
+        the format's own checks can catch it)."""
+        assert self.exports is not None
+        path = self.tmp / f"export-{fmt}"
+        shutil.copytree(self.exports[fmt], path)
+        change(path)
+        write_manifest(path)
+        return str(path)
 
     def verify(self, *extra: str, drafter: str | None = None, target: str | None = None) -> list[str]:
         return [
@@ -844,6 +855,42 @@ ROWS = [
     ),
     R("card-provenance-list", "artifacts", lambda c: ["card", with_provenance(c, "[]")], 1, r"provenance\.json"),
     R("card-not-a-dir", "artifacts", lambda c: ["card", c.p], 2, r"is not a directory"),
+    # --- exports: GGUF, MLX, compressed-tensors written by `export`, then damaged -------------------------------
+    R(
+        "gguf-tensors-not-config",
+        "exports",
+        lambda c: ["inspect", c.export("gguf", lambda p: _edit_config(p, intermediate_size=1024))],
+        1,
+        r"mlp\.gate_proj\.weight is \[512, 256\] but config\.json implies \[1024, 256\]",
+    ),
+    R(
+        "gguf-truncated",
+        "exports",
+        lambda c: ["memory", c.export("gguf", _truncate_gguf), "--device", "none"],
+        1,
+        r"drafter-Q4_0\.gguf is not a readable GGUF file .*; re-export it",
+    ),
+    R(
+        "mlx-no-quantization-key",
+        "exports",
+        lambda c: ["verify", c.export("mlx", lambda p: _edit_config(p, quantization=None)), "--device", "cpu"],
+        1,
+        r"stored MLX-packed .* config\.json has no `quantization` key",
+    ),
+    R(
+        "compressed-tensors-unknown-scheme",
+        "exports",
+        lambda c: ["memory", c.export("compressed-tensors", lambda p: _ct_weights(p, type="float")), "--device", "cpu"],
+        1,
+        r"config group 'group_0' has weight type 'float'; .*re-export",
+    ),
+    R(
+        "compressed-tensors-unreadable-bits",
+        "exports",
+        lambda c: ["verify", c.export("compressed-tensors", lambda p: _ct_weights(p, num_bits=5)), "--device", "cpu"],
+        1,
+        r"has num_bits 5 \(readable: 2, 3, 4, 8\)",
+    ),
     R(
         "memory-tampered-weights",
         "artifacts",
@@ -1252,6 +1299,23 @@ def _tampered(c: Ctx) -> str:
     return str(art)
 
 
+def _edit_config(path: Path, **over) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(over)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+
+
+def _ct_weights(path: Path, **over) -> None:
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"]["config_groups"]["group_0"]["weights"].update(over)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def _truncate_gguf(path: Path) -> None:
+    f = next(path.glob("*.gguf"))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
 def _qwen3_8b() -> dict:
     from dflash_quant.memory.presets import load_preset
 
@@ -1272,6 +1336,24 @@ def shared(tmp_path_factory):
     (models / "eval.txt").write_text("w40 w41 w42 w43\n")
     art = make_artifact(root / "art", big_bytes=0)
     return models, art
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """`export` of an RTN GPTQ g32 artifact of the reference pair to every format (seconds: no calibration)."""
+    from dflash_quant.cli.export_cmd import export_artifact
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
+    from dflash_quant.quantize.settings import QuantSettings
+
+    root = tmp_path_factory.mktemp("bad_inputs_exports")
+    src = root / "gptq"
+    run_gptq(GptqJob(output=src, quant=QuantSettings(method="rtn", group_size=32), verify=False, write_card=False))
+    out = {}
+    for fmt in ("gguf", "mlx", "compressed-tensors"):
+        out[fmt] = root / fmt
+        export_artifact(src, fmt, out[fmt], card=False)
+    return out
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -1303,15 +1385,16 @@ def test_table_is_big_and_covers_every_group():
         "signals",
         "concurrency",
         "budget",
+        "exports",
     }
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
-def test_bad_input(row: Row, shared, tmp_path, monkeypatch):
+def test_bad_input(row: Row, shared, tmp_path, monkeypatch, request):
     models, art = shared
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    ctx = Ctx(models, art, scratch)
+    ctx = Ctx(models, art, scratch, request.getfixturevalue("exports") if row.group == "exports" else None)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     models_before = tree(models)
     built = row.build(ctx)

@@ -161,25 +161,30 @@ def _gptq(out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_killed_gptq_resumes_with_the_same_codes(tmp_path):
-    """kill -9 during calibration, then the identical command: it resumes from the checkpoint and writes the
-    same Hessians (calibration rows) and the same packed codes as a run that was never interrupted."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    """kill -9 during calibration, then the identical command: it resumes from the checkpoint in the user cache
+    and writes the same Hessians (calibration rows) and the same packed codes as a run never interrupted."""
+    xdg = tmp_path / "xdg"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(xdg)}
     out = tmp_path / "a"
-    ck = tmp_path / ".a.calib-checkpoint" / ckpt.FILE
+
+    def checkpoints() -> list[Path]:
+        return list((xdg / "dflash-quant" / "calib").glob(f"*.checkpoint/{ckpt.FILE}"))
+
     proc = subprocess.Popen(_gptq(out), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 240
-    while proc.poll() is None and not ck.exists() and time.time() < deadline:
+    while proc.poll() is None and not checkpoints() and time.time() < deadline:
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before a checkpoint was seen"
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
-    assert ck.exists() and not out.exists()
+    (ck,) = checkpoints()  # --no-calib-cache keeps finished calibrations out of the store, not checkpoints
+    assert not out.exists() and not list(tmp_path.glob(".a.calib-checkpoint*"))
     mine = ck.parent / "notes.txt"  # the folder is ours by name only: a file someone put there must survive
     mine.write_text("mine")
     subprocess.run(_gptq(out), env=env, cwd=tmp_path, check=True, capture_output=True, timeout=600)
     assert not ck.exists() and mine.read_text() == "mine"
     subprocess.run(
-        _gptq(tmp_path / "b"),  # never interrupted; it checkpoints too, so its folder must vanish at the end
+        _gptq(tmp_path / "b"),  # never interrupted; it checkpoints into the same folder, and removes its own
         env=env,
         cwd=tmp_path,
         check=True,
@@ -196,8 +201,8 @@ def test_killed_gptq_resumes_with_the_same_codes(tmp_path):
     assert codes_a.keys() == codes_b.keys()
     for name, tensor in codes_a.items():  # qweight, qzeros, scales, g_idx and the kept tensors, exactly
         assert torch.equal(tensor, codes_b[name]), name
-    assert not (tmp_path / ".b.calib-checkpoint").exists()  # a finished run leaves no checkpoint behind
-    assert [f.name for f in ck.parent.iterdir()] == ["notes.txt"]  # nor removes what is not its own
+    assert [f.name for f in ck.parent.iterdir()] == ["notes.txt"]  # a finished run leaves no checkpoint behind
+    assert not list(tmp_path.glob(".*.calib-checkpoint"))  # nor anything beside its output
 
 
 # ------------------------------------------------------------------------------------------ memory

@@ -16,7 +16,7 @@ from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.mixed import max_quality, packed_bytes
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
-REF_RESULT = Path(__file__).parent.parent / "benchmarks/results/d2_3bit_heldout_gptq_default.json"
+REF_RESULT = Path(__file__).parent.parent / "benchmarks/studies/results/d2_3bit_heldout_gptq_default.json"
 
 
 def test_tau_at_k_caps_each_step_at_k_plus_one():

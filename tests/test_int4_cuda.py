@@ -145,7 +145,7 @@ def test_the_split_rule_takes_a_block_count_in_place_of_the_occupancy(monkeypatc
 
 
 def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
-    """benchmarks/int4_cuda_parts.py leaves one stage out of the kernel by replacing its text: every edit of a part
+    """benchmarks/int4/int4_cuda_parts.py leaves one stage out of the kernel by replacing its text: every edit of a part
     must find its text exactly once in the shipped source (a kernel change that moves it fails here, not on the
     GPU), and must change the source."""
     import importlib.util
@@ -154,7 +154,7 @@ def test_the_parts_benchmark_edits_the_kernel_source_it_times(tmp_path):
 
     from dflash_quant.kernels.int4_cuda import SOURCE
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "int4"
     sys.path.insert(0, str(folder))
     try:
         spec = importlib.util.spec_from_file_location("int4_cuda_parts_bench", folder / "int4_cuda_parts.py")
@@ -311,12 +311,12 @@ def test_development_variants_against_the_fp32_dequantized_matmul(variant, split
 
 
 def _sass_tool():
-    """benchmarks/int4_sass.py, which holds the nvcc command (torch's builder flags) and the SASS reading."""
+    """benchmarks/int4/int4_sass.py, which holds the nvcc command (torch's builder flags) and the SASS reading."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "int4_sass", Path(__file__).resolve().parents[1] / "benchmarks" / "int4_sass.py"
+        "int4_sass", Path(__file__).resolve().parents[1] / "benchmarks" / "int4" / "int4_sass.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -349,7 +349,7 @@ def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
 
 
 def test_the_sass_reader_finds_the_loop_with_the_mmas_and_the_registers():
-    """benchmarks/int4_sass.py's reading of cuobjdump and ptxas output, on a hand-written listing: the innermost
+    """benchmarks/int4/int4_sass.py's reading of cuobjdump and ptxas output, on a hand-written listing: the innermost
     backward-branch loop holding HMMAs, not the longer loop around it nor the MMA-free tail loop."""
     sass = "\n".join(
         f"        /*{addr:04x}*/                   {text} ;"

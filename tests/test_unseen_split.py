@@ -1,4 +1,4 @@
-"""benchmarks/unseen_split.py: the dev/test file rule and the committed prompt files it wrote."""
+"""benchmarks/studies/unseen_split.py: the dev/test file rule and the committed prompt files it wrote."""
 
 import importlib.util
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("unseen_split", ROOT / "benchmarks" / "unseen_split.py")
+_spec = importlib.util.spec_from_file_location("unseen_split", ROOT / "benchmarks" / "studies" / "unseen_split.py")
 assert _spec and _spec.loader
 unseen_split = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(unseen_split)

@@ -4,12 +4,14 @@ One safetensors file holds the Hessians (fp32 sums and row counts), the per-step
 replay recorded so far (--sequential) and, in its metadata, the key and the number of prompts done. It is
 written to a temp name and renamed, so a kill at any moment leaves the previous checkpoint or the new one,
 never a torn file. The key (drafter and target hashes, prompt ids, settings) must match exactly to resume.
+It lives in --calib-cache when given, else in the calibration store's slot for the key (calibration.store).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,20 @@ from dflash_quant.io.atomic import replace_atomic
 FILE = "calib-checkpoint.safetensors"
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The checkpoint an interrupted calibration leaves for the rerun of its command."""
+
+    path: Path
+    done: int  # prompts it holds
+    total: int
+
+
 def prompts_digest(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts, separators=(",", ":")).encode()).hexdigest()
 
 
-def save(directory: Path, key: dict[str, Any], state: CaptureState) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+def _tensors(state: CaptureState) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {"lengths": torch.tensor(state.lengths, dtype=torch.int64)}
     for name, acc in state.hessians.items():
         for part, t in acc.state_dict().items():
@@ -39,6 +49,20 @@ def save(directory: Path, key: dict[str, Any], state: CaptureState) -> Path:
         for c, call in enumerate(calls):
             for part in ("noise", "ctx", "positions"):
                 tensors[f"r.{p}.{c}.{part}"] = getattr(call, part).contiguous()
+    return tensors
+
+
+def nbytes(state: CaptureState) -> int:
+    """The checkpoint's tensor bytes (its file adds a small header), counted before anything is copied."""
+    hessians = sum(4 * acc.in_features**2 + 8 for acc in state.hessians.values())  # fp32 xtx, int64 rows
+    calls = [call for calls in state.replay or [] for call in calls]
+    replay = sum(t.numel() * t.element_size() for call in calls for t in (call.noise, call.ctx, call.positions))
+    return hessians + replay + 8 * len(state.lengths)
+
+
+def save(directory: Path, key: dict[str, Any], state: CaptureState) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = _tensors(state)
     meta = {"key": json.dumps(key, sort_keys=True), "done": str(state.done), "replay": str(state.replay is not None)}
     path = directory / FILE
     return replace_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))

@@ -87,7 +87,8 @@ def export(
     else:
         out_console.print(f"{fmt} artifact: {output} ({', '.join(summary['files'])})")
         err_console.print(
-            f"weights: {summary['exact']}; parity.json is the source's until `dflash-quant verify {output} --compare BF16`"
+            f"weights: {summary['exact']}; parity.json records the GPTQ source's check: "
+            f"`dflash-quant verify {output} --compare BF16_DRAFTER` measures these weights"
         )
 
 

@@ -87,6 +87,22 @@ def _summary(result) -> Table:
     return table
 
 
+def _stopped(exc: BaseException, kept) -> None:
+    """The one line for a signal: what was cleaned up and, after a checkpoint, that a rerun resumes."""
+    from dflash_quant.io.atomic import Terminated
+
+    if isinstance(exc, Terminated):
+        message, code = f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum
+    else:
+        message, code = "interrupted; no output was written", 130
+    if kept is not None and kept.path.is_file():  # calibration.checkpoint.Kept
+        message += (
+            f"; the partial calibration ({kept.done} of {kept.total} prompts) was kept in the cache at "
+            f"{kept.path.parent}: rerun the same command to resume it"
+        )
+    fail(message, code)
+
+
 @handle_errors
 def gptq(
     drafter: str = typer.Argument(
@@ -149,7 +165,8 @@ def gptq(
     no_calib_cache: bool = typer.Option(
         False,
         "--no-calib-cache",
-        help="Neither read nor write the calibration store (~/.cache/dflash-quant/calib): always recalibrate.",
+        help="Neither reuse nor store finished calibrations (~/.cache/dflash-quant/calib): always recalibrate "
+        "(an interrupted run's checkpoint still waits there for its rerun).",
     ),
     calib_cache_max_gb: float = typer.Option(
         20.0,
@@ -175,7 +192,8 @@ def gptq(
         16,
         "--calib-checkpoint-every",
         min=0,
-        help="Checkpoint calibration every N prompts so an interrupted run resumes (0: off).",
+        help="Checkpoint calibration every N prompts into the calibration cache, so the rerun of an interrupted "
+        "command resumes (0: off).",
     ),
     calib_batch: int | None = typer.Option(
         None,
@@ -289,7 +307,7 @@ def gptq(
     from dflash_quant.io.atomic import Terminated
     from dflash_quant.memory.fit import ServingKnobs
     from dflash_quant.models.placement import make_placement
-    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.job import GptqJob, RunState
     from dflash_quant.pipeline.run import run_gptq
     from dflash_quant.quantize.settings import QuantSettings
 
@@ -381,10 +399,12 @@ def gptq(
         task = bar.add_task(label, total=total)
         return lambda: bar.advance(task)
 
+    state = RunState()
     try:
-        result = run_gptq(job, progress=stage)
-    except Terminated as exc:
-        fail(f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum)
+        result = run_gptq(job, progress=stage, state=state)
+    except (Terminated, KeyboardInterrupt) as exc:
+        bar.stop()
+        _stopped(exc, state.kept_checkpoint)
     finally:
         bar.stop()
     if json_out:

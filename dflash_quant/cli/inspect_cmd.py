@@ -12,22 +12,24 @@ from dflash_quant.io.source import resolve
 
 
 def describe(src: str) -> dict:
-    from dflash_quant.io.weights import read_safetensors
+    from math import prod
+
+    from dflash_quant.io.weights import dtype_name, tensor_entries
     from dflash_quant.loading.drafter import read_draft_config
     from dflash_quant.memory.weights import module_of
 
     source = resolve(src)
     raw, cfg = read_draft_config(source)
-    tensors = read_safetensors(source.path)
     params: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     dtypes: dict[str, int] = defaultdict(int)
-    for key, t in tensors.items():
+    # headers only, in the artifact's own format (a GGUF tensor counts its logical elements)
+    for key, e in tensor_entries(source.path).items():
         key = key[len("model.") :] if key.startswith("model.") else key
         mod = module_of(key)
-        params[mod] += t.numel()
-        nbytes[mod] += t.numel() * t.element_size()
-        dtypes[str(t.dtype).replace("torch.", "")] += t.numel() * t.element_size()
+        params[mod] += prod(e.shape)
+        nbytes[mod] += e.nbytes
+        dtypes[dtype_name(e.dtype)] += e.nbytes
     config = {"variant": "DFlash2" if cfg.is_dflash2 else "DFlash"}
     if cfg.is_dflash2:
         config.update(

@@ -23,7 +23,8 @@ from dflash_quant.export.gptq_v1 import read_gptq_artifact
 from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
 from dflash_quant.export.mlx import write_mlx
 from dflash_quant.io.source import resolve
-from dflash_quant.io.weights import read_header
+from dflash_quant.io.weights import tensor_entries
+from dflash_quant.memory.report import restate_for
 from dflash_quant.memory.weights import bytes_by_part
 
 FORMATS = ("gptq", "compressed-tensors", "gguf", "mlx")
@@ -114,7 +115,9 @@ def convert_artifact(
             data["gptq_quantized_bytes"] = data.get("gptq_quantized_bytes", data.get("quantized_bytes"))
             data["quantized_bytes"] = summary["quantized_bytes"]
             data["format"] = fmt
-            _whole_drafter_bytes(data, dst, fmt)
+            _whole_drafter_bytes(data, dst)
+        if name == "memory.json":
+            data = restate_for(data, dst)
         if name == "parity.json" and src.resolve() != dst.resolve():
             data = dict(data)
             notes = list(data.get("notes") or [])
@@ -128,21 +131,16 @@ def convert_artifact(
     return summary
 
 
-def _whole_drafter_bytes(data: dict, dst: Path, fmt: str) -> None:
-    """Whole-drafter bytes of the converted file (safetensors formats); the GPTQ figures are kept beside them."""
+def _whole_drafter_bytes(data: dict, dst: Path) -> None:
+    """Whole-drafter bytes of the converted files (any format); the GPTQ figures are kept beside them."""
     if "drafter_bytes_quantized" not in data:
         return
     data.setdefault("gptq_drafter_bytes_quantized", data["drafter_bytes_quantized"])
     by_part = dict(data.get("by_part") or {})
     by_part.setdefault("gptq", by_part.get("quantized"))
-    written = dst / "model.safetensors"
-    if fmt in ("compressed-tensors", "mlx") and written.is_file():
-        sizes = {n: int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for n, i in read_header(written).items()}
-        data["drafter_bytes_quantized"] = sum(sizes.values())
-        by_part["quantized"] = bytes_by_part(sizes)
-    else:  # GGUF renames tensors into llama.cpp's layout: no per-part count from its file here
-        data["drafter_bytes_quantized"] = None
-        by_part["quantized"] = None
+    sizes = {name: e.nbytes for name, e in tensor_entries(dst).items()}
+    data["drafter_bytes_quantized"] = sum(sizes.values())
+    by_part["quantized"] = bytes_by_part(sizes)
     data["by_part"] = by_part
 
 

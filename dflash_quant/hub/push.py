@@ -29,7 +29,6 @@ import contextlib
 import fnmatch
 import hashlib
 import io
-import json
 import os
 import time
 from collections.abc import Callable
@@ -49,9 +48,11 @@ from dflash_quant.artifact.manifest import (
 from dflash_quant.artifact.provenance import provenance_problem
 from dflash_quant.artifact.reports import Manifest, Parity
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.io.weights import COMPRESSED, GGUF, GPTQ, MLX, config_format, format_of, read_raw_config, weight_files
 
-# parity.json is required too, but its absence is a parity-gate problem (--force overrides it).
-REQUIRED_FILES = ("config.json", "model.safetensors", "quantize_config.json", "provenance.json", "README.md", MANIFEST)
+# parity.json is required too, but its absence is a parity-gate problem (--force overrides it); the weight
+# files (and a GPTQ artifact's quantize_config.json) depend on the format: see required_files.
+REQUIRED_FILES = ("config.json", "provenance.json", "README.md", MANIFEST)
 IN_MEMORY_LIMIT = 1 << 30  # files up to this size are uploaded from the bytes that were hashed
 RECOMMENDED_FILES = ("quant_report.json", "memory.json")
 
@@ -172,15 +173,37 @@ def _parity_problems(root: Path) -> list[str]:
     return []
 
 
+def required_files(root: Path) -> tuple[list[str], list[str]]:
+    """(files every artifact of this format must hold, problems naming them): the common ones, the weight
+    files of the artifact's own format (safetensors or its GGUF), and quantize_config.json for GPTQ v1."""
+    fmt = format_of(root)
+    try:
+        weights = [f.relative_to(root).as_posix() for f in weight_files(root, required=False)]
+    except DFlashQuantError as exc:
+        return list(REQUIRED_FILES), [str(exc)]
+    if not weights:
+        named = (read_raw_config(root).get("quantization_config") or {}).get("file")
+        weights = (
+            [named if isinstance(named, str) else "a drafter .gguf file"] if fmt == GGUF else ["model.safetensors"]
+        )
+    extra = ["quantize_config.json"] if fmt == GPTQ else []
+    return [*REQUIRED_FILES, *weights, *extra], []
+
+
 def inspect_artifact(artifact_dir: Path) -> ArtifactCheck:
     """Every check push makes, without a network call."""
     root = Path(artifact_dir)
     integrity, verified = check_artifact_files(root)
-    integrity = [
-        f"required file {name} is missing"
-        for name in REQUIRED_FILES
-        if name != MANIFEST and not os.path.lexists(root / name)
-    ] + [p for p in integrity if not any(p.startswith(f"{name} is listed") for name in REQUIRED_FILES)]
+    required, unreadable = required_files(root)
+    integrity = (
+        unreadable
+        + [
+            f"required file {name} is missing"
+            for name in required
+            if name != MANIFEST and not os.path.lexists(root / name)
+        ]
+        + [p for p in integrity if not any(p.startswith(f"{name} is listed") for name in required)]
+    )
     bad_provenance = provenance_problem(root) if not integrity else None
     if bad_provenance:
         integrity.append(f"provenance.json {bad_provenance}")
@@ -234,15 +257,27 @@ def predict_large_file(path: Path, size: int) -> tuple[bool, str]:
 
 
 def default_commit_message(artifact_dir: Path) -> str:
-    root = Path(artifact_dir)
-    bits = group = None
-    try:
-        q = json.loads((root / "quantize_config.json").read_text(encoding="utf-8"))
-        bits, group = q.get("bits"), q.get("group_size")
-    except (OSError, ValueError):
-        pass
-    recipe = f"GPTQ int{bits}" + (f" g{group}" if group else "") if bits else "GPTQ"
-    return f"Upload {recipe} DFlash drafter (dflash-quant {__version__})"
+    return f"Upload {recipe_label(Path(artifact_dir))} DFlash drafter (dflash-quant {__version__})"
+
+
+def recipe_label(root: Path) -> str:
+    """`GPTQ int4 g128`, `compressed-tensors int4 g32`, `MLX int4 g64`, `GGUF Q4_0`: from config.json."""
+    raw = read_raw_config(root)
+    fmt = config_format(raw)
+    if fmt == GGUF:
+        types = (raw.get("quantization_config") or {}).get("types") or []
+        return "GGUF " + "+".join(str(t) for t in types) if types else "GGUF"
+    if fmt == MLX:
+        q = raw.get("quantization") or {}
+    elif fmt == COMPRESSED:
+        groups = list(((raw.get("quantization_config") or {}).get("config_groups") or {}).values())
+        q = groups[0].get("weights") or {} if len(groups) == 1 and isinstance(groups[0], dict) else {}
+        q = {"bits": q.get("num_bits"), "group_size": q.get("group_size")}
+    else:
+        q = raw.get("quantization_config") or {}
+    name = {GPTQ: "GPTQ", MLX: "MLX", COMPRESSED: "compressed-tensors"}.get(fmt, fmt)
+    bits, group = q.get("bits"), q.get("group_size")
+    return f"{name} int{bits}" + (f" g{group}" if group else "") if bits else name
 
 
 def _commit_description(artifact_dir: Path) -> str:

@@ -40,6 +40,27 @@ def pack_tensors(
     return out
 
 
+READ_BITS = (2, 3, 4, 8)
+
+
+def scheme_problem(scheme: Any) -> str | None:
+    """What in a config group's weight scheme this reader cannot decode (it would decode it wrongly or crash)."""
+    w = scheme.weights
+    if w is None:
+        return "quantizes no weights"
+    kind = getattr(w.type, "value", w.type)
+    strategy = getattr(w.strategy, "value", w.strategy)
+    if kind != "int":
+        return f"has weight type {kind!r}"
+    if w.num_bits not in READ_BITS:
+        return f"has num_bits {w.num_bits} (readable: {', '.join(map(str, READ_BITS))})"
+    if strategy not in ("group", "channel"):
+        return f"has strategy {strategy!r} (readable: group, channel)"
+    if scheme.input_activations is not None:
+        return "quantizes activations"
+    return None
+
+
 def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Dense fp32 weights through the library's own decompressor (scales upcast first: the product is exact)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
@@ -47,9 +68,15 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
 
     try:
         config = QuantizationConfig.model_validate({k: v for k, v in qcfg.items() if k != "dflash_quant"})
-    except Exception as exc:  # pydantic's error is long; one line is enough here
+    except Exception as exc:  # pydantic's error is long: its first problem is enough for one line
+        lines = str(exc).strip().splitlines()
+        what = type(exc).__name__
+        if len(lines) > 2:  # pydantic: a location line, then the message
+            loc = ".".join(p for p in lines[1].strip().split(".") if not p.startswith("function-"))
+            what = f"{loc}: {lines[2].split(' [type=')[0].strip()}"
         raise DFlashQuantError(
-            f"quantization_config is not a valid compressed-tensors config ({type(exc).__name__})"
+            f"quantization_config is not a valid compressed-tensors config ({what}); restore config.json from "
+            "the export or re-export it"
         ) from exc
     if config.format != FORMAT:
         raise DFlashQuantError(
@@ -57,6 +84,12 @@ def read_compressed_tensors(tensors: dict[str, torch.Tensor], qcfg: dict[str, An
             "checkpoints it writes"
         )
     schemes = list(config.config_groups.values())
+    for name, scheme in config.config_groups.items():
+        if problem := scheme_problem(scheme):
+            raise DFlashQuantError(
+                f"compressed-tensors config group {name!r} {problem}; dflash-quant reads the int {FORMAT} "
+                "schemes it writes (re-export the artifact)"
+            )
 
     def scheme_of(name: str):
         if len(schemes) == 1:

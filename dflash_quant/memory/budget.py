@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.io.weights import read_header, weight_files
+from dflash_quant.io.weights import tensor_entries, weight_files
 from dflash_quant.memory.engine import (
     ACT_BYTES,
     LOGITS_COPIES,
@@ -218,7 +218,7 @@ def _check_layers(shape: ModelShape, root: Path | None, label: str, exact: bool)
 
     if root is None:
         return
-    names = [n for f in weight_files(root, required=False) for n in read_header(f)]
+    names = list(tensor_entries(root, required=False))
     names = [n[len("model.") :] if shape.is_drafter and n.startswith("model.") else n for n in names]
     check_layers_present(shape.num_layers, names, label, exact=exact)
 

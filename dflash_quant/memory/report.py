@@ -14,7 +14,7 @@ from dflash_quant.artifact.reports import Budget, MemoryReport
 from dflash_quant.artifact.sources import model_label, portable_path
 from dflash_quant.io.atomic import signals_raise, write_json_atomic
 from dflash_quant.memory.kv import kv_per_token, parse_shape, read_config
-from dflash_quant.memory.weights import disk_bytes, weights_from_files
+from dflash_quant.memory.weights import WeightReport, disk_bytes, weights_from_files
 
 MEMORY_JSON = MemoryReport.FILE
 
@@ -38,17 +38,7 @@ def build_memory_report(
     kv = kv_per_token(shape, "bfloat16")
     report: dict[str, Any] = {
         "artifact": artifact_name or portable_path(artifact),
-        "weights": {
-            "total_bytes": rep.total_bytes,
-            "by_module": rep.by_module,
-            "by_dtype": rep.by_dtype,
-            "num_tensors": rep.num_tensors,
-            "params": rep.params,
-            "quantized_linears": rep.quantized_linears,
-            "packed_quantized_bytes": rep.packed_quantized_bytes,
-            "dequantized_bf16_bytes": rep.dequantized_bf16_bytes,
-            "by_part": rep.by_part,
-        },
+        "weights": weights_section(rep),
         "disk_bytes": disk_bytes(artifact),
         "baseline": None,
         "resident": None,
@@ -77,6 +67,38 @@ def build_memory_report(
         res["packed_bytes"] = rep.total_bytes
         report["resident"] = res
     return MemoryReport.from_dict(report)
+
+
+def weights_section(rep: WeightReport) -> dict[str, Any]:
+    return {
+        "total_bytes": rep.total_bytes,
+        "by_module": rep.by_module,
+        "by_dtype": rep.by_dtype,
+        "num_tensors": rep.num_tensors,
+        "params": rep.params,
+        "quantized_linears": rep.quantized_linears,
+        "packed_quantized_bytes": rep.packed_quantized_bytes,
+        "dequantized_bf16_bytes": rep.dequantized_bf16_bytes,
+        "by_part": rep.by_part,
+    }
+
+
+def restate_for(data: dict[str, Any], root: Path) -> dict[str, Any]:
+    """A memory report of the same drafter restated for the files now in `root` (another format of the same
+    codes): stored weights, disk bytes, the baseline ratio and the resident packed bytes are this format's;
+    the measured resident form, the KV and the budget do not depend on the file format and are kept."""
+    rep = weights_from_files(root)
+    out = {**data, "weights": weights_section(rep), "disk_bytes": disk_bytes(root)}
+    base = out.get("baseline")
+    if isinstance(base, dict) and base.get("total_bytes"):
+        out["baseline"] = {
+            **base,
+            "ratio": round(rep.total_bytes / base["total_bytes"], 4),
+            "saved_bytes": base["total_bytes"] - rep.total_bytes,
+        }
+    if isinstance(out.get("resident"), dict):
+        out["resident"] = {**out["resident"], "packed_bytes": rep.total_bytes}
+    return out
 
 
 def is_memory_report(path: Path) -> bool:

@@ -12,18 +12,23 @@ Vision towers and MTP heads are not counted (text-only serving; pass --target-we
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 from typing import Any
 
 from dflash_quant.errors import DFlashQuantError, UsageError
-from dflash_quant.io.weights import ST_DTYPE_BYTES, ST_DTYPE_NAMES, read_header, weight_files
+from dflash_quant.io.weights import (
+    ST_DTYPE_BYTES,
+    dtype_name,
+    quantized_linears,
+    tensor_entries,
+    weight_files,
+)
 from dflash_quant.memory.kv import FULL, LINEAR, MAMBA, SLIDING, ModelShape
 
-GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 _LAYER_RE = re.compile(r"^(.*?\blayers\.\d+\.[^.]+)")
 # What a drafter is made of, for whole-drafter byte counts (quant_report.json, memory.json, budget).
 DRAFTER_PARTS = ("backbone_linears", "fc", "norms", "conv", "selector_codebooks", "selector_projection")
@@ -95,50 +100,36 @@ class WeightReport:
         }
 
 
-def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
-    """Bytes of every tensor in root's safetensors files, from their headers."""
+def weights_from_files(root: Path) -> WeightReport:
+    """Bytes of every weight tensor of root in its own format (safetensors or GGUF), from the headers.
+
+    A quantized Linear counts its stored tensors as packed bytes and out x in logical parameters, whatever
+    the format (GPTQ v1, compressed-tensors, MLX affine, a GGUF quantized type)."""
     files = weight_files(root, required=False)
     if not files:
-        raise DFlashQuantError(f"no *.safetensors weights in {root}; point at a model or artifact directory")
+        raise DFlashQuantError(
+            f"no weights in {root} (no *.safetensors, no drafter .gguf); point at a model or artifact directory"
+        )
+    entries = tensor_entries(root)
+    gguf = files[0].suffix == ".gguf"
+    linears = quantized_linears(root, entries)
+    packed_names = {name: base for base, q in linears.items() for name in q.tensors}
     by_module: dict[str, int] = defaultdict(int)
     by_dtype: dict[str, int] = defaultdict(int)
-    entries: dict[str, tuple[str, list[int], int]] = {}
-    for f in files:
-        if not f.is_file():
-            raise DFlashQuantError(f"{f} is missing (listed in the index); re-download the model")
-        for name, info in read_header(f).items():
-            dt = info.get("dtype")
-            if dt not in ST_DTYPE_BYTES:
-                raise DFlashQuantError(f"{f}: tensor {name} has unknown dtype {dt!r}")
-            start, end = info["data_offsets"]
-            nbytes = int(end) - int(start)
-            entries[name] = (dt, list(info.get("shape", [])), nbytes)
-            by_module[module_of(name)] += nbytes
-            by_dtype[ST_DTYPE_NAMES.get(dt, dt.lower())] += nbytes
-    if bits is None:
-        qc = _quant_config(root)
-        bits = int(qc.get("bits", 4)) if qc else 4
-    packed = 0
-    dequant = 0
-    params = 0
-    nq = 0
-    bases = {n[: -len(".qweight")] for n in entries if n.endswith(".qweight")}
-    for name, (_dt, shape, nbytes) in entries.items():
-        base, _, suffix = name.rpartition(".")
-        if base in bases and suffix in GPTQ_SUFFIXES:
-            packed += nbytes
-            if suffix == "qweight":
-                rows, out = shape
-                n_in = rows * 32 // bits
-                dequant += n_in * out * 2
-                params += n_in * out
-                nq += 1
+    packed = dequant = params = 0
+    for name, e in entries.items():
+        if not gguf and e.dtype not in ST_DTYPE_BYTES:
+            raise DFlashQuantError(f"{root}: tensor {name} has unknown dtype {e.dtype!r}")
+        by_module[module_of(name)] += e.nbytes
+        by_dtype[dtype_name(e.dtype)] += e.nbytes
+        if name in packed_names:
+            packed += e.nbytes
             continue
-        dequant += nbytes
-        numel = 1
-        for s in shape:
-            numel *= s
-        params += numel
+        dequant += e.nbytes
+        params += prod(e.shape)
+    for q in linears.values():
+        dequant += q.in_features * q.out_features * 2
+        params += q.in_features * q.out_features
     return WeightReport(
         total_bytes=sum(by_dtype.values()),
         by_module=dict(sorted(by_module.items(), key=_natural)),
@@ -147,29 +138,14 @@ def weights_from_files(root: Path, bits: int | None = None) -> WeightReport:
         files=[f.name for f in files],
         packed_quantized_bytes=packed,
         dequantized_bf16_bytes=dequant,
-        quantized_linears=nq,
+        quantized_linears=len(linears),
         params=params,
-        by_part=bytes_by_part({name: e[2] for name, e in entries.items()}),
+        by_part=bytes_by_part({name: e.nbytes for name, e in entries.items()}),
     )
 
 
 def _natural(item: tuple[str, int]) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", item[0])]
-
-
-def _quant_config(root: Path) -> dict | None:
-    for name in ("quantize_config.json", "config.json"):
-        p = Path(root) / name
-        if p.is_file():
-            try:
-                data = json.loads(p.read_text())
-            except json.JSONDecodeError:
-                continue
-            if name == "config.json":
-                data = data.get("quantization_config")
-            if isinstance(data, dict) and data:
-                return data
-    return None
 
 
 def disk_bytes(root: Path) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.weights import Entry
 from dflash_quant.models.config import DFlashDraftConfig
 from dflash_quant.models.config_check import DraftFields, check_layers_present
 
@@ -28,14 +29,14 @@ def _expected_shapes(f: DraftFields) -> dict[str, tuple[int | None, int | None]]
     }
 
 
-def check_draft_weights(fields: DraftFields, headers: dict[str, dict], source: str, shapes: bool = True) -> None:
-    """The drafter config against its safetensors headers, before any model is built: layer count and the
+def check_draft_weights(fields: DraftFields, entries: dict[str, Entry], source: str, shapes: bool = True) -> None:
+    """The drafter config against its weights' headers, before any model is built: layer count and the
     shapes of fc and the first layer's projections (for a GPTQ artifact, the output width of each qweight)."""
-    names = [k[len("model.") :] if k.startswith("model.") else k for k in headers]
+    names = [k[len("model.") :] if k.startswith("model.") else k for k in entries]
     check_layers_present(fields.num_hidden_layers, names, source)
     if not shapes:
         return
-    stored = dict(zip(names, (h.get("shape") for h in headers.values()), strict=False))
+    stored = dict(zip(names, (list(e.shape) for e in entries.values()), strict=False))
     for part, (n_out, n_in) in _expected_shapes(fields).items():
         base = part if part == "fc" else f"layers.0.{part}"
         weight, qweight = stored.get(f"{base}.weight"), stored.get(f"{base}.qweight")

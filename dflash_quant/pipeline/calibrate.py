@@ -1,5 +1,6 @@
 """The calibration stage of `gptq`: Hessians from the drafter speculating with its target, reused from
---calib-cache or the calibration store when the key matches, checkpointed so an interrupted run resumes."""
+--calib-cache or the calibration store when the key matches, checkpointed (into --calib-cache, else the
+store's slot for the key) so that the rerun of an interrupted command resumes."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import torch
 from dflash_quant.calibration import cache as calib_cache
 from dflash_quant.calibration import checkpoint as ckpt
 from dflash_quant.calibration.capture import CalibrationStats, capture
-from dflash_quant.calibration.checkpoint import prompts_digest
 from dflash_quant.calibration.peak import predict_run
-from dflash_quant.calibration.store import CalibStore, store_key
+from dflash_quant.calibration.store import CalibStore, default_dir, store_key
 from dflash_quant.loading.drafter import LoadedDrafter
 from dflash_quant.loading.runtime import resolve_device, stop_tokens
 from dflash_quant.loading.target import LoadedTarget
 from dflash_quant.pipeline.batching import calib_rows
-from dflash_quant.pipeline.job import GptqJob, Progress
+from dflash_quant.pipeline.job import GptqJob, Progress, RunState
 from dflash_quant.quantize.drafter import extra_linears
 
 
@@ -32,8 +32,11 @@ def calibrate(
     device: torch.device,
     progress: Progress,
     target_sha: str = "",
+    state: RunState | None = None,
 ) -> tuple[CalibrationStats, dict[str, Any]]:
-    """The Hessians of `prompts` and provenance's calibration record (cached, stored, resumed: see the module)."""
+    """The Hessians of `prompts` and provenance's calibration record (cached, stored, resumed: see the module);
+    `state` learns where an unfinished calibration's checkpoint lies while it runs."""
+    state = state if state is not None else RunState()
     key = calib_key(job, drafter, target, spec, prompts, drafter_sha)
     info = {
         "prompts": spec,
@@ -42,7 +45,7 @@ def calibrate(
         "kv_hessian": job.kv_hessian,
         "cached": False,
     }
-    return _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info)
+    return _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info, state)
 
 
 def calib_key(
@@ -68,8 +71,7 @@ def calib_key(
     return key
 
 
-def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info):
-    extra = key.get("extra_linears", [])
+def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info, state: RunState):
     hdev = resolve_hessian_device(job.hessian_device, device)
     if job.calib_cache is not None:
         stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, hdev)
@@ -77,22 +79,68 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
             info["cached"] = True
             return stats, info
     store, skey = None, None
-    if job.calib_cache is None and job.calib_store is not None:  # an explicit --calib-cache takes its place
-        store = CalibStore(job.calib_store, job.calib_store_max_bytes)
+    if job.calib_cache is None:  # an explicit --calib-cache takes the store's place, checkpoints included
+        store = CalibStore(job.calib_store or default_dir(), job.calib_store_max_bytes)
         skey = store_key(key, drafter, target, prompts, stop_tokens(target), device, hdev)
-        stats = store.load(skey, job.quant.sequential, hdev)
+        stats = store.load(skey, job.quant.sequential, hdev) if job.calib_store is not None else None
         if stats is not None:
             info.update(cached=True, store="hit")
             return stats, info
+    slot = store.checkpoint(skey) if store is not None and skey is not None and job.calib_checkpoint_every > 0 else None
+    if slot is not None:
+        try:
+            slot.hold()  # before reading it: no other run evicts it meanwhile
+        except OSError:  # an unwritable cache: calibrate without checkpoints
+            slot = None
+    finished = False
+    try:
+        stats = _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slot, state)
+        if job.calib_cache is not None:
+            calib_cache.save(job.calib_cache, stats, key)
+            ckpt.clear(job.calib_cache)  # after the statistics: a kill in between loses neither
+        if job.calib_store is not None and store is not None and skey is not None:
+            info["store"] = store.save(stats, skey)  # before the checkpoint goes, likewise
+        finished = True
+    finally:
+        if slot is not None:
+            slot.release(finished)
+    state.kept_checkpoint = None  # calibration is complete: nothing left to resume
+    info["resumed_prompts"] = stats.resumed_prompts
+    info["hessian_device"] = str(hdev)
+    if key.get("calib_batch", 1) > 1:
+        info["batch_rows"] = key["calib_batch"]
+    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, key.get("calib_batch", 1))
+    return stats, info
+
+
+def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slot, state: RunState) -> CalibrationStats:
+    """capture, resuming from and checkpointing into --calib-cache or the store's slot for this calibration;
+    state.kept_checkpoint names the checkpoint on disk while it runs (the CLI's interruption message)."""
     # An interrupted run resumes only under the same drafter, target weights, prompt ids and settings.
     ckey = {
         **key,
         "target_sha256": target_sha,
-        "prompt_ids_sha256": prompts_digest(prompts),
+        "prompt_ids_sha256": ckpt.prompts_digest(prompts),
         "sequential": job.quant.sequential,
     }
-    ckdir = checkpoint_dir(job)
-    resume = ckpt.load(ckdir, ckey, hdev) if job.calib_checkpoint_every > 0 else None
+    ckdir = Path(job.calib_cache) if job.calib_cache is not None else slot.path if slot is not None else None
+    every = job.calib_checkpoint_every if ckdir is not None else 0
+    resume = ckpt.load(ckdir, ckey, hdev) if ckdir is not None and every > 0 else None
+
+    def kept(done: int) -> None:
+        assert ckdir is not None  # checkpoints exist only with a folder for them
+        state.kept_checkpoint = ckpt.Kept(ckdir / ckpt.FILE, done, len(prompts))
+
+    def save(capture_state) -> None:
+        assert ckdir is not None
+        if slot is None:
+            ckpt.save(ckdir, ckey, capture_state)
+        elif not slot.save(ckey, capture_state):  # over the cache's cap: the previous checkpoint (if any) stays
+            return
+        kept(capture_state.done)
+
+    if resume is not None:
+        kept(resume.done)
     advance = progress("calibrating (drafter speculating with its target)", len(prompts))
     for _ in range(resume.done if resume else 0):
         advance()
@@ -105,40 +153,21 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
         stop_token_ids=stop_tokens(target),
         keep_replay=job.quant.sequential,
         progress=advance,
-        extra=extra,
+        extra=key.get("extra_linears", []),
         hessian_device=hdev,
         resume=resume,
-        checkpoint=lambda state: ckpt.save(ckdir, ckey, state),
-        checkpoint_every=job.calib_checkpoint_every,
+        checkpoint=save,
+        checkpoint_every=every,
         measure=True,
         batch=key.get("calib_batch", 1),
     )
-    if job.calib_cache is not None:
-        calib_cache.save(job.calib_cache, stats, key)
-    if store is not None and skey is not None:
-        info["store"] = store.save(stats, skey)
-    ckpt.clear(ckdir)
-    if job.calib_cache is None and ckdir.is_dir() and not any(ckdir.iterdir()):
-        ckdir.rmdir()
-    info["resumed_prompts"] = stats.resumed_prompts
-    info["hessian_device"] = str(hdev)
-    if key.get("calib_batch", 1) > 1:
-        info["batch_rows"] = key["calib_batch"]
-    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, key.get("calib_batch", 1))
-    return stats, info
+    return stats
 
 
 def resolve_hessian_device(name: str | None, device: torch.device) -> torch.device:
     if name is None:
         return device
     return resolve_device(name)
-
-
-def checkpoint_dir(job: GptqJob) -> Path:
-    """--calib-cache when given, else a hidden folder beside --output (removed once calibration finishes)."""
-    if job.calib_cache is not None:
-        return Path(job.calib_cache)
-    return job.output.parent / f".{job.output.name}.calib-checkpoint"
 
 
 def _calib_memory(job, drafter, target, prompts, stats, device, hdev, rows: int = 1) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from dflash_quant.pipeline.preflight import KV_MODES
 from dflash_quant.quantize.settings import QuantSettings
 
 if TYPE_CHECKING:  # built by the caller; their modules load torch
+    from dflash_quant.calibration.checkpoint import Kept
     from dflash_quant.quantize.mixed_plan import MixedGoal
     from dflash_quant.speculative.lookup import LookupSettings
 
@@ -78,6 +79,13 @@ class GptqResult:
     reasons: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None  # provenance's Calibration record (memory, placement, resume)
     target_quantization: dict[str, Any] | None = None  # artifact.reports.TargetQuantization of the target used
+
+
+@dataclass
+class RunState:
+    """What a running job leaves for its caller besides the artifact, readable after an interruption."""
+
+    kept_checkpoint: Kept | None = None  # an unfinished calibration's checkpoint on disk (a rerun resumes it)
 
 
 def check_job(job: GptqJob) -> GptqJob:

@@ -3,12 +3,13 @@ dir published atomically), then the stages (pipeline.stages). Torch loads only o
 
 from __future__ import annotations
 
-from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress, check_job, no_progress
+from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress, RunState, check_job, no_progress
 from dflash_quant.pipeline.preflight import guard_run
 
 
-def run_gptq(job: GptqJob, progress: Progress = no_progress) -> GptqResult:
-    """Quantize job.drafter and write the artifact to job.output."""
+def run_gptq(job: GptqJob, progress: Progress = no_progress, state: RunState | None = None) -> GptqResult:
+    """Quantize job.drafter and write the artifact to job.output; `state` (optional) is kept up to date for a
+    caller that reports an interruption."""
     job = check_job(job)
     specs = (job.calib_prompts, job.eval_prompts)
     with guard_run(
@@ -16,4 +17,4 @@ def run_gptq(job: GptqJob, progress: Progress = no_progress) -> GptqResult:
     ) as final:
         from dflash_quant.pipeline.stages import run_stages  # torch: refusals above come before it loads
 
-        return run_stages(job, final, progress)
+        return run_stages(job, final, progress, state if state is not None else RunState())

@@ -34,7 +34,7 @@ from dflash_quant.model_cards.card import write_card
 from dflash_quant.models.config import read_config_json
 from dflash_quant.models.devmap import device_summary
 from dflash_quant.pipeline.calibrate import calib_key, calibrate
-from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress
+from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress, RunState
 from dflash_quant.pipeline.mixed_stage import MixPlan, plan_mix
 from dflash_quant.pipeline.parity import check_parity
 from dflash_quant.quantize.drafter import QuantOutcome, candidate_linears, quantize_drafter
@@ -128,7 +128,7 @@ def _eval_prompts(job: GptqJob, target: LoadedTarget, calib_spec: str) -> tuple[
     )
 
 
-def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress) -> Calibrated:
+def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress, state: RunState) -> Calibrated:
     """GPTQ's Hessians (pipeline.calibrate: cached, stored, checkpointed); round-to-nearest needs none."""
     info: dict[str, Any]
     if job.quant.method != "gptq":
@@ -144,6 +144,7 @@ def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress) ->
         loaded.device,
         progress,
         ins.target_sha,
+        state,
     )
     info.update(rows=stats.rows(), steps=stats.steps, mean_tau_bf16=stats.mean_tau)
     return Calibrated(stats, info)
@@ -252,8 +253,8 @@ def _grid_fields(gguf_type: str | None, layers: list[dict[str, Any]], scale_sear
 def export(
     tmp: Path, final: Path, job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, provenance: Provenance
 ) -> None:
-    """The weights in the job's format, config, provenance and quant report; memory.json of the GPTQ tensors
-    before any conversion. A llama.cpp grid is written as GGUF directly (no GPTQ v1 step)."""
+    """The weights in the job's format, config, provenance, quant report and memory.json (a llama.cpp grid is
+    written as GGUF directly, with no GPTQ v1 step; another format is converted from the GPTQ codes)."""
     drafter, target = loaded.drafter, loaded.target
     if job.gguf_type is not None:
         write_kquant_gguf(
@@ -268,13 +269,21 @@ def export(
             q.report,
             cal.stats,
         )
-        return
-    export_gptq(
-        tmp, drafter.model, drafter.raw_config, q.outcome, q.quant, provenance, q.report, q.mix.picks if q.mix else None
-    )
+    else:
+        export_gptq(
+            tmp,
+            drafter.model,
+            drafter.raw_config,
+            q.outcome,
+            q.quant,
+            provenance,
+            q.report,
+            q.mix.picks if q.mix else None,
+        )
+    # memory of the tensors as written (a conversion below restates it for its own files)
     target_name = provenance.target.id if provenance.target is not None else None
     _memory(tmp, final, drafter.source, target_name, target.source.path, loaded.device)
-    if job.format != "gptq":  # same codes in the engine's layout; parity loads these
+    if job.format != "gptq" and job.gguf_type is None:  # same codes in the engine's layout; parity loads these
         convert_artifact(tmp, tmp, job.format, target=target.source.path, command=job.command)
 
 
@@ -326,7 +335,7 @@ def card(job: GptqJob, artifact: Path) -> None:
     write_manifest(artifact)
 
 
-def run_stages(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
+def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -> GptqResult:
     """The stages of a checked job whose output `final` is guarded by the caller (pipeline.run.run_gptq)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -334,7 +343,7 @@ def run_stages(job: GptqJob, final: Path, progress: Progress) -> GptqResult:
     timings["load_s"] = time.perf_counter() - t0
     ins = inputs(job, loaded)
     t = time.perf_counter()
-    cal = calibrated(job, loaded, ins, progress)
+    cal = calibrated(job, loaded, ins, progress, state)
     if cal.stats is not None:
         timings["calibrate_s"] = time.perf_counter() - t
     plan = None
