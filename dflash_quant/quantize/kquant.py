@@ -632,6 +632,14 @@ def write_kquant_gguf(out, drafter, outcome, gguf_type: str, target, provenance,
     )
     provenance.write(out)
     quant_report.quantized_bytes = summary["quantized_bytes"]
+    from dflash_quant.export.writer import whole_drafter_bytes
+    from dflash_quant.io.weights import tensor_entries
+
+    written = {name: e.nbytes for name, e in tensor_entries(out).items()}
+    whole = whole_drafter_bytes(drafter.model.state_dict(), written)
+    quant_report.drafter_bytes_bf16 = whole["drafter_bytes_bf16"]
+    quant_report.drafter_bytes_quantized = whole["drafter_bytes_quantized"]
+    quant_report.by_part = whole["by_part"]
     quant_report.write(out)
     if stats is not None:
         from dflash_quant.export.imatrix import FILE, write_for_stats
