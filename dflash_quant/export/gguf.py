@@ -24,6 +24,7 @@ from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.gptq_v1 import GptqArtifact
 from dflash_quant.export.imatrix import FILE as IMATRIX_FILE
 from dflash_quant.export.imatrix import write_for_stats
+from dflash_quant.export.writer import whole_drafter_bytes
 from dflash_quant.io.gguf import (
     BLOCK,
     FILE_TYPES,
@@ -38,6 +39,7 @@ from dflash_quant.io.gguf import (
     write_file,
 )
 from dflash_quant.io.gguf_names import gguf_name, hf_name
+from dflash_quant.io.weights import tensor_entries
 from dflash_quant.models.config import parse_draft_config
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.drafter import QuantOutcome
@@ -293,6 +295,11 @@ def write_kquant_gguf(
     )
     provenance.write(out)
     quant_report.quantized_bytes = summary["quantized_bytes"]
+    written = {name: e.nbytes for name, e in tensor_entries(out).items()}
+    whole = whole_drafter_bytes(model.state_dict(), written)
+    quant_report.drafter_bytes_bf16 = whole["drafter_bytes_bf16"]
+    quant_report.drafter_bytes_quantized = whole["drafter_bytes_quantized"]
+    quant_report.by_part = whole["by_part"]
     quant_report.write(out)
     if stats is not None:
         prompts = provenance.calibration.prompts if provenance.calibration is not None else None

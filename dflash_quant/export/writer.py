@@ -82,7 +82,7 @@ def _tensor_bytes(path: Path) -> dict[str, int]:
     }
 
 
-def _whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]) -> dict[str, Any]:
+def whole_drafter_bytes(state: dict[str, torch.Tensor], written: dict[str, int]) -> dict[str, Any]:
     """Every tensor of the source at bf16 vs every tensor of the written file, in total and by drafter part
     (backbone Linears, fc, norms, conv, selector codebooks, selector projection)."""
 
@@ -133,7 +133,7 @@ def export_gptq(
     written = _tensor_bytes(out / "model.safetensors")
     parts = ("qweight", "qzeros", "scales", "g_idx")
     quant_report.quantized_bytes = sum(written[f"{n}.{p}"] for n in outcome.weights for p in parts)
-    for key, value in _whole_drafter_bytes(source_state, written).items():
+    for key, value in whole_drafter_bytes(source_state, written).items():
         setattr(quant_report, key, value)
     quant_report.write(out)
     return qcfg
