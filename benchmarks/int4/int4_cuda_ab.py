@@ -20,20 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from int4_cuda_scaling import graph_us, per_launch_us, random_weights  # noqa: E402
+from int4_cuda_scaling import SHAPES, graph_us, per_launch_us, random_weights  # noqa: E402
+from int4_load_probe import rotate_copies  # noqa: E402
 
 from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels.int4_cuda import build, module  # noqa: E402
-
-# (name, out, in, GEMMs of this shape in a step)
-SHAPES = [
-    ("fc", 4096, 20480, 1),
-    ("q", 4096, 4096, 5),
-    ("o", 4096, 4096, 5),
-    ("kv", 2048, 4096, 5),
-    ("gateup", 24576, 4096, 5),
-    ("down", 4096, 12288, 5),
-]
 
 
 def main() -> None:
@@ -57,8 +48,6 @@ def main() -> None:
         "rotate": args.rotate,
         "rows": {},
     }
-    from int4_load_probe import rotate_copies  # that module imports SHAPES from this one
-
     for rows in (16, 32, 8):
         shapes, step = [], {"old": 0.0, "new": 0.0}
         for name, n, k, count in SHAPES:

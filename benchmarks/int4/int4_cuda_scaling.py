@@ -26,6 +26,17 @@ from dflash_quant.kernels.int4_cuda import CudaWeights, matmul  # noqa: E402
 ROWS, LAUNCHES, REPLAYS = 16, 20, 15
 
 
+# (name, out, in, GEMMs of this shape in a step)
+SHAPES = [
+    ("fc", 4096, 20480, 1),
+    ("q", 4096, 4096, 5),
+    ("o", 4096, 4096, 5),
+    ("kv", 2048, 4096, 5),
+    ("gateup", 24576, 4096, 5),
+    ("down", 4096, 12288, 5),
+]
+
+
 def graph_us(fns: list) -> float:
     """Median over REPLAYS replays of one CUDA graph calling each of fns once, per call, in microseconds (the first
     three calls made once before capture: builds, allocations)."""

@@ -17,8 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from int4_cuda_ab import SHAPES  # noqa: E402
-from int4_cuda_scaling import graph_us, random_weights  # noqa: E402
+from int4_cuda_scaling import SHAPES, graph_us, random_weights  # noqa: E402
 
 from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.kernels.int4_cuda import module  # noqa: E402
