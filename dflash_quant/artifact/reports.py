@@ -278,6 +278,10 @@ class LayerReport(Record):
     damp: float | None = doc("dampening used (raised automatically when needed)")
     fallback: str | None = doc("null, or `rtn: <why>` when GPTQ fell back")
     rel_output_error: float | None = doc("||X dW^T|| / ||X W^T|| over the calibration rows")
+    method: str | None = doc(
+        "how its codes and scales were chosen: `gptq`, `gptq-kl` (scales tuned on the drafter's KL), `rtn`",
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
 
@@ -296,6 +300,11 @@ class QuantReport(ReportFile):
     drafter_bytes_quantized: int | None = doc("every tensor in the written weights file", omit_none=True)
     by_part: dict[str, Any] | None = doc(
         "`{bf16, quantized}`: bytes by part (backbone Linears, fc, norms, conv, selector codebooks, selector projection)",
+        omit_none=True,
+    )
+    tuning: dict[str, Any] | None = doc(
+        "gptq-kl: epochs, lr, steps, seconds, KL to the bf16 drafter on the calibration inputs before/after, "
+        "and each Linear's mean |log scale change|",
         omit_none=True,
     )
     extra: E = doc("", factory=dict)

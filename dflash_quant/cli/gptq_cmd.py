@@ -22,6 +22,7 @@ from dflash_quant.cli.common import (
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
+from dflash_quant.quantize.settings import TUNE_EPOCHS, TUNE_LR
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -127,7 +128,13 @@ def gptq(
     damp: float = typer.Option(
         0.01, help="Dampening as a fraction of the mean Hessian diagonal (raised automatically if needed)."
     ),
-    method: str = typer.Option("gptq", help="gptq, or rtn (round-to-nearest baseline)."),
+    method: str = typer.Option(
+        "gptq",
+        help="gptq; gptq-kl (GPTQ codes, then each group's scale tuned on the drafter's KL to its bf16 self over "
+        "the calibration inputs: better below 4 bits); or rtn (round-to-nearest baseline).",
+    ),
+    tune_epochs: int = typer.Option(TUNE_EPOCHS, help="gptq-kl: passes over the recorded calibration inputs."),
+    tune_lr: float = typer.Option(TUNE_LR, help="gptq-kl: Adam step size on each group's log scale."),
     sequential: bool = typer.Option(
         False,
         "--sequential/--no-sequential",
@@ -355,6 +362,8 @@ def gptq(
             skip=tuple(skip),
             quantize_conv=quantize_conv,
             quantize_selector=quantize_selector,
+            tune_epochs=tune_epochs,
+            tune_lr=tune_lr,
         ),
         overwrite=overwrite,
         calib_prompts=calib_prompts,

@@ -160,6 +160,24 @@ def section_recipe(ctx: dict) -> str:
                 f"{fmt_float(qr.get('seconds'), 1)} s" if isinstance(qr.get("seconds"), (int, float)) else NOT_MEASURED,
             ],
         ]
+        methods: dict[str, int] = {}
+        for layer in layers:
+            if isinstance(layer.get("method"), str):
+                methods[layer["method"]] = methods.get(layer["method"], 0) + 1
+        if methods:
+            rows.append(["method per Linear", ", ".join(f"{m}: {n}" for m, n in sorted(methods.items()))])
+        tuning = qr.get("tuning")
+        if isinstance(tuning, dict):
+            kl = f"{fmt_float(tuning.get('kl_before'), 4)} -> {fmt_float(tuning.get('kl_after'), 4)}"
+            kept = " (no gain: GPTQ scales kept)" if tuning.get("kept_gptq_scales") else ""
+            rows.append(["scale tuning (gptq-kl): KL to the bf16 drafter on the calibration inputs", kl + kept])
+            rows.append(
+                [
+                    "scale tuning: epochs, steps, time",
+                    f"{fmt_any(tuning.get('epochs'))}, {fmt_any(tuning.get('steps'))}, "
+                    f"{fmt_float(tuning.get('seconds'), 1)} s",
+                ]
+            )
         if errors:
             worst = max(errors, key=lambda e: e[0])
             mean = sum(e[0] for e in errors) / len(errors)

@@ -74,7 +74,7 @@ def calib_key(
 def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha, key, info, state: RunState):
     hdev = resolve_hessian_device(job.hessian_device, device)
     if job.calib_cache is not None:
-        stats = calib_cache.load(job.calib_cache, key, job.quant.sequential, hdev)
+        stats = calib_cache.load(job.calib_cache, key, job.quant.needs_replay, hdev)
         if stats is not None:
             info["cached"] = True
             return stats, info
@@ -82,7 +82,7 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
     if job.calib_cache is None:  # an explicit --calib-cache takes the store's place, checkpoints included
         store = CalibStore(job.calib_store or default_dir(), job.calib_store_max_bytes)
         skey = store_key(key, drafter, target, prompts, stop_tokens(target), device, hdev)
-        stats = store.load(skey, job.quant.sequential, hdev) if job.calib_store is not None else None
+        stats = store.load(skey, job.quant.needs_replay, hdev) if job.calib_store is not None else None
         if stats is not None:
             info.update(cached=True, store="hit")
             return stats, info
@@ -121,7 +121,7 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
         **key,
         "target_sha256": target_sha,
         "prompt_ids_sha256": ckpt.prompts_digest(prompts),
-        "sequential": job.quant.sequential,
+        "sequential": job.quant.needs_replay,
     }
     ckdir = Path(job.calib_cache) if job.calib_cache is not None else slot.path if slot is not None else None
     every = job.calib_checkpoint_every if ckdir is not None else 0
@@ -151,7 +151,7 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
         job.calib_max_new_tokens,
         job.kv_hessian,
         stop_token_ids=stop_tokens(target),
-        keep_replay=job.quant.sequential,
+        keep_replay=job.quant.needs_replay,
         progress=advance,
         extra=key.get("extra_linears", []),
         hessian_device=hdev,

@@ -117,11 +117,19 @@ def check_job(job: GptqJob) -> GptqJob:
             raise UsageError(f"--gguf-scale-search must be 0..8 (0: off), got {job.gguf_scale_search}")
         if job.format != "gguf":
             raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
+        if quant.tuned:
+            raise UsageError(
+                "--method gptq-kl tunes GPTQ v1 scales, not llama.cpp's k-quant grids; drop --gguf-type (a Q4_0 "
+                "GGUF of a gptq-kl run: --group-size 32 --format gguf) or use --method gptq"
+            )
     if job.mixed is not None:
         if quant.method != "gptq" or quant.sequential or job.gguf_type is not None:
             raise UsageError(
                 "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs plain GPTQ from the calibration "
-                "Hessians; drop --method rtn, --sequential and --gguf-type"
+                f"Hessians; drop --method {quant.method}, --sequential and --gguf-type"
+                if quant.method != "gptq"
+                else "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs plain GPTQ from the "
+                "calibration Hessians; drop --sequential and --gguf-type"
             )
         if job.format in ("gguf", "mlx"):
             raise UsageError(

@@ -40,6 +40,7 @@ from dflash_quant.pipeline.parity import check_parity
 from dflash_quant.quantize.drafter import QuantOutcome, candidate_linears, quantize_drafter
 from dflash_quant.quantize.kquant import grid_for, quantize_drafter_kquant
 from dflash_quant.quantize.settings import QuantSettings
+from dflash_quant.quantize.tune import teacher_rows, tune_scales
 
 
 @dataclass
@@ -101,7 +102,7 @@ def inputs(job: GptqJob, loaded: Loaded) -> Inputs:
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
     calib_ids: list[list[int]] = []
-    if job.quant.method == "gptq":
+    if job.quant.calibrated:
         calib_ids = encode_prompts(
             target, calib_spec, job.calib_num_prompts, job.chat_template, job.calib_max_new_tokens
         )
@@ -131,7 +132,7 @@ def _eval_prompts(job: GptqJob, target: LoadedTarget, calib_spec: str) -> tuple[
 def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress, state: RunState) -> Calibrated:
     """GPTQ's Hessians (pipeline.calibrate: cached, stored, checkpointed); round-to-nearest needs none."""
     info: dict[str, Any]
-    if job.quant.method != "gptq":
+    if not job.quant.calibrated:
         info = {"prompts": None, "num_prompts": 0, "max_new_tokens": 0, "kv_hessian": None, "cached": False}
         return Calibrated(None, info)
     stats, info = calibrate(
@@ -159,11 +160,16 @@ def mix(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, progress: Pr
 def quantize(
     job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, plan: MixPlan | None, progress: Progress
 ) -> Quantized:
-    """GPTQ (or RTN) of the chosen Linears, in place: the drafter now holds the dequantized weights."""
+    """GPTQ (or RTN) of the chosen Linears, in place: the drafter now holds the dequantized weights; gptq-kl
+    then tunes their scales on the drafter's KL to its bf16 self (quantize.tune)."""
     quant = job.quant if plan is None else replace(job.quant, bits=plan.base.bits, group_size=plan.base.group_size)
     label = "mixed" if plan is not None else f"{quant.bits}-bit"
     advance = progress(f"quantizing ({quant.method}, {label})", len(ins.candidates))
     model = loaded.drafter.model
+    teacher = None
+    if quant.tuned:  # the bf16 drafter's outputs on the recorded inputs, before its weights change
+        assert cal.stats is not None and cal.stats.replay is not None  # calibration keeps the replay for gptq-kl
+        teacher = teacher_rows(model, cal.stats.replay)
     if job.gguf_type is not None:
         outcome = quantize_drafter_kquant(
             model, cal.stats, quant, job.gguf_type, progress=lambda name: advance(), scale_search=job.gguf_scale_search
@@ -177,6 +183,27 @@ def quantize(
             picks=plan.picks if plan else None,
             solve=plan.solve if plan else None,
         )
+    tuning = None
+    if teacher is not None:
+        assert cal.stats is not None and cal.stats.replay is not None
+        steps = quant.tune_epochs * len(cal.stats.replay)
+        step = progress(f"tuning scales ({quant.tune_epochs} epochs on the drafter's KL)", steps)
+        head = loaded.target.model.get_output_embeddings()  # type: ignore[operator]
+        tuning = tune_scales(
+            model,
+            outcome.weights,
+            cal.stats.replay,
+            teacher,
+            head,
+            epochs=quant.tune_epochs,
+            lr=quant.tune_lr,
+            seed=job.seed,
+            progress=step,
+        )
+        for layer in outcome.layers:
+            if layer.get("method") == "gptq" and not tuning.kept_gptq_scales:
+                layer["method"] = "gptq-kl"
+        outcome.seconds += tuning.seconds
     report = QuantReport.from_dict(
         {
             "layers": outcome.layers,
@@ -184,6 +211,7 @@ def quantize(
             "original_bytes": sum(2 * qw.in_features * qw.out_features for qw in outcome.weights.values()),
             "quantized_bytes": None,  # export fills it from the written file
             "seconds": round(outcome.seconds, 3),
+            "tuning": tuning.to_dict() if tuning is not None else None,
         }
     )
     return Quantized(outcome, quant, plan, report)

@@ -135,7 +135,7 @@ def _quantize_groups(
                 )
             hessian = acc.hessian()
         prepared.append((names, [m.weight.detach().float() for m in modules], acc, hessian))
-    if settings.method == "gptq":
+    if settings.calibrated:
         if hessian is None:
             raise DFlashQuantError(f"no calibration rows reached {names[0]}; check the calibration prompts")
         with warnings.catch_warnings(record=True) as caught:
@@ -165,6 +165,7 @@ def _quantize_groups(
                 "shape": list(weight.shape),
                 "bits": settings.bits,
                 "group_size": settings.group_size,
+                "method": "rtn" if qw.fallback or not settings.calibrated else "gptq",
                 "hessian_rows": acc.rows if acc is not None else None,
                 "damp": qw.damp_used,
                 "fallback": qw.fallback,
@@ -193,7 +194,7 @@ def quantize_drafter(
     `solve`: (act-order with static groups, clip search) per Linear name, how GPTQ solves its pick."""
     settings = settings.normalized()
     settings.check()
-    if settings.method == "gptq" and stats is None:
+    if settings.calibrated and stats is None:
         raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
     if settings.sequential and (stats is None or stats.replay is None):
         raise UsageError("sequential GPTQ needs recorded drafter inputs (calibration with replay)")

@@ -433,7 +433,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
 
     grid_for(gguf_type)
     settings = settings.normalized()
-    if settings.method == "gptq" and stats is None:
+    if settings.calibrated and stats is None:
         raise UsageError("GPTQ needs calibration statistics; run calibration or use --method rtn")
     if settings.sequential or settings.desc_act:
         raise UsageError(f"--gguf-type {gguf_type} runs plain GPTQ in column order; drop --sequential/--desc-act")
@@ -452,7 +452,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
         acc = stats.hessians.get(input_group(name, kv_mode)) if stats is not None else None
         hessian = acc.hessian().cpu() if acc is not None else None
         grid = grids[name]
-        if settings.method == "gptq":
+        if settings.calibrated:
             if acc is None or acc.rows < settings.min_rows:
                 raise DFlashQuantError(
                     f"too few calibration rows reached {name}; raise --num-prompts or --max-new-tokens"

@@ -22,7 +22,11 @@ PROFILES: dict[str, list[str]] = {
 }
 
 
-METHODS = ("gptq", "rtn")
+# gptq-kl: GPTQ codes, then each group's scale tuned end to end on the drafter's KL to its bf16 self (quantize.tune)
+METHODS = ("gptq", "gptq-kl", "rtn")
+# Chosen on the development split (benchmarks/studies/kl_tuning.py); the held-out prompts only measure them.
+TUNE_EPOCHS = 2
+TUNE_LR = 2e-3
 
 
 @dataclass
@@ -43,6 +47,22 @@ class QuantSettings:
     # DFlash2 extras, off by default because every engine keeps them bf16 (field-notes section 3):
     quantize_conv: bool = False  # the convolutions' kernel_projection Linears (base_kernel always stays bf16)
     quantize_selector: bool = False  # the selector's hidden_projection Linear (the codebooks always stay bf16)
+    tune_epochs: int = TUNE_EPOCHS  # gptq-kl: passes over the recorded calibration inputs
+    tune_lr: float = TUNE_LR  # gptq-kl: Adam step on each group's log scale multiplier
+
+    @property
+    def calibrated(self) -> bool:
+        """GPTQ needs the calibration Hessians (rtn does not)."""
+        return self.method != "rtn"
+
+    @property
+    def tuned(self) -> bool:
+        return self.method == "gptq-kl"
+
+    @property
+    def needs_replay(self) -> bool:
+        """Sequential GPTQ and scale tuning re-run the drafter on its recorded calibration inputs."""
+        return self.sequential or self.tuned
 
     def normalized(self) -> QuantSettings:
         """RTN has no column order: act-order flags would only mislabel the checkpoint."""
@@ -55,7 +75,11 @@ class QuantSettings:
 
     def check(self) -> None:
         if self.method not in METHODS:
-            raise UsageError(f"--method must be gptq or rtn, got {self.method!r}")
+            raise UsageError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.tune_epochs < 1:
+            raise UsageError(f"--tune-epochs must be >= 1, got {self.tune_epochs}")
+        if not 0 < self.tune_lr < 1:
+            raise UsageError(f"--tune-lr must be in (0, 1), got {self.tune_lr}")
         if self.profile not in PROFILES:
             raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if not 0 < self.damp < 1:

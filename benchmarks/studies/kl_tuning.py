@@ -1,0 +1,125 @@
+"""Choose gptq-kl's defaults on a development split, or measure methods on held-out prompts.
+
+dev (default): calibration on the first 96 calibration prompts of each shipped pair, parity on the other 32
+(never the held-out file); heldout: calibration on all 128, parity on the pair's held-out prompts. Each config
+is one `dflash-quant gptq` subprocess (the calibration cache is shared, so each pair calibrates once per
+split); the result keeps tau, tau ratio, per-position acceptance, lossless, and quantization time.
+
+    python benchmarks/studies/kl_tuning.py --split dev --out benchmarks/results/kl_tuning_dev.json
+    python benchmarks/studies/kl_tuning.py --split heldout --configs "gptq,gptq-kl" --bits 3:128,2:64 \
+        --out benchmarks/results/kl_tuning_heldout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
+
+PAIRS = {
+    "reference": ROOT / "dflash_quant/reference/pair",
+    "reference-dflash2": ROOT / "dflash_quant/reference/dflash2_pair",
+}
+DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the development parity set
+
+
+def parse_config(text: str) -> tuple[str, dict[str, str]]:
+    """`gptq`, `gptq-kl`, or `gptq-kl:lr=0.002:epochs=2` -> (method, extra options)."""
+    method, *opts = text.split(":")
+    return method, dict(o.split("=", 1) for o in opts)
+
+
+def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path) -> dict:
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", pair, "--bits", str(bits), "--group-size", str(group)]
+    cmd += ["--method", method, "--calib-cache", str(work / f"cache-{pair}-{split}"), "--json", "--no-card"]
+    cmd += ["--output", str(work / "out"), "--overwrite", "--tolerance", "0.99"]
+    for k, v in opts.items():
+        cmd += [f"--tune-{k}", v]
+    if split == "dev":
+        dev = work / f"{pair}-dev.jsonl"
+        lines = (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
+        dev.write_text("\n".join(lines[DEV_FROM:]) + "\n")
+        cmd += ["--num-prompts", str(DEV_FROM), "--eval-prompts", str(dev)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout)
+    par = res["parity"]
+    rep = res["quant_report"]
+    return {
+        "pair": pair,
+        "bits": bits,
+        "group_size": group,
+        "method": method,
+        "options": opts,
+        "tau_bf16": par["baseline"]["tau"],
+        "tau": par["quantized"]["tau"],
+        "tau_ratio": par["tau_ratio"],
+        "per_position_acceptance": par["quantized"]["per_position_acceptance"],
+        "per_position_acceptance_bf16": par["baseline"]["per_position_acceptance"],
+        "lossless": par["lossless"],
+        "prompts": par.get("num_prompts"),
+        "per_prompt": par["quantized"].get("per_prompt"),
+        "per_prompt_bf16": par["baseline"].get("per_prompt"),
+        "calibrate_s": res["timings"].get("calibrate_s"),
+        "quantize_s": res["timings"].get("quantize_s"),
+        "tuning": rep.get("tuning"),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--split", choices=("dev", "heldout"), default="dev")
+    ap.add_argument("--pairs", default="reference,reference-dflash2")
+    ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
+    ap.add_argument(
+        "--configs",
+        default="gptq,gptq-kl:epochs=1:lr=0.002,gptq-kl:epochs=2:lr=0.002,gptq-kl:epochs=2:lr=0.005",
+    )
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for pair in args.pairs.split(","):
+            for bg in args.bits.split(","):
+                bits, group = (int(x) for x in bg.split(":"))
+                for config in args.configs.split(","):
+                    method, opts = parse_config(config)
+                    row = run_one(pair, args.split, bits, group, method, opts, work)
+                    rows.append(row)
+                    print(
+                        f"{pair} {bits}-bit g{group} {config}: tau {row['tau']:.3f} / {row['tau_bf16']:.3f} = "
+                        f"{row['tau_ratio']:.4f} lossless={row['lossless']} quantize {row['quantize_s']:.1f}s "
+                        f"calibrate {row['calibrate_s'] or 0:.1f}s",
+                        flush=True,
+                    )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    write_json_atomic(
+        Path(args.out),
+        {
+            "split": args.split,
+            "command": " ".join(sys.argv),
+            "commit": commit.stdout.strip(),
+            "date": time.strftime("%Y-%m-%d"),
+            "device": "cpu",
+            "rows": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

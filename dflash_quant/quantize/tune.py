@@ -1,0 +1,269 @@
+"""End-to-end tuning of GPTQ scales on the drafter's own objective (method `gptq-kl`).
+
+GPTQ fits each Linear to its own inputs; what speculation needs is the drafter's next-token distribution at
+every block position. Here the integer codes and zero points stay exactly as GPTQ chose them, and each group's
+scale gets a learned multiplier exp(a) (a = 0 at the start). The loss is KL(bf16 drafter || quantized drafter)
+over the vocabulary at every block row after the anchor, on the drafter inputs calibration recorded while the
+drafter speculated with its target (the target's taps are replayed, the target does not run). The result is
+still a plain grid (fp16 scales, integer codes), so every format and engine loads it unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_quant.calibration.capture import DraftCall
+from dflash_quant.errors import DFlashQuantError
+from dflash_quant.models.model import (
+    DFlashAttention,
+    DFlashDecoderLayer,
+    DFlashDrafter,
+    DraftCache,
+    visibility_mask,
+)
+from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, QuantizedWeight
+from dflash_quant.quantize.settings import TUNE_EPOCHS, TUNE_LR
+
+
+@dataclass
+class TuneReport:
+    """What tuning did: the loss on the calibration replay before and after, and how far the scales moved."""
+
+    epochs: int
+    lr: float
+    steps: int
+    seconds: float
+    kl_before: float
+    kl_after: float
+    kept_gptq_scales: bool  # tuning did not lower the loss, so the GPTQ scales were kept
+    scale_change: dict[str, float] = field(default_factory=dict)  # per Linear: mean |log(new / old)|
+
+    def to_dict(self) -> dict:
+        return {
+            "method": "kl-scales",
+            "epochs": self.epochs,
+            "lr": self.lr,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "kl_before": round(self.kl_before, 6),
+            "kl_after": round(self.kl_after, 6),
+            "kept_gptq_scales": self.kept_gptq_scales,
+            "mean_abs_log_scale_change": {k: round(v, 6) for k, v in self.scale_change.items()},
+        }
+
+
+class _ScaledCodes(nn.Module):
+    """A Linear whose weight is scale[g] * exp(a[g]) * (code - zero[g]): only `a` is trained."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device):
+        super().__init__()
+        # plain attributes, not buffers: this module lives only while tuning runs, and mypy sees Tensors
+        self.g_idx = qw.g_idx.long().to(device)
+        self.centered = qw.codes.to(device).float() - qw.zeros.to(device).float()[self.g_idx].T
+        self.scales = qw.scales.to(device).float()
+        self.log_mult = nn.Parameter(torch.zeros_like(self.scales))
+        self.bias = bias
+        self.step_weight: torch.Tensor | None = None  # built once per optimizer step, read by every forward
+
+    def tuned_scales(self) -> torch.Tensor:
+        return self.scales * self.log_mult.exp()
+
+    def build(self, dtype: torch.dtype) -> None:
+        self.step_weight = (self.tuned_scales()[self.g_idx].T * self.centered).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step_weight is None:
+            self.build(x.dtype)
+        weight = cast(torch.Tensor, self.step_weight)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _fp16_nearest(scale: torch.Tensor) -> torch.Tensor:
+    if not torch.isfinite(scale).all() or (scale > FP16_MAX).any():
+        raise DFlashQuantError("scale tuning diverged (a scale left the fp16 range); rerun with a lower --tune-lr")
+    return scale.clamp(min=FP16_TINY).half().float()
+
+
+def _kl(student: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Summed KL(teacher || student) over rows, in fp32."""
+    logq = F.log_softmax(student.float(), dim=-1)
+    return (teacher_logp.exp() * (teacher_logp - logq)).sum()
+
+
+def replay_rows(drafter: DFlashDrafter, calls: Sequence[DraftCall]) -> list[torch.Tensor]:
+    """The drafter's post-norm block rows after the anchor, one tensor per recorded forward of one prompt, as the
+    decode loop computed them: one forward per call, the context K/V cached between calls."""
+    p = next(drafter.parameters())
+    cache = DraftCache()
+    out = []
+    for call in calls:
+        h = drafter(
+            call.noise.to(p.device, p.dtype), call.ctx.to(p.device, p.dtype), call.positions.to(p.device), cache=cache
+        )
+        out.append(h[:, 1:])
+    return out
+
+
+@dataclass
+class Packed:
+    """A prompt's recorded forwards as one forward: every context row, then every block padded to the block size."""
+
+    noise: torch.Tensor  # [1, calls*B, H]
+    ctx: torch.Tensor  # [1, C, taps*H]
+    position_ids: torch.Tensor  # [1, C + calls*B]
+    masks: dict[tuple[bool, int | None], torch.Tensor]  # per attention kind: bool [1, 1, calls*B, C + calls*B]
+    sizes: list[int]  # real rows of each block
+    block: int
+
+
+def pack(drafter: DFlashDrafter, calls: Sequence[DraftCall]) -> Packed:
+    """Block k sees the context rows of calls <= k (what the cache held) and its own real rows; on top, each
+    attention kind's own positional rule (causal, sliding window) as the decode loop applies it. Padding rows
+    sit after a block's real rows, are never visible and never scored (the DFlash2 convolutions are causal)."""
+    p = next(drafter.parameters())
+    block = drafter.block_size
+    sizes = [c.noise.shape[1] for c in calls]
+    if max(sizes) > block:
+        raise DFlashQuantError(f"a recorded block has {max(sizes)} rows, more than the drafter's block size {block}")
+    ctx_n = [c.ctx.shape[1] for c in calls]
+    noise = torch.zeros(1, len(calls) * block, calls[0].noise.shape[-1], dtype=p.dtype, device=p.device)
+    q_pos = torch.empty(len(calls) * block, dtype=torch.long, device=p.device)
+    for k, (c, size) in enumerate(zip(calls, sizes, strict=True)):
+        noise[0, k * block : k * block + size] = c.noise[0].to(p.device, p.dtype)
+        blk = c.positions[0, ctx_n[k] :].to(p.device)
+        q_pos[k * block : (k + 1) * block] = blk[0] + torch.arange(block, device=p.device)
+    ctx = torch.cat([c.ctx.to(p.device, p.dtype) for c in calls], dim=1)
+    c_pos = torch.cat([c.positions[0, : ctx_n[k]].to(p.device) for k, c in enumerate(calls)])
+    call_of_ctx = torch.repeat_interleave(
+        torch.arange(len(calls), device=p.device), torch.tensor(ctx_n, device=p.device)
+    )
+    q_call = torch.arange(len(calls), device=p.device).repeat_interleave(block)
+    q_row = torch.arange(block, device=p.device).repeat(len(calls))
+    real = q_row < torch.tensor(sizes, device=p.device)[q_call]
+    base = torch.cat(
+        [call_of_ctx[None, :] <= q_call[:, None], (q_call[:, None] == q_call[None, :]) & real[None, :]], dim=1
+    )
+    k_pos = torch.cat([c_pos, q_pos])
+    attns = [cast(DFlashAttention, layer.self_attn) for layer in cast(Sequence[DFlashDecoderLayer], drafter.layers)]
+    kinds = {(a.is_causal, a.sliding_window) for a in attns}
+    masks = {}
+    for causal, window in kinds:
+        rule = visibility_mask(q_pos, k_pos, causal, window)
+        masks[(causal, window)] = (base if rule is None else base & rule)[None, None]
+    return Packed(noise, ctx, k_pos[None], masks, sizes, block)
+
+
+def packed_rows(drafter: DFlashDrafter, packed: Packed) -> torch.Tensor:
+    """replay_rows of one prompt in one forward, its calls' rows concatenated: [rows, H]."""
+    extra = {"conv_block": packed.block} if drafter.config.is_dflash2 else {}
+    h = drafter(packed.noise, packed.ctx, packed.position_ids, attention_mask=packed.masks, **extra)[0]
+    return torch.cat([h[k * packed.block + 1 : k * packed.block + size] for k, size in enumerate(packed.sizes)])
+
+
+@torch.no_grad()
+def teacher_rows(drafter: DFlashDrafter, replay: Sequence[Sequence[DraftCall]]) -> list[torch.Tensor]:
+    """The bf16 drafter's output rows on each prompt's replay, [rows, H], recorded before quantization (CPU)."""
+    return [packed_rows(drafter, pack(drafter, calls)).cpu() for calls in replay]
+
+
+def tune_scales(
+    drafter: DFlashDrafter,
+    weights: dict[str, QuantizedWeight],
+    replay: Sequence[Sequence[DraftCall]],
+    teacher: list[torch.Tensor],
+    head: nn.Module,
+    *,
+    epochs: int = TUNE_EPOCHS,
+    lr: float = TUNE_LR,
+    seed: int = 0,
+    progress: Callable[[], None] | None = None,
+) -> TuneReport:
+    """Tune the scales of `weights` (GPTQ's, for the Linears already holding their dequantized values) in place:
+    each QuantizedWeight gets fp16 scales that lower the drafter's KL to its bf16 self, and its module the new
+    dequantized weight. Never worse on the replay: if the tuned loss is not lower, the GPTQ scales stay."""
+    if not replay or len(replay) != len(teacher):
+        raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
+    p = next(drafter.parameters())
+    device, dtype = p.device, p.dtype
+    t0 = time.perf_counter()
+    frozen = [(q, q.requires_grad) for q in drafter.parameters()]
+    head_frozen = [(q, q.requires_grad) for q in head.parameters()]
+    swapped: dict[str, tuple[nn.Module, str, nn.Linear, _ScaledCodes]] = {}
+    try:
+        for q, _ in frozen + head_frozen:
+            q.requires_grad_(False)
+        for name, qw in weights.items():
+            module = cast(nn.Linear, drafter.get_submodule(name))
+            parent_name, _, leaf = name.rpartition(".")
+            parent = drafter.get_submodule(parent_name) if parent_name else drafter
+            tuned = _ScaledCodes(qw, module.bias, device)
+            setattr(parent, leaf, tuned)
+            swapped[name] = (parent, leaf, module, tuned)
+        params = [t.log_mult for *_, t in swapped.values()]
+        opt = torch.optim.Adam(params, lr=lr)
+        packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
+        total_rows = sum(t.shape[0] for t in teacher)
+
+        def loss_of(i: int) -> torch.Tensor:
+            for *_, t in swapped.values():
+                t.build(dtype)  # one weight per step, shared by every row of the prompt (and its backward)
+            student = packed_rows(drafter, packs[i])
+            with torch.no_grad():
+                t_logp = F.log_softmax(drafter.compute_logits(teacher[i].to(device, dtype), head).float(), dim=-1)
+            return _kl(drafter.compute_logits(student, head), t_logp)
+
+        def mean_kl() -> float:
+            with torch.no_grad():
+                return sum(float(loss_of(i)) for i in range(len(replay))) / max(total_rows, 1)
+
+        before = mean_kl()
+        gen = torch.Generator().manual_seed(seed)
+        steps = 0
+        with torch.enable_grad():
+            for _ in range(epochs):
+                for i in torch.randperm(len(replay), generator=gen).tolist():
+                    opt.zero_grad(set_to_none=True)
+                    (loss_of(i) / max(teacher[i].shape[0], 1)).backward()
+                    opt.step()
+                    for *_, t in swapped.values():
+                        t.step_weight = None
+                    steps += 1
+                    if progress:
+                        progress()
+        # what the checkpoint will hold: fp16 scales
+        with torch.no_grad():
+            for *_, t in swapped.values():
+                t.log_mult.copy_((_fp16_nearest(t.tuned_scales()) / t.scales).log())
+        after = mean_kl()
+        keep = not after < before
+        change: dict[str, float] = {}
+        for name, (_, _, module, tuned) in swapped.items():
+            qw = weights[name]
+            if not keep:
+                new = _fp16_nearest(tuned.tuned_scales().detach()).to(qw.scales.device)
+                change[name] = float((new / qw.scales).log().abs().mean())
+                qw.scales = new
+            with torch.no_grad():
+                module.weight.copy_(qw.dequantize().to(module.weight.device, module.weight.dtype))
+    finally:
+        for parent, leaf, module, _ in swapped.values():
+            setattr(parent, leaf, module)
+        for q, flag in frozen + head_frozen:
+            q.requires_grad_(flag)
+    return TuneReport(
+        epochs=epochs,
+        lr=lr,
+        steps=steps,
+        seconds=time.perf_counter() - t0,
+        kl_before=before,
+        kl_after=after if not keep else before,
+        kept_gptq_scales=keep,
+        scale_change=change,
+    )
