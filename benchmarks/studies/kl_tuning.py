@@ -34,17 +34,24 @@ DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the develo
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
-    """`gptq`, `gptq-kl`, or `gptq-kl:lr=0.002:epochs=2` -> (method, extra options)."""
+    """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), or `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005`
+    -> (method, extra options)."""
     method, *opts = text.split(":")
     return method, dict(o.split("=", 1) for o in opts)
 
 
 def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path) -> dict:
     cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", pair, "--bits", str(bits), "--group-size", str(group)]
+    label = method
+    method, *flags = method.split("+")  # gptq+clip: the run adds --clip-search
+    cmd += ["--clip-search"] if "clip" in flags else []
     cmd += ["--method", method, "--calib-cache", str(work / f"cache-{pair}-{split}"), "--json", "--no-card"]
     cmd += ["--output", str(work / "out"), "--overwrite", "--tolerance", "0.99"]
     for k, v in opts.items():
-        cmd += [f"--tune-{k}", v]
+        if k == "codes":  # codes=no: scales only
+            cmd += ["--tune-codes" if v == "yes" else "--no-tune-codes"]
+        else:
+            cmd += [f"--tune-{k.replace('_', '-')}", v]
     if split == "dev":
         dev = work / f"{pair}-dev.jsonl"
         lines = (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
@@ -62,7 +69,7 @@ def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dic
         "pair": pair,
         "bits": bits,
         "group_size": group,
-        "method": method,
+        "method": label,
         "options": opts,
         "tau_bf16": par["baseline"]["tau"],
         "tau": par["quantized"]["tau"],

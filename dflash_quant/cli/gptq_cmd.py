@@ -22,7 +22,7 @@ from dflash_quant.cli.common import (
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
-from dflash_quant.quantize.settings import TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_LR, TUNE_EPOCHS, TUNE_LR
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -135,6 +135,10 @@ def gptq(
     ),
     tune_epochs: int = typer.Option(TUNE_EPOCHS, help="gptq-kl: passes over the recorded calibration inputs."),
     tune_lr: float = typer.Option(TUNE_LR, help="gptq-kl: Adam step size on each group's log scale."),
+    tune_codes: bool = typer.Option(
+        True, "--tune-codes/--no-tune-codes", help="gptq-kl: let each code move one step (signed-gradient offsets)."
+    ),
+    tune_code_lr: float = typer.Option(TUNE_CODE_LR, help="gptq-kl: signed step of each code offset per step."),
     sequential: bool = typer.Option(
         False,
         "--sequential/--no-sequential",
@@ -364,6 +368,8 @@ def gptq(
             quantize_selector=quantize_selector,
             tune_epochs=tune_epochs,
             tune_lr=tune_lr,
+            tune_codes=tune_codes,
+            tune_code_lr=tune_code_lr,
         ),
         overwrite=overwrite,
         calib_prompts=calib_prompts,

@@ -197,6 +197,8 @@ def quantize(
             head,
             epochs=quant.tune_epochs,
             lr=quant.tune_lr,
+            codes=quant.tune_codes,
+            code_lr=quant.tune_code_lr,
             seed=job.seed,
             progress=step,
         )

@@ -27,6 +27,7 @@ METHODS = ("gptq", "gptq-kl", "rtn")
 # Chosen on the development split (benchmarks/studies/kl_tuning.py); the held-out prompts only measure them.
 TUNE_EPOCHS = 2
 TUNE_LR = 2e-3
+TUNE_CODE_LR = 5e-3  # signed step of each code offset (a flip needs ~100 agreeing steps)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class QuantSettings:
     quantize_selector: bool = False  # the selector's hidden_projection Linear (the codebooks always stay bf16)
     tune_epochs: int = TUNE_EPOCHS  # gptq-kl: passes over the recorded calibration inputs
     tune_lr: float = TUNE_LR  # gptq-kl: Adam step on each group's log scale multiplier
+    tune_codes: bool = True  # gptq-kl: codes may also move one step (signed-gradient offsets, as AutoRound)
+    tune_code_lr: float = TUNE_CODE_LR
 
     @property
     def calibrated(self) -> bool:

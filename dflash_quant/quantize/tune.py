@@ -29,7 +29,7 @@ from dflash_quant.models.model import (
     visibility_mask,
 )
 from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, QuantizedWeight
-from dflash_quant.quantize.settings import TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_LR, TUNE_EPOCHS, TUNE_LR
 
 
 @dataclass
@@ -44,6 +44,7 @@ class TuneReport:
     kl_after: float
     kept_gptq_scales: bool  # tuning did not lower the loss, so the GPTQ scales were kept
     scale_change: dict[str, float] = field(default_factory=dict)  # per Linear: mean |log(new / old)|
+    codes_changed: dict[str, float] = field(default_factory=dict)  # per Linear: share of codes moved one step
 
     def to_dict(self) -> dict:
         return {
@@ -56,27 +57,39 @@ class TuneReport:
             "kl_after": round(self.kl_after, 6),
             "kept_gptq_scales": self.kept_gptq_scales,
             "mean_abs_log_scale_change": {k: round(v, 6) for k, v in self.scale_change.items()},
+            "codes_changed": {k: round(v, 6) for k, v in self.codes_changed.items()},
         }
 
 
 class _ScaledCodes(nn.Module):
-    """A Linear whose weight is scale[g] * exp(a[g]) * (code - zero[g]): only `a` is trained."""
+    """A Linear whose weight is scale[g] * exp(a[g]) * (round(code + v) - zero[g]): `a` and, when codes are tuned,
+    the offset `v` (one per weight, in [-1, 1], so a code moves by at most one step) are trained; the rounding
+    passes its gradient straight through."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device):
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, codes: bool):
         super().__init__()
         # plain attributes, not buffers: this module lives only while tuning runs, and mypy sees Tensors
         self.g_idx = qw.g_idx.long().to(device)
-        self.centered = qw.codes.to(device).float() - qw.zeros.to(device).float()[self.g_idx].T
+        self.zero = qw.zeros.to(device).float()[self.g_idx].T
+        self.codes = qw.codes.to(device).float()
+        self.maxq = float(qw.spec.maxq)
         self.scales = qw.scales.to(device).float()
         self.log_mult = nn.Parameter(torch.zeros_like(self.scales))
+        self.offset = nn.Parameter(torch.zeros_like(self.codes)) if codes else None
         self.bias = bias
         self.step_weight: torch.Tensor | None = None  # built once per optimizer step, read by every forward
 
     def tuned_scales(self) -> torch.Tensor:
         return self.scales * self.log_mult.exp()
 
+    def tuned_codes(self) -> torch.Tensor:
+        if self.offset is None:
+            return self.codes
+        c = self.codes + self.offset
+        return (c + (torch.round(c) - c).detach()).clamp(0, self.maxq)
+
     def build(self, dtype: torch.dtype) -> None:
-        self.step_weight = (self.tuned_scales()[self.g_idx].T * self.centered).to(dtype)
+        self.step_weight = (self.tuned_scales()[self.g_idx].T * (self.tuned_codes() - self.zero)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step_weight is None:
@@ -182,6 +195,8 @@ def tune_scales(
     *,
     epochs: int = TUNE_EPOCHS,
     lr: float = TUNE_LR,
+    codes: bool = True,
+    code_lr: float = TUNE_CODE_LR,
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
@@ -203,10 +218,10 @@ def tune_scales(
             module = cast(nn.Linear, drafter.get_submodule(name))
             parent_name, _, leaf = name.rpartition(".")
             parent = drafter.get_submodule(parent_name) if parent_name else drafter
-            tuned = _ScaledCodes(qw, module.bias, device)
+            tuned = _ScaledCodes(qw, module.bias, device, codes)
             setattr(parent, leaf, tuned)
             swapped[name] = (parent, leaf, module, tuned)
-        params = [t.log_mult for *_, t in swapped.values()]
+        params = [t.log_mult for *_, t in swapped.values()]  # the code offsets take signed steps, not Adam's
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
         total_rows = sum(t.shape[0] for t in teacher)
@@ -232,8 +247,14 @@ def tune_scales(
                     opt.zero_grad(set_to_none=True)
                     (loss_of(i) / max(teacher[i].shape[0], 1)).backward()
                     opt.step()
-                    for *_, t in swapped.values():
-                        t.step_weight = None
+                    with torch.no_grad():
+                        for *_, t in swapped.values():
+                            t.step_weight = None
+                            if t.offset is not None and t.offset.grad is not None:
+                                # signed gradient (AutoRound): every offset moves by the same step, so a code
+                                # flips only after many steps agree on its direction
+                                t.offset.sub_(code_lr * t.offset.grad.sign()).clamp_(-1.0, 1.0)
+                                t.offset.grad = None
                     steps += 1
                     if progress:
                         progress()
@@ -244,12 +265,16 @@ def tune_scales(
         after = mean_kl()
         keep = not after < before
         change: dict[str, float] = {}
+        flipped: dict[str, float] = {}
         for name, (_, _, module, tuned) in swapped.items():
             qw = weights[name]
             if not keep:
                 new = _fp16_nearest(tuned.tuned_scales().detach()).to(qw.scales.device)
                 change[name] = float((new / qw.scales).log().abs().mean())
                 qw.scales = new
+                new_codes = tuned.tuned_codes().detach().to(qw.codes.device, qw.codes.dtype)
+                flipped[name] = float((new_codes != qw.codes).float().mean())
+                qw.codes = new_codes
             with torch.no_grad():
                 module.weight.copy_(qw.dequantize().to(module.weight.device, module.weight.dtype))
     finally:
@@ -266,4 +291,5 @@ def tune_scales(
         kl_after=after if not keep else before,
         kept_gptq_scales=keep,
         scale_change=change,
+        codes_changed=flipped,
     )

@@ -718,6 +718,8 @@ def save_drafter(out: Path, drafter) -> None:
     for key in keys:  # kept inside dflash_config only, as z-lab does
         if key in cfg.get("dflash_config", {}):
             cfg.pop(key, None)
+    # z-lab's released configs carry a flat rope_theta, and dflash-mlx builds its drafter from it (field notes 12)
+    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     (ddir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
