@@ -311,3 +311,23 @@ def test_force_still_overrides_a_failed_parity_gate(tmp_path):
     with pytest.raises(DFlashQuantError, match="parity check did not pass.*--force"):
         check_artifact(art)
     assert any("--force" in w and "parity" in w for w in check_artifact(art, force=True))
+
+
+def test_saved_weights_are_byte_identical_across_runs(tmp_path):
+    """safetensors writes its metadata in hash order; the same tensors must still give the same file (sha256)."""
+    import struct
+
+    import torch
+
+    from dflash_quant.io.weights import save_safetensors
+
+    meta = {"quantized_by": "dflash-quant 0.1.0", "format": "pt", "note": "x"}
+    files = []
+    for i in range(6):
+        path = tmp_path / f"w{i}.safetensors"
+        save_safetensors({"b.qweight": torch.arange(8, dtype=torch.int32), "a": torch.ones(2, 3)}, path, dict(meta))
+        files.append(path.read_bytes())
+    assert len(set(files)) == 1
+    (n,) = struct.unpack("<Q", files[0][:8])
+    header = json.loads(files[0][8 : 8 + n])
+    assert list(header["__metadata__"]) == sorted(meta) and header["__metadata__"] == meta

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.gptq_dynamic import layer_setting
 from dflash_quant.io.gptq_v1 import pack_tensors, unpack_dim0
-from dflash_quant.io.weights import read_safetensors
+from dflash_quant.io.weights import read_safetensors, save_safetensors
 from dflash_quant.models.config import read_config_json
 from dflash_quant.quantize.grid import QuantizedWeight
 from dflash_quant.quantize.spec import SUPPORTED_BITS, QuantSpec
@@ -59,9 +58,9 @@ class GptqArtifact:
                 qbytes += t.numel() * t.element_size()
         for key, value in self.dense.items():
             tensors[key] = value.contiguous()
-        save_file(
+        save_safetensors(
             tensors,
-            str(dst / "model.safetensors"),
+            dst / "model.safetensors",
             metadata={"format": fmt, "quantized_by": f"dflash-quant {__version__}"},
         )
         return qbytes

@@ -7,14 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dflash_quant import __version__
 from dflash_quant.artifact.reports import Provenance, QuantReport
 from dflash_quant.export.gptq_dynamic import dynamic_overrides
 from dflash_quant.export.gptq_v1 import gptq_quantization_config, pack_gptq_v1
 from dflash_quant.io.atomic import write_json_atomic
-from dflash_quant.io.weights import read_header
+from dflash_quant.io.weights import read_header, save_safetensors
 from dflash_quant.memory.weights import bytes_by_part
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.drafter import QuantOutcome
@@ -115,9 +114,9 @@ def export_gptq(
             tensors[f"{name}.{part}"] = t.contiguous()
     for key, t in state.items():
         tensors[key] = t.to(torch.bfloat16).contiguous()
-    save_file(
+    save_safetensors(
         tensors,
-        str(out / "model.safetensors"),
+        out / "model.safetensors",
         metadata={"format": "pt", "quantized_by": f"dflash-quant {__version__}"},
     )
     # bf16 Linears outside the backbone (DFlash2 conv/selector, unless quantized on request) must be skipped by

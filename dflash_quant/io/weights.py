@@ -228,6 +228,26 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------- headers
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the same bytes for the same tensors: safetensors writes the metadata in hash
+    order, which changes from run to run, so the header's metadata object is rewritten in sorted key order (same
+    length, in place). Reproducible files keep their sha256 across runs (check caches, Hub uploads)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = fh.read(n)
+        stored = json.loads(header, object_pairs_hook=lambda pairs: pairs)
+        meta = dict(next((v for k, v in stored if k == "__metadata__"), []))
+        written = json.dumps(dict(next((v for k, v in stored if k == "__metadata__"), [])), separators=(",", ":"))
+        wanted = json.dumps(dict(sorted(meta.items())), separators=(",", ":"))
+        at = header.find(written.encode())
+        if at >= 0 and len(wanted) == len(written):
+            fh.seek(8 + at)
+            fh.write(wanted.encode())
+
+
 def read_header(path: Path) -> dict:
     """The JSON header of one .safetensors file (8-byte little-endian length + JSON), checked against the
     file's size: a header whose tensors lie beyond the end of the file (a truncated download, or a header
