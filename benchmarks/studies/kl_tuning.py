@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,24 @@ def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dic
     }
 
 
+def tau(runs: list[dict]) -> float:
+    return sum(r["tau"] * r["steps"] for r in runs) / sum(r["steps"] for r in runs)
+
+
+def paired_interval(row: dict, base: dict, draws: int = 2000) -> list[float]:
+    """95 % paired bootstrap over prompts of (tau ratio of row) - (tau ratio of base): same prompts, same bf16 runs."""
+    rng = random.Random(0)
+    q, b, bf = row["per_prompt"], base["per_prompt"], row["per_prompt_bf16"]
+    n = len(q)
+    out = []
+    for _ in range(draws):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ref = tau([bf[i] for i in idx])
+        out.append(tau([q[i] for i in idx]) / ref - tau([b[i] for i in idx]) / ref)
+    out.sort()
+    return [round(out[int(0.025 * draws)], 4), round(out[int(0.975 * draws)], 4)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("dev", "heldout"), default="dev")
@@ -94,7 +113,7 @@ def main() -> None:
     ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
     ap.add_argument(
         "--configs",
-        default="gptq,gptq-kl:epochs=1:lr=0.002,gptq-kl:epochs=2:lr=0.002,gptq-kl:epochs=2:lr=0.005",
+        default="gptq,gptq-kl:codes=no,gptq-kl:code_lr=0.01,gptq-kl:code_lr=0.02",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -107,11 +126,24 @@ def main() -> None:
                 for config in args.configs.split(","):
                     method, opts = parse_config(config)
                     row = run_one(pair, args.split, bits, group, method, opts, work)
+                    base = next(
+                        (
+                            r
+                            for r in rows
+                            if r["pair"] == pair
+                            and r["bits"] == bits
+                            and r["method"] == "gptq"
+                            and r["group_size"] == group
+                        ),
+                        None,
+                    )
+                    if base is not None and row is not base:
+                        row["minus_gptq_tau_ratio_95ci"] = paired_interval(row, base)
                     rows.append(row)
                     print(
                         f"{pair} {bits}-bit g{group} {config}: tau {row['tau']:.3f} / {row['tau_bf16']:.3f} = "
                         f"{row['tau_ratio']:.4f} lossless={row['lossless']} quantize {row['quantize_s']:.1f}s "
-                        f"calibrate {row['calibrate_s'] or 0:.1f}s",
+                        f"calibrate {row['calibrate_s'] or 0:.1f}s vs gptq {row.get('minus_gptq_tau_ratio_95ci')}",
                         flush=True,
                     )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
