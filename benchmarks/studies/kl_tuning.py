@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,19 +36,23 @@ DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the develo
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
-    """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), or `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005`
+    """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005`
     -> (method, extra options)."""
     method, *opts = text.split(":")
     return method, dict(o.split("=", 1) for o in opts)
 
 
-def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path) -> dict:
+def run_one(
+    pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path, device: str = "cpu"
+) -> dict:
     cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", pair, "--bits", str(bits), "--group-size", str(group)]
     label = method
     method, *flags = method.split("+")  # gptq+clip: the run adds --clip-search
     cmd += ["--clip-search"] if "clip" in flags else []
+    cmd += ["--desc-act", "--static-groups"] if "act" in flags else []
     cmd += ["--method", method, "--calib-cache", str(work / f"cache-{pair}-{split}"), "--json", "--no-card"]
-    cmd += ["--output", str(work / "out"), "--overwrite", "--tolerance", "0.99"]
+    out = work / f"out-{pair}-{bits}-{group}-{method}-{'-'.join(f'{k}={v}' for k, v in opts.items())}"
+    cmd += ["--output", str(out), "--overwrite", "--tolerance", "0.99", "--device", device]
     for k, v in opts.items():
         if k == "codes":  # codes=no: scales only
             cmd += ["--tune-codes" if v == "yes" else "--no-tune-codes"]
@@ -58,7 +63,7 @@ def run_one(pair: str, split: str, bits: int, group: int, method: str, opts: dic
         lines = (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
         dev.write_text("\n".join(lines[DEV_FROM:]) + "\n")
         cmd += ["--num-prompts", str(DEV_FROM), "--eval-prompts", str(dev)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode not in (0, 1):
@@ -106,58 +111,87 @@ def paired_interval(row: dict, base: dict, draws: int = 2000) -> list[float]:
     return [round(out[int(0.025 * draws)], 4), round(out[int(0.975 * draws)], 4)]
 
 
+def base_of(row: dict, rows: list[dict]) -> dict | None:
+    """The GPTQ row a tuned row is compared with: same pair, grid and solver flags (`gptq-kl+act` -> `gptq+act`)."""
+    flags = "".join("+" + f for f in row["method"].split("+")[1:])
+    return next(
+        (
+            r
+            for r in rows
+            if (r["pair"], r["bits"], r["group_size"], r["method"])
+            == (row["pair"], row["bits"], row["group_size"], "gptq" + flags)
+        ),
+        None,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("dev", "heldout"), default="dev")
     ap.add_argument("--pairs", default="reference,reference-dflash2")
     ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
-    ap.add_argument(
-        "--configs",
-        default="gptq,gptq-kl:codes=no,gptq-kl:code_lr=0.01,gptq-kl:code_lr=0.02",
-    )
+    ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_lr=0.01,gptq-kl:code_lr=0.02")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each one CPU thread)")
+    ap.add_argument("--device", default="cpu", help="--device of every run (cpu: the fp32 numbers of docs/quality.md)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = []
+    runs = [
+        (pair, int(bg.split(":")[0]), int(bg.split(":")[1]), *parse_config(config), config)
+        for pair in args.pairs.split(",")
+        for bg in args.bits.split(",")
+        for config in args.configs.split(",")
+    ]
+    rows: list[dict] = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+
+    def save(done: list[dict]) -> None:  # after every run: a run cut short keeps what finished
+        write_json_atomic(
+            Path(args.out),
+            {
+                "split": args.split,
+                "command": " ".join(sys.argv),
+                "commit": commit.stdout.strip(),
+                "date": time.strftime("%Y-%m-%d"),
+                "device": args.device,
+                "cpu_threads_per_run": 1,
+                "rows": done,
+            },
+        )
+
+    finished: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for pair in args.pairs.split(","):
-            for bg in args.bits.split(","):
-                bits, group = (int(x) for x in bg.split(":"))
-                for config in args.configs.split(","):
-                    method, opts = parse_config(config)
-                    row = run_one(pair, args.split, bits, group, method, opts, work)
-                    base = next(
-                        (
-                            r
-                            for r in rows
-                            if r["pair"] == pair
-                            and r["bits"] == bits
-                            and r["method"] == "gptq"
-                            and r["group_size"] == group
-                        ),
-                        None,
-                    )
-                    if base is not None and row is not base:
-                        row["minus_gptq_tau_ratio_95ci"] = paired_interval(row, base)
-                    rows.append(row)
-                    print(
-                        f"{pair} {bits}-bit g{group} {config}: tau {row['tau']:.3f} / {row['tau_bf16']:.3f} = "
-                        f"{row['tau_ratio']:.4f} lossless={row['lossless']} quantize {row['quantize_s']:.1f}s "
-                        f"calibrate {row['calibrate_s'] or 0:.1f}s vs gptq {row.get('minus_gptq_tau_ratio_95ci')}",
-                        flush=True,
-                    )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    write_json_atomic(
-        Path(args.out),
-        {
-            "split": args.split,
-            "command": " ".join(sys.argv),
-            "commit": commit.stdout.strip(),
-            "date": time.strftime("%Y-%m-%d"),
-            "device": "cpu",
-            "rows": rows,
-        },
-    )
+
+        def one(run) -> dict:
+            pair, bits, group, method, opts, config = run
+            row = run_one(pair, args.split, bits, group, method, opts, work, args.device)
+            print(
+                f"{pair} {bits}-bit g{group} {config}: tau {row['tau']:.3f} / {row['tau_bf16']:.3f} = "
+                f"{row['tau_ratio']:.4f} lossless={row['lossless']} quantize {row['quantize_s']:.1f}s "
+                f"calibrate {row['calibrate_s'] or 0:.1f}s",
+                flush=True,
+            )
+            finished.append(row)
+            save(finished)
+            return row
+
+        # first one run per pair and calibration kind (gptq-kl records the drafter's inputs and decodes prompts one
+        # by one; plain GPTQ batches them, so its Hessians are keyed apart): the rest read their cache entries
+        first: dict[tuple[str, bool], tuple] = {}
+        for run in runs:
+            first.setdefault((run[0], run[3].startswith("gptq-kl")), run)
+        with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+            rows += list(pool.map(one, first.values()))
+            rows += list(pool.map(one, [r for r in runs if r not in first.values()]))
+    for row in rows:
+        base = base_of(row, rows)
+        if base is not None and base is not row:
+            row["minus_gptq_tau_ratio_95ci"] = paired_interval(row, base)
+            print(
+                f"{row['pair']} {row['bits']}-bit {row['method']} {row['options']} - {base['method']}: "
+                f"{row['tau_ratio'] - base['tau_ratio']:+.4f} {row['minus_gptq_tau_ratio_95ci']}"
+            )
+    save(rows)
 
 
 if __name__ == "__main__":
