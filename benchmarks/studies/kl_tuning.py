@@ -1,7 +1,8 @@
 """Choose gptq-kl's defaults on a development split, or measure methods on held-out prompts.
 
 dev (default): calibration on the first 96 calibration prompts of each shipped pair, parity on the other 32
-(never the held-out file); heldout: calibration on all 128, parity on the pair's held-out prompts. Each config
+(never the held-out file); heldout: calibration on all 128, parity on the pair's 64 held-out prompts; extra: the
+same calibration, parity on 256 more held-out prompts (`benchmarks/prompts/*_heldout_extra.jsonl`). Each config
 is one `dflash-quant gptq` subprocess (the calibration cache is shared, so each pair calibrates once per
 split); the result keeps tau, tau ratio, per-position acceptance, lossless, and quantization time.
 
@@ -58,6 +59,9 @@ def run_one(
             cmd += ["--tune-codes" if v == "yes" else "--no-tune-codes"]
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
+    if split == "extra":  # 256 more held-out prompts (benchmarks/heldout_extra.py), for tighter intervals
+        extra = {"reference": "ref", "reference-dflash2": "d2"}[pair]
+        cmd += ["--eval-prompts", str(ROOT / f"benchmarks/prompts/{extra}_heldout_extra.jsonl")]
     if split == "dev":
         dev = work / f"{pair}-dev.jsonl"
         lines = (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
@@ -127,7 +131,7 @@ def base_of(row: dict, rows: list[dict]) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=("dev", "heldout"), default="dev")
+    ap.add_argument("--split", choices=("dev", "heldout", "extra"), default="dev")
     ap.add_argument("--pairs", default="reference,reference-dflash2")
     ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
     ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_lr=0.01,gptq-kl:code_lr=0.02")
