@@ -52,7 +52,7 @@ def run_one(
     cmd += ["--clip-search"] if "clip" in flags else []
     cmd += ["--desc-act", "--static-groups"] if "act" in flags else []
     cmd += ["--method", method, "--calib-cache", str(work / f"cache-{pair}-{split}"), "--json", "--no-card"]
-    out = work / f"out-{pair}-{bits}-{group}-{method}-{'-'.join(f'{k}={v}' for k, v in opts.items())}"
+    out = work / f"out-{pair}-{bits}-{group}-{label}-{'-'.join(f'{k}={v}' for k, v in opts.items())}"
     cmd += ["--output", str(out), "--overwrite", "--tolerance", "0.99", "--device", device]
     for k, v in opts.items():
         if k == "codes":  # codes=no: scales only
