@@ -114,7 +114,7 @@ class Calibration(Record):
 
 @dataclass
 class Quantization(Record):
-    method: str | None = doc("`gptq` or `rtn`")
+    method: str | None = doc("`gptq`, `gptq-kl` (GPTQ, then scales and codes tuned on the drafter's KL) or `rtn`")
     bits: int | None = doc("2, 3, 4 or 8")
     group_size: int | None = doc("-1 (per channel) or the group size")
     sym: bool | None = doc("symmetric grid")
@@ -128,6 +128,10 @@ class Quantization(Record):
     skip: list[str] | None = doc("--skip regexes")
     min_rows: int | None = doc("fewest calibration rows accepted per layer")
     skipped: list[str] | None = doc("Linears kept in bf16")
+    tune_epochs: int | None = doc("gptq-kl: passes over the recorded calibration inputs", omit_none=True)
+    tune_lr: float | None = doc("gptq-kl: Adam step on each group's log scale", omit_none=True)
+    tune_codes: bool | None = doc("gptq-kl: codes could move one step", omit_none=True)
+    tune_code_lr: float | None = doc("gptq-kl: signed step of each code offset", omit_none=True)
     extra: E = doc("", factory=dict)
 
 

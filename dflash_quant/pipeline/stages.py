@@ -248,7 +248,8 @@ def record(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, q: Quanti
         ),
         quantization=Quantization.from_dict(
             {
-                **asdict(q.quant),
+                # the tuning settings only where tuning ran
+                **{k: v for k, v in asdict(q.quant).items() if q.quant.tuned or not k.startswith("tune_")},
                 "skip": list(q.quant.skip),
                 "skipped": q.outcome.kept,
                 **_grid_fields(job.gguf_type, q.outcome.layers, job.gguf_scale_search),
