@@ -1,11 +1,12 @@
-"""End-to-end tuning of GPTQ scales on the drafter's own objective (method `gptq-kl`).
+"""End-to-end tuning of a GPTQ grid on the drafter's own objective (method `gptq-kl`).
 
 GPTQ fits each Linear to its own inputs; what speculation needs is the drafter's next-token distribution at
-every block position. Here the integer codes and zero points stay exactly as GPTQ chose them, and each group's
-scale gets a learned multiplier exp(a) (a = 0 at the start). The loss is KL(bf16 drafter || quantized drafter)
-over the vocabulary at every block row after the anchor, on the drafter inputs calibration recorded while the
-drafter speculated with its target (the target's taps are replayed, the target does not run). The result is
-still a plain grid (fp16 scales, integer codes), so every format and engine loads it unchanged.
+every block position. Starting from GPTQ's grid, each group's scale gets a learned multiplier exp(a) (a = 0 at
+the start) and, with `codes`, each code an offset that can move it by one step; zero points stay. The loss is
+KL(bf16 drafter || quantized drafter) over the vocabulary at every block row after the anchor, on the drafter
+inputs calibration recorded while the drafter speculated with its target (the target's taps are replayed, the
+target does not run). The result is still a plain grid (fp16 scales, integer codes), so every format and engine
+loads it unchanged.
 """
 
 from __future__ import annotations
@@ -38,19 +39,21 @@ class TuneReport:
 
     epochs: int
     lr: float
+    code_lr: float | None  # None: codes were not tuned
     steps: int
     seconds: float
     kl_before: float
     kl_after: float
-    kept_gptq_scales: bool  # tuning did not lower the loss, so the GPTQ scales were kept
+    kept_gptq_scales: bool  # tuning did not lower the loss, so GPTQ's scales and codes were kept
     scale_change: dict[str, float] = field(default_factory=dict)  # per Linear: mean |log(new / old)|
     codes_changed: dict[str, float] = field(default_factory=dict)  # per Linear: share of codes moved one step
 
     def to_dict(self) -> dict:
         return {
-            "method": "kl-scales",
+            "method": "kl-scales+codes" if self.code_lr is not None else "kl-scales",
             "epochs": self.epochs,
             "lr": self.lr,
+            "code_lr": self.code_lr,
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
             "kl_before": round(self.kl_before, 6),
@@ -200,9 +203,10 @@ def tune_scales(
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
-    """Tune the scales of `weights` (GPTQ's, for the Linears already holding their dequantized values) in place:
-    each QuantizedWeight gets fp16 scales that lower the drafter's KL to its bf16 self, and its module the new
-    dequantized weight. Never worse on the replay: if the tuned loss is not lower, the GPTQ scales stay."""
+    """Tune `weights` (GPTQ's, for the Linears already holding their dequantized values) in place: each
+    QuantizedWeight gets fp16 scales (and, with `codes`, codes moved by at most one step) that lower the drafter's
+    KL to its bf16 self, and its module the new dequantized weight. Never worse on the replay: if the tuned loss
+    is not lower, GPTQ's scales and codes stay."""
     if not replay or len(replay) != len(teacher):
         raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
     p = next(drafter.parameters())
@@ -285,6 +289,7 @@ def tune_scales(
     return TuneReport(
         epochs=epochs,
         lr=lr,
+        code_lr=code_lr if codes else None,
         steps=steps,
         seconds=time.perf_counter() - t0,
         kl_before=before,
