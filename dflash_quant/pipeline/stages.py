@@ -1,5 +1,5 @@
-"""The stages of a checked `gptq` job, in order: load -> inputs -> calibrate -> (mix) -> quantize -> record ->
-export -> verify -> report -> card, each a plain function of typed inputs and outputs. run_stages runs them
+"""The stages of a checked `gptq` job, in order: load -> inputs -> calibrate -> (mix) -> quantize -> (tune) ->
+record -> export -> verify -> report -> card, each a plain function of typed inputs and outputs. run_stages runs them
 into a temp dir beside the guarded output and publishes it in one rename (pipeline.run holds the guard)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dflash_quant.pipeline.parity import check_parity
 from dflash_quant.quantize.drafter import QuantOutcome, candidate_linears, quantize_drafter
 from dflash_quant.quantize.kquant import grid_for, quantize_drafter_kquant
 from dflash_quant.quantize.settings import QuantSettings
-from dflash_quant.quantize.tune import teacher_rows, tune_scales
+from dflash_quant.quantize.tune import TuneReport, teacher_rows, tune_scales
 
 
 @dataclass
@@ -160,16 +160,11 @@ def mix(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, progress: Pr
 def quantize(
     job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, plan: MixPlan | None, progress: Progress
 ) -> Quantized:
-    """GPTQ (or RTN) of the chosen Linears, in place: the drafter now holds the dequantized weights; gptq-kl
-    then tunes their scales on the drafter's KL to its bf16 self (quantize.tune)."""
+    """GPTQ (or RTN) of the chosen Linears, in place: the drafter now holds the dequantized weights."""
     quant = job.quant if plan is None else replace(job.quant, bits=plan.base.bits, group_size=plan.base.group_size)
     label = "mixed" if plan is not None else f"{quant.bits}-bit"
     advance = progress(f"quantizing ({quant.method}, {label})", len(ins.candidates))
     model = loaded.drafter.model
-    teacher = None
-    if quant.tuned:  # the bf16 drafter's outputs on the recorded inputs, before its weights change
-        assert cal.stats is not None and cal.stats.replay is not None  # calibration keeps the replay for gptq-kl
-        teacher = teacher_rows(model, cal.stats.replay)
     if job.gguf_type is not None:
         outcome = quantize_drafter_kquant(
             model, cal.stats, quant, job.gguf_type, progress=lambda name: advance(), scale_search=job.gguf_scale_search
@@ -183,30 +178,11 @@ def quantize(
             picks=plan.picks if plan else None,
             solve=plan.solve if plan else None,
         )
-    tuning = None
-    if teacher is not None:
-        assert cal.stats is not None and cal.stats.replay is not None
-        steps = quant.tune_epochs * len(cal.stats.replay)
-        step = progress(f"tuning scales ({quant.tune_epochs} epochs on the drafter's KL)", steps)
-        head = loaded.target.model.get_output_embeddings()  # type: ignore[operator]
-        tuning = tune_scales(
-            model,
-            outcome.weights,
-            cal.stats.replay,
-            teacher,
-            head,
-            epochs=quant.tune_epochs,
-            lr=quant.tune_lr,
-            codes=quant.tune_codes,
-            code_lr=quant.tune_code_lr,
-            seed=job.seed,
-            progress=step,
-        )
-        for layer in outcome.layers:
-            if layer.get("method") == "gptq" and not tuning.kept_gptq_scales:
-                layer["method"] = "gptq-kl"
-        outcome.seconds += tuning.seconds
-    report = QuantReport.from_dict(
+    return Quantized(outcome, quant, plan, _quant_report(outcome))
+
+
+def _quant_report(outcome: QuantOutcome, tuning: TuneReport | None = None) -> QuantReport:
+    return QuantReport.from_dict(
         {
             "layers": outcome.layers,
             "kept_bf16": outcome.kept,
@@ -216,7 +192,40 @@ def quantize(
             "tuning": tuning.to_dict() if tuning is not None else None,
         }
     )
-    return Quantized(outcome, quant, plan, report)
+
+
+def teacher(loaded: Loaded, cal: Calibrated) -> list[torch.Tensor]:
+    """gptq-kl: the bf16 drafter's output rows on the recorded calibration inputs, before its weights change."""
+    assert cal.stats is not None and cal.stats.replay is not None  # calibration keeps the replay for gptq-kl
+    return teacher_rows(loaded.drafter.model, cal.stats.replay)
+
+
+def tune(
+    job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, rows: list[torch.Tensor], progress: Progress
+) -> None:
+    """gptq-kl: the GPTQ grid's scales (and codes, one step at most) tuned on the drafter's KL to its bf16 self
+    (quantize.tune); the drafter, the outcome and the quant report follow."""
+    assert cal.stats is not None and cal.stats.replay is not None
+    quant, outcome = q.quant, q.outcome
+    step = progress(f"tuning ({quant.tune_epochs} passes on the drafter's KL)", quant.tune_epochs * len(rows))
+    tuning = tune_scales(
+        loaded.drafter.model,
+        outcome.weights,
+        cal.stats.replay,
+        rows,
+        loaded.target.model.get_output_embeddings(),  # type: ignore[operator]
+        epochs=quant.tune_epochs,
+        lr=quant.tune_lr,
+        codes=quant.tune_codes,
+        code_lr=quant.tune_code_lr,
+        seed=job.seed,
+        progress=step,
+    )
+    for layer in outcome.layers:
+        if layer.get("method") == "gptq" and not tuning.kept_gptq_scales:
+            layer["method"] = "gptq-kl"
+    outcome.seconds += tuning.seconds
+    q.report = _quant_report(outcome, tuning)
 
 
 def record(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, q: Quantized) -> Provenance:
@@ -383,7 +392,10 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
         plan = mix(job, loaded, ins, cal, progress)
         timings["mix_s"] = time.perf_counter() - t
     t = time.perf_counter()
+    rows = teacher(loaded, cal) if job.quant.tuned else None
     q = quantize(job, loaded, ins, cal, plan, progress)
+    if rows is not None:
+        tune(job, loaded, cal, q, rows, progress)
     timings["quantize_s"] = time.perf_counter() - t
     provenance = record(job, loaded, ins, cal, q)
     parity = None
