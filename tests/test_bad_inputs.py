@@ -1198,7 +1198,7 @@ ROWS = [
         "arguments",
         lambda c: c.gptq("--max-bytes", "1MB", "--method", "rtn"),
         2,
-        r"mixed-precision search .* runs plain GPTQ .*; drop --method rtn",
+        r"mixed-precision search .* runs GPTQ .*; drop --method rtn",
     ),
     R(
         "mix-to-gguf",

@@ -117,6 +117,24 @@ def test_a_drafter_already_at_its_teacher_keeps_the_gptq_scales(calibrated):
     assert all(torch.equal(model.get_submodule(n).weight, qw.dequantize()) for n, qw in outcome.weights.items())
 
 
+def test_a_mixed_precision_drafter_is_tuned_within_each_linears_grid(calibrated):
+    """After a mix (per-Linear bits and groups) every Linear keeps its own grid: codes within its own range."""
+    drafter, target, stats = calibrated
+    model = copy.deepcopy(drafter.model)
+    rows = teacher_rows(model, stats.replay)
+    names = model.linear_names()
+    picks = {n: ((2, 64) if i % 3 == 0 else (4, 128) if i % 3 == 1 else (3, 128)) for i, n in enumerate(names)}
+    outcome = quantize_drafter(model, stats, QuantSettings(bits=4, group_size=128, min_rows=16), picks=picks)
+    head = target.model.get_output_embeddings()
+    report = tune_scales(model, outcome.weights, stats.replay, rows, head, epochs=1)
+    assert report.kl_after < report.kl_before
+    for name, qw in outcome.weights.items():
+        bits, group = picks[name]
+        assert qw.spec.bits == bits and qw.n_groups == qw.in_features // group
+        assert int(qw.codes.max()) <= 2**bits - 1
+        assert torch.equal(model.get_submodule(name).weight, qw.dequantize())
+
+
 def test_tuning_without_recorded_inputs_is_refused(calibrated):
     from dflash_quant.errors import DFlashQuantError
 
@@ -173,7 +191,7 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
         (["--method", "gptq-kl", "--tune-epochs", "0"], "--tune-epochs must be >= 1"),
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
         (["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q4_K"], "drop --gguf-type"),
-        (["--method", "gptq-kl", "--max-tau-loss", "0.01"], "drop --method gptq-kl"),
+        (["--method", "rtn", "--max-tau-loss", "0.01"], "drop --method rtn"),
         (["--method", "awq"], "--method must be one of gptq, gptq-kl, rtn"),
     ],
 )

@@ -123,13 +123,11 @@ def check_job(job: GptqJob) -> GptqJob:
                 "GGUF of a gptq-kl run: --group-size 32 --format gguf) or use --method gptq"
             )
     if job.mixed is not None:
-        if quant.method != "gptq" or quant.sequential or job.gguf_type is not None:
+        if not quant.calibrated or quant.sequential or job.gguf_type is not None:
+            # gptq-kl is allowed: the search picks each Linear's grid from plain GPTQ, the tuning then runs on the mix
             raise UsageError(
-                "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs plain GPTQ from the calibration "
-                f"Hessians; drop --method {quant.method}, --sequential and --gguf-type"
-                if quant.method != "gptq"
-                else "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs plain GPTQ from the "
-                "calibration Hessians; drop --sequential and --gguf-type"
+                "the mixed-precision search (--max-tau-loss/--max-bytes/--fit) runs GPTQ from the calibration "
+                "Hessians; drop --method rtn, --sequential and --gguf-type"
             )
         if job.format in ("gguf", "mlx"):
             raise UsageError(
