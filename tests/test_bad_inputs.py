@@ -600,7 +600,13 @@ ROWS = [
         2,
         r"--tolerance must be in \[0, 1\)",
     ),
-    R("gptq-method", "arguments", lambda c: c.gptq("--method", "awq"), 2, r"--method must be gptq or rtn"),
+    R(
+        "gptq-method",
+        "arguments",
+        lambda c: c.gptq("--method", "awq"),
+        2,
+        r"--method must be one of gptq, gptq-kl, rtn",
+    ),
     R(
         "gptq-gguf-type-unknown",
         "arguments",

@@ -192,7 +192,6 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
         (["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q4_K"], "drop --gguf-type"),
         (["--method", "rtn", "--max-tau-loss", "0.01"], "drop --method rtn"),
-        (["--method", "awq"], "--method must be one of gptq, gptq-kl, rtn"),
     ],
 )
 def test_bad_tuning_options_are_one_line_errors(tmp_path, args, message):
