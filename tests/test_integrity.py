@@ -321,7 +321,7 @@ def test_saved_weights_are_byte_identical_across_runs(tmp_path):
 
     from dflash_quant.io.weights import save_safetensors
 
-    meta = {"quantized_by": "dflash-quant 0.1.0", "format": "pt", "note": "x"}
+    meta = {"quantized_by": "dflash-quant 0.1.0", "format": "pt", "note": "drafter für 24 GB"}  # non-ASCII too
     files = []
     for i in range(6):
         path = tmp_path / f"w{i}.safetensors"

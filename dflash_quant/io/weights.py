@@ -239,11 +239,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
         (n,) = struct.unpack("<Q", fh.read(8))
         header = fh.read(n)
         stored = json.loads(header, object_pairs_hook=lambda pairs: pairs)
-        meta = dict(next((v for k, v in stored if k == "__metadata__"), []))
-        written = json.dumps(dict(next((v for k, v in stored if k == "__metadata__"), [])), separators=(",", ":"))
-        wanted = json.dumps(dict(sorted(meta.items())), separators=(",", ":"))
+        meta = dict(next((v for k, v in stored if k == "__metadata__"), []))  # in the order the file has it
+        written = json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+        wanted = json.dumps(dict(sorted(meta.items())), separators=(",", ":"), ensure_ascii=False)
         at = header.find(written.encode())
-        if at >= 0 and len(wanted) == len(written):
+        if at >= 0:  # same keys and values in another order: same length, rewritten in place
             fh.seek(8 + at)
             fh.write(wanted.encode())
 
