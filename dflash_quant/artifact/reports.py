@@ -107,6 +107,9 @@ class Calibration(Record):
         "prompts decoded as rows of one batch while capturing (--calib-batch; padding rows never reach a Hessian)",
         omit_none=True,
     )
+    teacher_forced: bool | None = doc(
+        "the target's side of the loop came from one batched greedy decode (--teacher-forced)", omit_none=True
+    )
     target_placement: TargetPlacement | None = doc("the target's --device-map split, if any", omit_none=True)
     memory: CalibrationMemory | None = doc("calibration peak memory, predicted and measured", omit_none=True)
     extra: E = doc("", factory=dict)
@@ -469,6 +472,11 @@ class Parity(ReportFile):
     )
     spec_speed_ratio: float | None = doc(
         "quantized spec_tokens_per_s / bf16 spec_tokens_per_s, same run (bf16 from the cache if `cache` says hit)",
+        omit_none=True,
+    )
+    teacher_forced: bool | None = doc(
+        "both drafters ran against the target's greedy continuation decoded once (--teacher-forced): tau and "
+        "acceptance only, `lossless` not checked (null)",
         omit_none=True,
     )
     extra: E = doc("", factory=dict)

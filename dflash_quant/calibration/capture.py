@@ -23,7 +23,8 @@ from dflash_quant.calibration.peak import PeakProbe
 from dflash_quant.errors import UsageError
 from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
-from dflash_quant.speculative.decode import speculative_generate
+from dflash_quant.speculative.decode import SpecResult, speculative_generate
+from dflash_quant.speculative.teacher import TeacherTarget, greedy_rows
 
 KV_MODES = ("block", "block+context")
 
@@ -183,6 +184,7 @@ def capture(
     checkpoint_every: int = 0,
     measure: bool = False,
     batch: int = 1,
+    teacher: bool = False,
 ) -> CalibrationStats:
     """Greedy speculative decoding over the prompts with hooks on the drafter's Linears (and `extra` ones).
 
@@ -192,6 +194,8 @@ def capture(
     measure: record the peak memory (calibration.peak) in stats.memory.
     batch: decode up to this many prompts as rows of one batch (batch_decode; the same steps and Hessian rows,
     padding excluded) where the pair allows it and no replay is kept; 1 = one by one.
+    teacher: the target's side of the loop comes from one batched greedy decode of up to `batch` prompts
+    (speculative.teacher), for any target; the drafter then runs prompt by prompt against that record.
     """
     if kv_hessian not in KV_MODES:
         raise UsageError(f"--kv-hessian must be one of {', '.join(KV_MODES)}, got {kv_hessian!r}")
@@ -223,11 +227,28 @@ def capture(
         i = done
         while i < len(prompts):
             # a chunk ends at the next checkpoint, so checkpoints fall where they do one by one
-            end = min(i + (batch if batched else 1), len(prompts))
+            end = min(i + (batch if batched or teacher else 1), len(prompts))
             if checkpoint_every > 0:
                 end = min(end, (i // checkpoint_every + 1) * checkpoint_every)
             record = []
-            if batched:
+            if teacher:
+                rows = greedy_rows(target, prompts[i:end], max_new_tokens, drafter.target_layer_ids, device)
+                runs: list[SpecResult] = []
+                for ids, row in zip(prompts[i:end], rows, strict=True):
+                    if keep_replay and runs:
+                        replay.append(record)
+                        record = []
+                    runs.append(
+                        speculative_generate(
+                            drafter,
+                            TeacherTarget(target, row),
+                            torch.tensor([ids], device=device),
+                            max_new_tokens,
+                            stop_token_ids=stop_token_ids,
+                        )
+                    )
+                del rows
+            elif batched:
                 runs = batched_speculative_generate(
                     drafter, target, list(prompts[i:end]), max_new_tokens, stop_token_ids, on_draft=hooks.rows
                 )

@@ -213,6 +213,14 @@ def gptq(
         "Default 16 on CPU; on CUDA 64, fewer if their predicted memory exceeds half the free memory. Hybrid "
         "targets and --sequential decode one by one.",
     ),
+    teacher_forced: bool = typer.Option(
+        False,
+        "--teacher-forced/--no-teacher-forced",
+        help="Calibration and parity check: decode the target's greedy continuation once, --calib-batch prompts "
+        "per batch, and replay the speculative loop from it (the same drafter inputs and acceptance at T=0, no "
+        "target forward per step). For hybrid or offloaded targets, where the loop decodes one by one; the check "
+        "then reports tau and per-position acceptance, not losslessness or speed.",
+    ),
     dtype: str = typer.Option("auto", help="auto (cpu: float32, cuda: bfloat16)."),
     int4_kernel: str = int4_kernel_option(),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template"),
@@ -394,6 +402,7 @@ def gptq(
         full_baseline=full_baseline,
         check_batch=check_batch,
         calib_batch=calib_batch,
+        teacher_forced=teacher_forced,
         command=["dflash-quant", *sys.argv[1:]],
         lookup=look,
         gguf_type=gguf_type,

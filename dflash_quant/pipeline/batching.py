@@ -73,6 +73,8 @@ def calib_rows(job: GptqJob, drafter: LoadedDrafter, target: LoadedTarget, promp
     """Prompts capture decodes as rows of one batch: --calib-batch (default by device), 1 where it cannot."""
     device = next(drafter.model.parameters()).device
     rows = default_batch(job.calib_batch, device, lambda: row_bytes(target, drafter, prompts, job.calib_max_new_tokens))
+    if job.teacher_forced:  # the target's greedy decode takes any pair's prompts as rows
+        return max(1, min(rows, len(prompts)))
     if rows > 1 and (job.quant.sequential or capture_unbatchable(drafter.model, target.model) is not None):
         return 1  # sequential GPTQ replays per-prompt drafter calls; other pairs decode one by one
     return max(1, min(rows, len(prompts)))

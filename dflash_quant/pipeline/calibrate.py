@@ -66,7 +66,9 @@ def calib_key(
     if extra:  # keyed only then, so caches of the default recipe stay valid
         key["extra_linears"] = extra
     rows = calib_rows(job, drafter, target, prompts)
-    if rows > 1:  # the same rows summed in another order: keyed apart, batch-1 entries stay valid
+    if job.teacher_forced:  # the target's tokens and taps from a batched greedy decode: keyed apart
+        key["teacher_rows"] = rows
+    elif rows > 1:  # the same rows summed in another order: keyed apart, batch-1 entries stay valid
         key["calib_batch"] = rows
     return key
 
@@ -107,9 +109,12 @@ def _capture_or_load(job, drafter, target, prompts, device, progress, target_sha
     state.kept_checkpoint = None  # calibration is complete: nothing left to resume
     info["resumed_prompts"] = stats.resumed_prompts
     info["hessian_device"] = str(hdev)
-    if key.get("calib_batch", 1) > 1:
-        info["batch_rows"] = key["calib_batch"]
-    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, key.get("calib_batch", 1))
+    rows = key.get("calib_batch", key.get("teacher_rows", 1))
+    if rows > 1:
+        info["batch_rows"] = rows
+    if job.teacher_forced:
+        info["teacher_forced"] = True
+    info["memory"] = _calib_memory(job, drafter, target, prompts, stats, device, hdev, rows)
     return stats, info
 
 
@@ -159,7 +164,8 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
         checkpoint=save,
         checkpoint_every=every,
         measure=True,
-        batch=key.get("calib_batch", 1),
+        batch=key.get("calib_batch", key.get("teacher_rows", 1)),
+        teacher=job.teacher_forced,
     )
     return stats
 

@@ -54,6 +54,8 @@ class GptqJob:
     check_cache: Path | None = None  # reuse the target-only and bf16 drafter runs of the parity check (None: off)
     check_batch: int | None = None  # parity: prompts decoded as rows of one batch (batch_decode; 1 = one by one)
     calib_batch: int | None = None  # calibration: the same for capture; None (both): default_batch
+    # calibration and check: the target's greedy continuation decoded once in batches (speculative.teacher)
+    teacher_forced: bool = False
     write_card: bool = True
     command: list[str] = field(default_factory=list)
     format: str = "gptq"  # or compressed-tensors | gguf | mlx: converted from the GPTQ codes at export
@@ -107,6 +109,12 @@ def check_job(job: GptqJob) -> GptqJob:
             resolve_gpu(job.mixed.fit_gpu)
     if job.lookup is not None:
         job.lookup.check()
+        if job.teacher_forced:
+            raise UsageError(
+                "--lookup needs the target to verify blocks in the loop; drop --teacher-forced or --lookup"
+            )
+    if job.teacher_forced and job.full_baseline:
+        raise UsageError("--full-baseline decodes the target in the loop; drop --teacher-forced or --full-baseline")
     quant = job.quant.normalized()
     quant.check()
     if job.gguf_type is not None:

@@ -14,10 +14,11 @@ from dflash_quant.kernels.int4_linear import use_int4_kernel
 from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.loading.runtime import prompt_categories, stop_tokens
 from dflash_quant.loading.target import LoadedTarget
-from dflash_quant.pipeline.batching import check_rows, row_bytes
+from dflash_quant.pipeline.batching import check_rows, default_batch, row_bytes
 from dflash_quant.pipeline.job import GptqJob, Progress
 from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
 from dflash_quant.speculative.decode import GreedyResult, SpecResult
+from dflash_quant.speculative.teacher import greedy_rows
 from dflash_quant.speculative.verify import (
     TIMED_PROMPTS,
     CheckSettings,
@@ -58,6 +59,8 @@ def check_parity(
             job.check_batch, device, dtype, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens)
         ),
     )
+    if job.teacher_forced:
+        return _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids, settings, progress)
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
     cache = CheckCache(job.check_cache)
@@ -123,37 +126,77 @@ def check_parity(
                 verdict["reasons"].append(
                     f"greedy output of {check['drafter']} with lookup differs from the target's own"
                 )
-    return Parity.from_dict(
-        {
-            "passed": verdict["passed"],
-            "tolerance": job.tolerance,
-            "tau_ratio": verdict["tau_ratio"],
-            "per_position_ratio": verdict["per_position_ratio"],
-            "lossless": s_quant["lossless"],
-            "reasons": verdict["reasons"],
-            "notes": verdict["notes"],
-            "lossless_gated": verdict["lossless_gated"],
-            "lossless_status": verdict["lossless_status"],
-            "temperature": 0.0,
-            "prompt_set": prompt_label(spec),
-            "num_prompts": len(eval_ids),
-            "max_new_tokens": job.eval_max_new_tokens,
-            "block_size": block,
-            "device": str(device),
-            "dtype": str(dtype).replace("torch.", ""),
-            "baseline": s_base,
-            "quantized": s_quant,
-            "target_quantization": target.quantization.to_dict() if target.quantization is not None else None,
-            "drafter_kernel": kernel,
-            "spec_speed_ratio": (
-                round(s_quant["spec_tokens_per_s"] / s_base["spec_tokens_per_s"], 4)
-                if s_quant.get("spec_tokens_per_s") and s_base.get("spec_tokens_per_s")
-                else None
-            ),
-            # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
-            "cache": {
-                "target_only": cache.events.get("baseline", "off"),
-                "bf16_drafter": cache.events.get("spec", "off"),
-            },
-        }
+    record = _record(job, spec, eval_ids, block, device, dtype, target, kernel, s_base, s_quant, verdict)
+    record["cache"] = {
+        "target_only": cache.events.get("baseline", "off"),
+        "bf16_drafter": cache.events.get("spec", "off"),
+    }
+    return Parity.from_dict(record)
+
+
+def _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids, settings, progress) -> Parity:
+    """Both drafters against the target's greedy continuation of each prompt, decoded once in batches: tau and
+    per-position acceptance only (the target verifies no block, so losslessness and speed are not measured)."""
+    device = next(base.model.parameters()).device
+    dtype = next(base.model.parameters()).dtype
+    block = base.config.block_size
+    rows = default_batch(job.calib_batch, device, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens))
+    adv = progress("parity: target's greedy continuation", len(eval_ids))
+    teachers = []
+    for i in range(0, len(eval_ids), rows):
+        chunk = eval_ids[i : i + rows]
+        teachers += greedy_rows(target.model, chunk, job.eval_max_new_tokens, base.model.target_layer_ids, device)
+        for _ in chunk:
+            adv()
+    checks = []
+    categories = prompt_categories(spec, job.eval_num_prompts)
+    drafters = ((source_id, "bf16", base.model), (portable_path(job.output), "quantized", quant.model))
+    for name, label, model in drafters:
+        runs = spec_runs(
+            model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)),
+            teachers=teachers,
+        )  # fmt: skip
+        check = summarize(name, runs, None, settings, block)
+        if cats := by_category(runs, categories):
+            check["by_category"] = cats
+        checks.append(check)
+    s_base, s_quant = checks
+    verdict = parity(s_base, s_quant, job.tolerance, greedy=False)
+    verdict["notes"].append(
+        "teacher-forced check (--teacher-forced): tau against the target's greedy continuation; losslessness and "
+        "speed not measured"
     )
+    record = _record(job, spec, eval_ids, block, device, dtype, target, kernel, s_base, s_quant, verdict)
+    record["teacher_forced"] = True
+    return Parity.from_dict(record)
+
+
+def _record(job, spec, eval_ids, block, device, dtype, target, kernel, s_base, s_quant, verdict) -> dict:
+    """Parity's fields from the two checks and the verdict."""
+    return {
+        "passed": verdict["passed"],
+        "tolerance": job.tolerance,
+        "tau_ratio": verdict["tau_ratio"],
+        "per_position_ratio": verdict["per_position_ratio"],
+        "lossless": s_quant["lossless"],
+        "reasons": verdict["reasons"],
+        "notes": verdict["notes"],
+        "lossless_gated": verdict["lossless_gated"],
+        "lossless_status": verdict["lossless_status"],
+        "temperature": 0.0,
+        "prompt_set": prompt_label(spec),
+        "num_prompts": len(eval_ids),
+        "max_new_tokens": job.eval_max_new_tokens,
+        "block_size": block,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "baseline": s_base,
+        "quantized": s_quant,
+        "target_quantization": target.quantization.to_dict() if target.quantization is not None else None,
+        "drafter_kernel": kernel,
+        "spec_speed_ratio": (
+            round(s_quant["spec_tokens_per_s"] / s_base["spec_tokens_per_s"], 4)
+            if s_quant.get("spec_tokens_per_s") and s_base.get("spec_tokens_per_s")
+            else None
+        ),
+    }

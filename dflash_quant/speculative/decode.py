@@ -17,6 +17,7 @@ from dflash_quant.models.devmap import input_device
 from dflash_quant.models.model import DFlashDrafter, DraftCache
 from dflash_quant.speculative.lookup import Lookup, LookupSettings, join_proposals, point_mass, two_row_step
 from dflash_quant.speculative.target_cache import TargetCache, cache_kw, make_cache
+from dflash_quant.speculative.teacher import TeacherTarget
 
 
 @dataclass
@@ -156,7 +157,8 @@ def speculative_generate(
 
     ids = torch.full((max_len + 1,), drafter.mask_token_id, dtype=torch.long, device=device)
     ids[:n] = input_ids[0]
-    t_state = TargetCache(target)  # refuses (one line) a cache it cannot roll back, before any compute
+    # refuses (one line) a cache it cannot roll back, before any compute; a teacher keeps no state
+    t_state: Any = target.state() if isinstance(target, TeacherTarget) else TargetCache(target)
     t_cache, kw = t_state.cache, t_state.kw
     d_cache = DraftCache()
     result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])

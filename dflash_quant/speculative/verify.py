@@ -20,6 +20,7 @@ from dflash_quant.speculative.decode import (
     target_generate,
 )
 from dflash_quant.speculative.lookup import LookupSettings
+from dflash_quant.speculative.teacher import TeacherRow, TeacherTarget
 
 
 @dataclass
@@ -95,11 +96,32 @@ def spec_runs(
     settings: CheckSettings,
     progress: Callable[[], None] | None = None,
     timed: int = TIMED_PROMPTS,
+    teachers: Sequence[TeacherRow] | None = None,
 ) -> list[SpecResult]:
     """The speculative run of every prompt. With settings.batch > 1 (and a pair batch_decode takes), the first
     `timed` prompts still run one by one (their times are the speed measurement, as comparable with the
-    target-only baseline's as before) and the others as batches of settings.batch rows (same results)."""
+    target-only baseline's as before) and the others as batches of settings.batch rows (same results).
+    teachers: one greedy record per prompt (speculative.teacher): each run replays it instead of the target."""
 
+    if teachers is not None:
+        if settings.temperature > 0 or settings.lookup is not None:
+            raise ValueError("teacher-forced runs are greedy and without lookup")
+        device = next(drafter.parameters()).device
+        runs = []
+        for ids, row in zip(prompts, teachers, strict=True):
+            runs.append(
+                speculative_generate(
+                    drafter,
+                    TeacherTarget(target, row),
+                    torch.tensor([ids], device=device),
+                    settings.max_new_tokens,
+                    stop_token_ids=settings.stop_token_ids,
+                    block_size=settings.block_size,
+                )
+            )
+            if progress:
+                progress()
+        return runs
     batched = settings.batch > 1 and unbatchable(drafter, target, settings.temperature, settings.lookup) is None
     alone = prompts[:timed] if batched else prompts
     runs = _one_by_one(drafter, target, alone, settings, progress)
