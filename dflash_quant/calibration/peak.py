@@ -134,6 +134,7 @@ def predict_run(
     compute: torch.device,
     hessian_device: torch.device,
     rows: int = 1,
+    teacher_taps: int = 0,
 ) -> tuple[Any, int]:
     """(CalibrationPrediction, predicted bytes comparable with PeakProbe.result on this run's devices).
 
@@ -160,6 +161,7 @@ def predict_run(
         offloaded_weight_bytes=offloaded,
         cublas_workspace_bytes=cublas_workspace_bytes(compute),
         rows=rows,
+        teacher_taps=teacher_taps,
     )
     if compute.type == "cuda":  # the GPU's share: everything but Hessians kept elsewhere
         hess_on_gpu = hessian_device.type == "cuda"

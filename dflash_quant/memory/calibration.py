@@ -82,6 +82,7 @@ def predict_calibration(
     offloaded_weight_bytes: int = 0,
     cublas_workspace_bytes: int = 0,
     rows: int = 1,
+    teacher_taps: int = 0,
 ) -> CalibrationPrediction:
     """Peak calibration memory for the longest prompt (prompt_tokens) generating max_new_tokens.
 
@@ -91,6 +92,9 @@ def predict_calibration(
     cublas_workspace_bytes: on CUDA, the cuBLAS workspace torch takes from its caching allocator (0 on CPU).
     rows: prompts decoded as rows of one batch (batch_decode: every row padded to the longest prompt, caches
     compacted to at most prompt + new tokens + one block): every per-request term times rows.
+    teacher_taps: --teacher-forced with this many tapped layers: the target decodes `rows` prompts greedily
+    (one token per forward after the prefill) keeping only the taps of every position; the drafter then runs
+    one prompt at a time.
     """
     a = dtype_bytes(dtype)
     p, n = prompt_tokens, max_new_tokens
@@ -108,6 +112,10 @@ def predict_calibration(
         "hidden_states": rows * (layers + 1) * b * h * a,
         "logits": rows * b * target.vocab_size * a,
     }
+    if teacher_taps:  # two live layer outputs in the prefill, the taps of every position of every row kept
+        prefill["target_kv"] = rows * (kv.bytes_for(p + n + 1) + state)
+        prefill["hidden_states"] = rows * (teacher_taps * (p + n) + 2 * p) * h * a
+        last = {}
     phase, acts = ("prefill", prefill) if sum(prefill.values()) >= sum(last.values()) else ("last_step", last)
     terms = {
         "target_weights": target_weight_bytes,
@@ -118,9 +126,10 @@ def predict_calibration(
     if cublas_workspace_bytes:
         terms["cublas_workspace"] = cublas_workspace_bytes
     dkv = 2 * drafter.num_kv_heads * drafter.head_dim * a * drafter.num_layers * (p + n)
+    drafting = 1 if teacher_taps else rows  # a teacher's drafter runs prompt by prompt
     transient = {
-        "drafter_kv": rows * dkv,
-        "drafter_logits": rows * b * drafter.vocab_size * a,
+        "drafter_kv": drafting * dkv,
+        "drafter_logits": drafting * b * drafter.vocab_size * a,
         "layer_mlp": rows * 3 * p * target.intermediate_size * a,
     }
     if attention_scores:

@@ -183,7 +183,7 @@ def _calib_memory(job, drafter, target, prompts, stats, device, hdev, rows: int 
     pred, comparable = predict_run(
         target.model, drafter.model, target.source.path, drafter.raw_config,
         prompts, job.calib_max_new_tokens, next(drafter.model.parameters()).dtype, job.kv_hessian, device, hdev,
-        rows=rows,
+        rows=rows, teacher_taps=len(drafter.model.target_layer_ids) if job.teacher_forced else 0,
     )  # fmt: skip
     measured = stats.memory["measured_bytes"]
     return {

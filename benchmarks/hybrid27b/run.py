@@ -1,0 +1,333 @@
+"""The seed's scale on one GPU: a Qwen3.5-27B-shaped hybrid target and a Qwen3.8-27B-DFlash2-shaped drafter.
+
+Builds random-weight models of the real shapes on the device (configs from dflash_quant/memory/presets; the
+tokenizer is the reference pair's, whose ids all lie inside the 248k vocabulary), then runs the real CLI end to
+end as a user would and measures each run:
+
+  gpu     the target whole on cuda:0 (bf16)
+  capped  the target spread by --device-map under the plan `budget --calibration --gpu 24GB` prints
+          (--hessian-device cpu --device-map auto --max-memory 0=...,cpu=...): what a 24 GB card allows
+  int4    a compressed-tensors W4A16 target (RTN, group 128) kept packed on cuda:0
+
+Each run: `gptq --bits 4 --group-size 32 --teacher-forced` (16 calibration prompts x 64 tokens, parity check on
+16 held-out prompts x 64 tokens, GPTQ v1 artifact, memory report and card), then `export` to compressed-tensors
+and GGUF, then `memory`. Recorded: wall time by stage, the calibration's GPU peak (torch allocator) next to its
+prediction, the whole command's GPU peak (nvidia-smi, CUDA context included) and host peak (max RSS).
+
+  python3 benchmarks/hybrid27b/run.py --runs gpu,int4 --out $OUT         # on the lent GPU (~10 min)
+  python3 benchmarks/hybrid27b/run.py --runs capped --out $OUT
+  python3 benchmarks/hybrid27b/run.py --tiny --device cpu --runs gpu,int4 --out /tmp/h27   # plumbing, on CPU
+
+Random weights draft badly (tau near 1): the run measures memory, time and that every stage works at this size,
+not acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = ROOT / "dflash_quant" / "memory" / "presets"
+TOKENIZER = ROOT / "dflash_quant" / "reference" / "pair" / "target"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def target_config(tiny: bool) -> dict:
+    preset = json.loads((PRESETS / "qwen3.5-27b.json").read_text())
+    tc = dict(preset["text_config"])
+    for k in ("mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"):
+        tc.pop(k)
+    if tiny:
+        tc.update(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, vocab_size=4096,
+        )  # fmt: skip
+    interval = tc.pop("full_attention_interval")
+    n = tc["num_hidden_layers"]
+    tc["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    tc["rope_parameters"] = {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "rope_type": "default"}
+    tc.update(architectures=["Qwen3_5ForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return tc
+
+
+def drafter_config(tiny: bool, target_layers: int) -> dict:
+    raw = json.loads((PRESETS / "qwen3.8-27b-dflash2.json").read_text())
+    raw = {k: v for k, v in raw.items() if not k.startswith("_")}
+    raw["rope_theta"] = raw["rope_parameters"]["rope_theta"]  # flat copy: dflash-mlx reads it
+    if tiny:
+        raw.update(
+            hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            vocab_size=4096, num_target_layers=target_layers,
+        )  # fmt: skip
+        raw["dflash_config"] = {
+            **raw["dflash_config"], "mask_token_id": 1, "target_layer_ids": [0, 2, 4, 5, 6], "selector_rank": 32,
+            "conv_group_size": 16,
+        }  # fmt: skip
+    return raw
+
+
+def pick_dirs(need_gb: float) -> list[Path]:
+    """Folders with room for the target, most free space first (the device's /dev/shm is RAM, / is disk)."""
+    seen, found = set(), []
+    for p in (Path("/dev/shm"), Path("/tmp"), Path.home(), ROOT):
+        if not p.is_dir() or not os.access(p, os.W_OK):
+            continue
+        st = os.statvfs(p)
+        key = st.f_fsid
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append((st.f_bavail * st.f_frsize / 1e9, p))
+    found.sort(reverse=True)
+    return [p for free, p in found if free >= need_gb] or [found[0][1]]
+
+
+def build(work: Path, tiny: bool, device: str, int4: bool, log: dict) -> dict[str, Path]:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_quant.export.int4_target import write_packed
+    from dflash_quant.models.config import parse_draft_config
+    from dflash_quant.models.model2 import build_drafter
+    from dflash_quant.quantize.spec import QuantSpec
+
+    torch.manual_seed(0)
+    tc = target_config(tiny)
+    model_type = tc.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **tc)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    target.eval()
+    log["target_params"] = sum(p.numel() for p in target.parameters())
+    log["target_bytes"] = sum(p.numel() * p.element_size() for p in target.parameters())
+    dirs = pick_dirs(log["target_bytes"] / 1e9 + 2)
+    paths = {"target": dirs[0] / "h27-target", "drafter": work / "drafter"}
+    for p in paths.values():
+        shutil.rmtree(p, ignore_errors=True)
+    target.save_pretrained(paths["target"])
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TOKENIZER / name, paths["target"] / name)
+    log["build_target_s"] = round(time.perf_counter() - t0, 1)
+    log["target_dir"] = str(paths["target"])
+    if int4:
+        t0 = time.perf_counter()
+        paths["int4"] = (dirs[1] if len(dirs) > 1 else dirs[0]) / "h27-target-w4g128"
+        shutil.rmtree(paths["int4"], ignore_errors=True)
+        raw = json.loads((paths["target"] / "config.json").read_text())
+        counts = write_packed(dict(target.state_dict()), raw, paths["target"], paths["int4"], QuantSpec(4, 128, True))
+        log["build_int4_s"] = round(time.perf_counter() - t0, 1)
+        log["int4_counts"] = counts
+        log["int4_dir"] = str(paths["int4"])
+    del target
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    raw = drafter_config(tiny, cfg.num_hidden_layers)
+    with torch.device(device):
+        drafter = build_drafter(parse_draft_config(raw)).to(torch.bfloat16)
+    log["drafter_params"] = sum(p.numel() for p in drafter.parameters())
+    paths["drafter"].mkdir(parents=True)
+    save_file(
+        {k: v.contiguous().cpu() for k, v in drafter.state_dict().items()}, str(paths["drafter"] / "model.safetensors")
+    )
+    (paths["drafter"] / "config.json").write_text(json.dumps(raw, indent=2))
+    log["build_drafter_s"] = round(time.perf_counter() - t0, 1)
+    del drafter
+    return paths
+
+
+class GpuPeak:
+    """Highest memory.used nvidia-smi reports while a command runs (the whole device: CUDA contexts included)."""
+
+    def __init__(self) -> None:
+        self.peak_mib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                    capture_output=True, text=True, timeout=5,
+                )  # fmt: skip
+                self.peak_mib = max(self.peak_mib, int(out.stdout.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+            self._stop.wait(0.25)
+
+    def __enter__(self) -> GpuPeak:
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def cli(args: list[str], out: Path, name: str, timeout: int) -> dict:
+    """Run `dflash-quant ARGS` as a user would; wall time, exit code, host peak (max RSS) and GPU peak."""
+    cmd = [sys.executable, "-m", "dflash_quant.cli.app", *args]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    with GpuPeak() as gpu, open(out / f"{name}.log", "w") as err:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, env=env, timeout=timeout, cwd=ROOT)
+            rc, stdout = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            rc, stdout = 124, exc.stdout or b""
+    row = {
+        "command": "dflash-quant " + " ".join(args),
+        "exit": rc,
+        "seconds": round(time.perf_counter() - t0, 1),
+        # max RSS of the largest child so far (the runs are sequential, so each row's value is a running max)
+        "host_peak_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "gpu_peak_smi_bytes": gpu.peak_mib * 2**20 if gpu.peak_mib else None,
+    }
+    (out / f"{name}.json").write_bytes(stdout)
+    try:
+        row["result"] = json.loads(stdout)
+    except ValueError:
+        row["stdout_tail"] = stdout.decode(errors="replace")[-500:]
+    return row
+
+
+def budget_plan(target: Path, drafter: Path, gpu: str, out: Path) -> dict:
+    row = cli(
+        ["budget", "--calibration", "--target", str(target), "--drafter", str(drafter), "--gpu", gpu, "--json",
+         "--prompt-tokens", "512"],
+        out, f"budget_{gpu}", 120,
+    )  # fmt: skip
+    return row.get("result") or {}
+
+
+def summarize(name: str, gptq: dict) -> dict:
+    r = gptq.get("result") or {}
+    cal = r.get("calibration") or {}
+    mem = cal.get("memory") or {}
+    parity = r.get("parity") or {}
+    return {
+        "run": name,
+        "exit": gptq["exit"],
+        "seconds": gptq["seconds"],
+        "timings": r.get("timings"),
+        "calib_peak_measured_bytes": mem.get("measured_bytes"),
+        "calib_peak_predicted_bytes": mem.get("predicted_peak_bytes"),
+        "calib_peak_ratio": mem.get("ratio"),
+        "gpu_peak_smi_bytes": gptq["gpu_peak_smi_bytes"],
+        "host_peak_bytes": gptq["host_peak_max_rss_bytes"],
+        "calib_tau_bf16": cal.get("mean_tau_bf16"),
+        "tau_bf16": (parity.get("baseline") or {}).get("tau"),
+        "tau_int4": (parity.get("quantized") or {}).get("tau"),
+        "tau_ratio": parity.get("tau_ratio"),
+        "per_position_acceptance_int4": (parity.get("quantized") or {}).get("per_position_acceptance"),
+        "passed": r.get("passed"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="gpu,int4", help="comma list of gpu, capped, int4")
+    ap.add_argument("--tiny", action="store_true", help="small dims of the same structure (plumbing check on CPU)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
+    ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
+    ap.add_argument("--capped-memory", default="0=14GiB,cpu=44GiB", help="--max-memory of the capped run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/hybrid27b")))
+    args = ap.parse_args()
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("H27_WORK", "/tmp/h27"))
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
+    try:
+        import torch
+
+        result["torch"] = torch.__version__
+        result["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        import transformers
+
+        result["transformers"] = transformers.__version__
+    except Exception as exc:  # noqa: BLE001 - recorded, the CLI runs report their own errors
+        result["env_error"] = repr(exc)
+    result["commit"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+
+    def save() -> None:
+        (args.out / "hybrid27b.json").write_text(json.dumps(result, indent=1))
+
+    t0 = time.perf_counter()
+    deadline = t0 + args.deadline
+    paths = build(work, args.tiny, args.device, "int4" in runs, result.setdefault("build", {}))
+    result["build"]["seconds"] = round(time.perf_counter() - t0, 1)
+    save()
+    common = [
+        "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
+        "--max-new-tokens", str(args.new_tokens), "--eval-num-prompts", str(args.prompts),
+        "--eval-max-new-tokens", str(args.new_tokens), "--no-calib-cache", "--no-check-cache", "--json",
+        "--device", args.device, "--tolerance", "0.5",
+    ]  # fmt: skip
+    for name in runs:
+        art = work / f"art-{name}"
+        shutil.rmtree(art, ignore_errors=True)
+        art.mkdir()
+        target = paths["int4"] if name == "int4" else paths["target"]
+        extra: list[str] = []
+        plan_gpu = "24GB" if name == "capped" else ("h100" if not args.tiny else "24GB")
+        plan = budget_plan(target, paths["drafter"], plan_gpu, args.out)
+        row: dict = {"budget": {k: plan.get(k) for k in ("gpu", "peak_bytes", "fits", "fix", "predicted")}}
+        if name == "capped":
+            # budget's plan is for the loop's one prompt at a time; the teacher decodes 16 rows, whose
+            # recurrent states (~2.4 GB at this size) need room: the GPU share of the target is cut to 14 GiB
+            row["plan_flags"] = (plan.get("fix") or {}).get("flags")
+            extra = ["--hessian-device", "cpu", "--device-map", "auto", "--max-memory", args.capped_memory]
+        left = int(deadline - time.perf_counter())
+        if left < 60:
+            result["runs"][name] = {"skipped": f"{left} s left of --deadline"}
+            continue
+        gptq = cli(["gptq", str(paths["drafter"]), "--target", str(target), *common, *extra, "-o", str(art / "gptq")],
+                   args.out, f"gptq_{name}", min(args.timeout, left))  # fmt: skip
+        row["gptq"] = {k: v for k, v in gptq.items() if k != "result"}
+        row["summary"] = summarize(name, gptq)
+        result["runs"][name] = row
+        save()
+        if gptq["exit"] != 0:
+            continue
+        for fmt in ("compressed-tensors", "gguf"):
+            more = ["--target", str(paths["target"])] if fmt == "gguf" else []
+            left = int(deadline - time.perf_counter())
+            if left < 20:
+                row[f"export_{fmt}"] = {"skipped": f"{left} s left of --deadline"}
+                continue
+            e = cli(["export", str(art / "gptq"), "--format", fmt, *more, "-o", str(art / fmt)], args.out,
+                    f"export_{name}_{fmt}", min(300, left))  # fmt: skip
+            row[f"export_{fmt}"] = {k: v for k, v in e.items() if k != "result"}
+        m = cli(["memory", str(art / "gptq"), "--json"], args.out, f"memory_{name}", 60)
+        row["memory"] = {k: v for k, v in m.items() if k != "result"}
+        row["memory_report"] = m.get("result")
+        row["card"] = (art / "gptq" / "README.md").is_file()
+        save()
+        shutil.rmtree(art, ignore_errors=True)
+    print(json.dumps({n: r["summary"] for n, r in result["runs"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
