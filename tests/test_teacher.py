@@ -1,0 +1,167 @@
+"""--teacher-forced: the target's greedy continuation decoded once in batches, the speculative loop replayed from it.
+
+The replay must give what the loop gives (fp32, CPU): the same tokens, accepted drafts and committed counts per
+step on the dense v1 pair and on the hybrid (Gated DeltaNet) DFlash2 pair, prompts of different lengths decoded
+as left-padded rows of one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_quant.calibration.capture import capture
+from dflash_quant.export.int4_target import write_int4_target
+from dflash_quant.io.source import resolve
+from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
+from dflash_quant.loading.target import load_target
+from dflash_quant.memory.calibration import predict_calibration
+from dflash_quant.memory.kv import parse_shape
+from dflash_quant.quantize.spec import QuantSpec
+from dflash_quant.speculative.decode import speculative_generate
+from dflash_quant.speculative.teacher import TeacherTarget, greedy_rows
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["reference", "reference-dflash2"])
+def pair(request):
+    drafter, target = load_pair(request.param, None, CPU, torch.float32)
+    prompts = encode_prompts(target, "reference:heldout", 6, True)
+    assert len({len(p) for p in prompts}) > 1  # rows of different lengths: left padding is exercised
+    return request.param, drafter, target, prompts
+
+
+def test_replay_gives_the_loops_steps(pair):
+    _, drafter, target, prompts = pair
+    stops = stop_tokens(target)
+    rows = greedy_rows(target.model, prompts, 40, drafter.model.target_layer_ids, CPU)
+    for ids, row in zip(prompts, rows, strict=True):
+        assert row.ids[: len(ids)] == ids and len(row.continuation) == 41
+        loop = speculative_generate(drafter.model, target.model, torch.tensor([ids]), 40, stop_token_ids=stops)
+        replay = speculative_generate(
+            drafter.model, TeacherTarget(target.model, row), torch.tensor([ids]), 40, stop_token_ids=stops
+        )
+        assert replay.tokens == loop.tokens
+        assert replay.acceptance_lengths == loop.acceptance_lengths
+        assert replay.accepted == loop.accepted
+        assert replay.target_forwards == loop.target_forwards and replay.replay_forwards == 0
+        # the loop's tokens are the target's greedy continuation, clipped where it stops
+        assert row.continuation[: len(loop.tokens)] == loop.tokens
+
+
+def test_capture_from_the_teacher_matches_the_loop(pair):
+    _, drafter, target, prompts = pair
+    stops = stop_tokens(target)
+    loop = capture(drafter.model, target.model, prompts, 24, "block+context", stop_token_ids=stops)
+    taught = capture(
+        drafter.model, target.model, prompts, 24, "block+context", stop_token_ids=stops, batch=4, teacher=True
+    )
+    assert taught.steps == loop.steps and taught.mean_tau == loop.mean_tau
+    assert taught.rows() == loop.rows()
+    for key, acc in loop.hessians.items():
+        a, b = acc.xtx, taught.hessians[key].xtx
+        # taps of one-token forwards vs block forwards: the same numbers up to fp32 rounding
+        assert float((a - b).norm() / a.norm()) < 1e-4, key
+
+
+def test_teacher_capture_keeps_each_prompts_drafter_calls():
+    drafter, target = load_pair("reference-dflash2", None, CPU, torch.float32)
+    prompts = encode_prompts(target, "reference:calib", 5, True)
+    stops = stop_tokens(target)
+    loop = capture(drafter.model, target.model, prompts, 16, stop_token_ids=stops, keep_replay=True)
+    taught = capture(
+        drafter.model, target.model, prompts, 16, stop_token_ids=stops, keep_replay=True, batch=3, teacher=True
+    )
+    assert taught.replay is not None and loop.replay is not None
+    assert [len(calls) for calls in taught.replay] == [len(calls) for calls in loop.replay]
+    for calls_a, calls_b in zip(loop.replay, taught.replay, strict=True):
+        for a, b in zip(calls_a, calls_b, strict=True):
+            assert torch.equal(a.noise, b.noise) and torch.equal(a.positions, b.positions)
+            assert torch.allclose(a.ctx, b.ctx, rtol=1e-4, atol=1e-5)
+
+
+def test_teacher_peak_prediction_counts_taps_not_every_layer():
+    target = parse_shape(resolve("reference-dflash2:target").path)
+    drafter = parse_shape(resolve("reference-dflash2").path)
+    loop = predict_calibration(target, 0, drafter, 0, 300, 64, rows=16)
+    taught = predict_calibration(target, 0, drafter, 0, 300, 64, rows=16, teacher_taps=3)
+    h, a = target.hidden_size, 2
+    assert taught.terms["hidden_states"] == 16 * (3 * (300 + 64) + 2 * 300) * h * a
+    assert taught.terms["hidden_states"] < loop.terms["hidden_states"]
+    # the drafter runs one prompt at a time under a teacher
+    assert taught.transient["drafter_kv"] * 16 == loop.transient["drafter_kv"]
+
+
+def test_int4_hybrid_target_packs_the_deltanet_projections(tmp_path):
+    dst = tmp_path / "t4"
+    counts = write_int4_target(resolve("reference-dflash2:target").path, dst, QuantSpec(4, 32, True))
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert cfg["ignore"] == ["lm_head", "re:.*linear_attn\\.in_proj_[ab]$"]
+    from safetensors import safe_open
+
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight_packed" in keys
+    assert "model.layers.0.linear_attn.out_proj.weight_packed" in keys
+    assert "model.layers.0.linear_attn.in_proj_a.weight" in keys  # the small gates stay dense
+    assert counts["quantized"] == sum(k.endswith(".weight_packed") for k in keys)
+    # it loads packed and decodes like the dense target's greedy continuation on an easy prompt
+    packed = load_target(str(dst), device=CPU, dtype=torch.float32)
+    assert packed.quantization is not None and packed.quantization.packed_linears == counts["quantized"]
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_quant.cli.app", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_gptq_teacher_forced_reports_tau_and_no_lossless_claim(tmp_path):
+    out = tmp_path / "tf"
+    small = ["--num-prompts", "4", "--max-new-tokens", "16", "--eval-num-prompts", "4", "--eval-max-new-tokens", "24"]
+    res = _cli(
+        "gptq",
+        "reference-dflash2",
+        "--teacher-forced",
+        "-o",
+        str(out),
+        *small,
+        "--no-check-cache",
+        "--tolerance",
+        "0.5",
+        "--json",
+    )
+    assert res.returncode == 0, res.stderr
+    parity = json.loads((out / "parity.json").read_text())
+    assert parity["teacher_forced"] is True and parity["lossless"] is None
+    assert parity["lossless_gated"] is False and any("teacher-forced" in n for n in parity["notes"])
+    assert parity["baseline"]["tau"] > 1.5 and len(parity["quantized"]["per_position_acceptance"]) == 7
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["calibration"]["teacher_forced"] is True and prov["calibration"]["batch_rows"] == 4
+    assert (out / "README.md").is_file()
+    # the same check in the loop gives the same tau (fp32: the teacher's tokens are the loop's)
+    loop = _cli("verify", str(out), "--num-prompts", "4", "--max-new-tokens", "24", "--json")
+    assert loop.returncode == 0, loop.stderr
+    assert json.loads(loop.stdout)["summary"]["tau"] == parity["quantized"]["tau"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--teacher-forced", "--lookup"], "drop --teacher-forced or --lookup"),
+        (["--teacher-forced", "--full-baseline"], "drop --teacher-forced or --full-baseline"),
+    ],
+)
+def test_teacher_forced_conflicts_are_one_line_errors(tmp_path, args, message):
+    out = tmp_path / "never"
+    res = _cli("gptq", "--output", str(out), *args)
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+    assert not out.exists()
