@@ -165,3 +165,15 @@ def test_teacher_forced_conflicts_are_one_line_errors(tmp_path, args, message):
     lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert not out.exists()
+
+
+def test_budget_plans_room_for_the_teachers_rows():
+    from dflash_quant.memory.calibration import calibration_budget
+
+    args = ("qwen3.5-27b", "qwen3.8-27b-dflash2", "24GB", 96, 64)
+    one = calibration_budget(*args)
+    rows = calibration_budget(*args, rows=16, teacher=True)
+    assert one.fix is not None and rows.fix is not None and rows.fix.fits
+    # 16 rows of Gated DeltaNet state and taps leave less of the card to the target's layers
+    assert rows.fix.target_on_gpu_bytes < one.fix.target_on_gpu_bytes
+    assert rows.fix.gpu_bytes <= rows.usable_bytes

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "dflash_quant" / "memory" / "presets"
 TOKENIZER = ROOT / "dflash_quant" / "reference" / "pair" / "target"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROMPT_TOKENS = 96  # the longest of the first 16 builtin calib / heldout prompts in this tokenizer is 94
 
 
 def target_config(tiny: bool) -> dict:
@@ -207,10 +208,11 @@ def cli(args: list[str], out: Path, name: str, timeout: int) -> dict:
     return row
 
 
-def budget_plan(target: Path, drafter: Path, gpu: str, out: Path) -> dict:
+def budget_plan(target: Path, drafter: Path, gpu: str, out: Path, rows: int) -> dict:
+    """`budget --calibration` for this run's calibration: the prediction and, where it does not fit, the plan."""
     row = cli(
         ["budget", "--calibration", "--target", str(target), "--drafter", str(drafter), "--gpu", gpu, "--json",
-         "--prompt-tokens", "512"],
+         "--prompt-tokens", str(PROMPT_TOKENS), "--teacher-forced", "--calib-batch", str(rows)],
         out, f"budget_{gpu}", 120,
     )  # fmt: skip
     return row.get("result") or {}
@@ -249,7 +251,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
     ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
-    ap.add_argument("--capped-memory", default="0=14GiB,cpu=44GiB", help="--max-memory of the capped run")
+    ap.add_argument("--capped-memory", default=None, help="--max-memory of the capped run (default: budget's plan)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/hybrid27b")))
     args = ap.parse_args()
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
@@ -292,13 +294,14 @@ def main() -> None:
         target = paths["int4"] if name == "int4" else paths["target"]
         extra: list[str] = []
         plan_gpu = "24GB" if name == "capped" else ("h100" if not args.tiny else "24GB")
-        plan = budget_plan(target, paths["drafter"], plan_gpu, args.out)
+        plan = budget_plan(target, paths["drafter"], plan_gpu, args.out, args.prompts)
         row: dict = {"budget": {k: plan.get(k) for k in ("gpu", "peak_bytes", "fits", "fix", "predicted")}}
-        if name == "capped":
-            # budget's plan is for the loop's one prompt at a time; the teacher decodes 16 rows, whose
-            # recurrent states (~2.4 GB at this size) need room: the GPU share of the target is cut to 14 GiB
+        if name == "capped":  # the flags `budget --calibration --gpu 24GB` prints for this calibration
             row["plan_flags"] = (plan.get("fix") or {}).get("flags")
-            extra = ["--hessian-device", "cpu", "--device-map", "auto", "--max-memory", args.capped_memory]
+            if args.capped_memory:
+                extra = ["--hessian-device", "cpu", "--device-map", "auto", "--max-memory", args.capped_memory]
+            else:
+                extra = " ".join(row["plan_flags"] or []).split()
         left = int(deadline - time.perf_counter())
         if left < 60:
             result["runs"][name] = {"skipped": f"{left} s left of --deadline"}

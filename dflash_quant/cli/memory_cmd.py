@@ -372,6 +372,12 @@ def register(app: typer.Typer) -> None:
             64, "--calib-new-tokens", help="--calibration: gptq --max-new-tokens (tokens generated per prompt)."
         ),
         kv_hessian: str = typer.Option("block+context", "--kv-hessian", help="--calibration: block | block+context."),
+        calib_batch: int = typer.Option(
+            1, "--calib-batch", help="--calibration: gptq --calib-batch (prompts per batch)."
+        ),
+        teacher_forced: bool = typer.Option(
+            False, "--teacher-forced", help="--calibration: gptq --teacher-forced (only the taps of each row are kept)."
+        ),
     ) -> None:
         """Will the target + drafter fit on this card? Headroom, max context, max concurrency; bf16 vs int4 drafter."""
         from dflash_quant.memory.plan import budget_objects, budget_report, mtp_comparison, parse_mtp_tokens
@@ -381,7 +387,10 @@ def register(app: typer.Typer) -> None:
 
             if kv_hessian not in ("block", "block+context"):
                 raise UsageError(f"--kv-hessian must be block or block+context, got {kv_hessian!r}")
-            crep = calibration_budget(target, drafter, gpu, prompt_tokens, calib_new_tokens, kv_hessian, target_weights)
+            crep = calibration_budget(
+                target, drafter, gpu, prompt_tokens, calib_new_tokens, kv_hessian, target_weights,
+                rows=calib_batch, teacher=teacher_forced,
+            )  # fmt: skip
             if as_json:
                 print_json(crep.to_dict())
             else:

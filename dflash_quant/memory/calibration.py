@@ -167,13 +167,17 @@ def calibration_budget(
     max_new_tokens: int,
     kv_hessian: str = "block+context",
     target_weights: str | None = None,
+    rows: int = 1,
+    teacher: bool = False,
 ) -> Any:
     """Will `gptq` calibration (bf16 target and drafter, fp32 Hessians) fit on `gpu`? If not, which flags fix it:
     first --hessian-device cpu; then also --device-map auto with a --max-memory that leaves the GPU room for
-    the activations and one streamed layer."""
+    the activations and one streamed layer. rows: prompts per batch (--calib-batch); teacher: --teacher-forced."""
 
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise UsageError("--prompt-tokens and --max-new-tokens must be at least 1")
+    if rows < 1:
+        raise UsageError(f"--calib-batch must be at least 1, got {rows}")
     t = resolve_target(target, target_weights, engine="reference")
     d = resolve_drafter(drafter)
     card = resolve_gpu(gpu)
@@ -186,6 +190,8 @@ def calibration_budget(
         max_new_tokens,
         kv_hessian=kv_hessian,
         cublas_workspace_bytes=DEFAULT_CUBLAS_WORKSPACE,
+        rows=rows,
+        teacher_taps=(d.shape.num_taps or 1) if teacher else 0,
     )
     usable = card.total_bytes - RESERVE
     rep = CalibrationBudget(
