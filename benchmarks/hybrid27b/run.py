@@ -124,13 +124,18 @@ def build(work: Path, tiny: bool, device: str, int4: bool, log: dict) -> dict[st
     log["target_dir"] = str(paths["target"])
     if int4:
         t0 = time.perf_counter()
-        paths["int4"] = (dirs[1] if len(dirs) > 1 else dirs[0]) / "h27-target-w4g128"
-        shutil.rmtree(paths["int4"], ignore_errors=True)
+        dst = (dirs[1] if len(dirs) > 1 else dirs[0]) / "h27-target-w4g128"
+        shutil.rmtree(dst, ignore_errors=True)
         raw = json.loads((paths["target"] / "config.json").read_text())
-        counts = write_packed(dict(target.state_dict()), raw, paths["target"], paths["int4"], QuantSpec(4, 128, True))
+        try:
+            log["int4_counts"] = write_packed(
+                dict(target.state_dict()), raw, paths["target"], dst, QuantSpec(4, 128, True)
+            )
+            paths["int4"] = dst
+            log["int4_dir"] = str(dst)
+        except Exception as exc:  # noqa: BLE001 - recorded; the bf16 runs go on
+            log["int4_error"] = repr(exc)[:500]
         log["build_int4_s"] = round(time.perf_counter() - t0, 1)
-        log["int4_counts"] = counts
-        log["int4_dir"] = str(paths["int4"])
     del target
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -251,6 +256,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
     ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--capped-memory", default=None, help="--max-memory of the capped run (default: budget's plan)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/hybrid27b")))
     args = ap.parse_args()
@@ -259,16 +265,12 @@ def main() -> None:
     work = Path(os.environ.get("H27_WORK", "/tmp/h27"))
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
-    try:
-        import torch
+    from importlib.metadata import version
 
-        result["torch"] = torch.__version__
-        result["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-        import transformers
-
-        result["transformers"] = transformers.__version__
-    except Exception as exc:  # noqa: BLE001 - recorded, the CLI runs report their own errors
-        result["env_error"] = repr(exc)
+    result["torch"], result["transformers"] = version("torch"), version("transformers")
+    if shutil.which("nvidia-smi"):  # not through torch: this process keeps no CUDA context (the peaks are the runs')
+        smi = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "-i", "0"]
+        result["gpu"] = subprocess.run(smi, capture_output=True, text=True).stdout.strip()
     result["commit"] = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
@@ -278,8 +280,21 @@ def main() -> None:
 
     t0 = time.perf_counter()
     deadline = t0 + args.deadline
-    paths = build(work, args.tiny, args.device, "int4" in runs, result.setdefault("build", {}))
-    result["build"]["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.build_only:  # in a child process, so that the runs' GPU peaks hold no CUDA context of ours
+        log: dict = {}
+        paths = build(work, args.tiny, args.device, "int4" in runs, log)
+        (work / "build.json").write_text(json.dumps({"log": log, "paths": {k: str(v) for k, v in paths.items()}}))
+        return
+    (work / "build.json").unlink(missing_ok=True)
+    child = [sys.executable, __file__, "--build-only", "--runs", args.runs, "--device", args.device]
+    subprocess.run(child + (["--tiny"] if args.tiny else []), env={**os.environ, "H27_WORK": str(work)}, check=False)
+    if not (work / "build.json").is_file():
+        result["build"] = {"error": "the build process failed (see its output)"}
+        save()
+        raise SystemExit(1)
+    built = json.loads((work / "build.json").read_text())
+    paths = {k: Path(v) for k, v in built["paths"].items()}
+    result["build"] = {**built["log"], "seconds": round(time.perf_counter() - t0, 1)}
     save()
     common = [
         "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
@@ -288,6 +303,9 @@ def main() -> None:
         "--device", args.device, "--tolerance", "0.5",
     ]  # fmt: skip
     for name in runs:
+        if name == "int4" and "int4" not in paths:
+            result["runs"][name] = {"skipped": result["build"].get("int4_error", "no int4 target")}
+            continue
         art = work / f"art-{name}"
         shutil.rmtree(art, ignore_errors=True)
         art.mkdir()
