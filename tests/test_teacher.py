@@ -177,3 +177,41 @@ def test_budget_plans_room_for_the_teachers_rows():
     # 16 rows of Gated DeltaNet state and taps leave less of the card to the target's layers
     assert rows.fix.target_on_gpu_bytes < one.fix.target_on_gpu_bytes
     assert rows.fix.gpu_bytes <= rows.usable_bytes
+
+
+def test_teacher_of_a_split_target_matches_one_device(tmp_path):
+    """Layers offloaded to disk (accelerate streams them in per forward, as from CPU onto a GPU): same record."""
+    from dflash_quant.models.placement import Placement
+
+    dmap = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    dmap.update({f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)})
+    one_d, one_t = load_pair("reference-dflash2", None, CPU, torch.float32)
+    _, split_t = load_pair("reference-dflash2", None, CPU, torch.float32, Placement(dmap))
+    assert any(p.device.type == "meta" for p in split_t.model.parameters()), "nothing was offloaded"
+    prompts = encode_prompts(one_t, "reference:calib", 3, True)
+    layers = one_d.model.target_layer_ids
+    for a, b in zip(
+        greedy_rows(one_t.model, prompts, 16, layers, CPU),
+        greedy_rows(split_t.model, prompts, 16, layers, CPU),
+        strict=True,
+    ):
+        assert a.ids == b.ids
+        for i in layers:
+            torch.testing.assert_close(a.taps[i], b.taps[i], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_offloaded_weights_are_pinned_and_give_the_same_output():
+    from dflash_quant.models.devmap import pin_offloaded
+    from dflash_quant.models.placement import Placement
+
+    dmap = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0}
+    dmap.update({f"model.layers.{i}": 0 if i < 3 else "cpu" for i in range(6)})
+    path = str(resolve("reference:target").path)
+    one = load_target(path, device="cuda", dtype=torch.float32)
+    split = load_target(path, device="cuda", dtype=torch.float32, placement=Placement(dmap))
+    offloaded = [m for m in split.model.modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)]
+    assert offloaded, "nothing was offloaded"
+    assert pin_offloaded(split.model) == 0  # the loader pinned every offloaded tensor already
+    ids = torch.tensor([[5, 9, 11, 30, 7]], device="cuda")
+    torch.testing.assert_close(split.model(ids).logits, one.model(ids).logits)

@@ -37,8 +37,8 @@ DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the develo
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
-    """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005`
-    -> (method, extra options)."""
+    """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or
+    `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005:tokens=256:tf=yes` -> (method, extra options)."""
     method, *opts = text.split(":")
     return method, dict(o.split("=", 1) for o in opts)
 
@@ -57,6 +57,10 @@ def run_one(
     for k, v in opts.items():
         if k == "codes":  # codes=no: scales only
             cmd += ["--tune-codes" if v == "yes" else "--no-tune-codes"]
+        elif k == "tokens":  # tokens=256: longer calibration rollouts (more drafter inputs per prompt)
+            cmd += ["--max-new-tokens", v]
+        elif k == "tf":  # tf=yes: --teacher-forced calibration and check
+            cmd += ["--teacher-forced"] if v == "yes" else []
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
     if split == "extra":  # 256 more held-out prompts (benchmarks/heldout_extra.py), for tighter intervals
@@ -181,9 +185,9 @@ def main() -> None:
 
         # first one run per pair and calibration kind (gptq-kl records the drafter's inputs and decodes prompts one
         # by one; plain GPTQ batches them, so its Hessians are keyed apart): the rest read their cache entries
-        first: dict[tuple[str, bool], tuple] = {}
+        first: dict[tuple, tuple] = {}
         for run in runs:
-            first.setdefault((run[0], run[3].startswith("gptq-kl")), run)
+            first.setdefault((run[0], run[3].startswith("gptq-kl"), run[4].get("tokens"), run[4].get("tf")), run)
         with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
             rows += list(pool.map(one, first.values()))
             rows += list(pool.map(one, [r for r in runs if r not in first.values()]))

@@ -16,7 +16,7 @@ from dflash_quant.loading.target_quant import describe, load_quantized_target
 from dflash_quant.memory.kv import text_config
 from dflash_quant.models.config import read_config_json
 from dflash_quant.models.config_check import check_layers_present, check_model_fields
-from dflash_quant.models.devmap import check_placement, load_kwargs
+from dflash_quant.models.devmap import check_placement, load_kwargs, pin_offloaded
 
 
 @dataclass
@@ -83,6 +83,8 @@ def load_target(
             ) from exc
         if placement is None:
             model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
+        else:
+            pin_offloaded(model)  # offloaded layers stream onto the GPU at the page-locked copy rate
         model.eval()
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
