@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -93,7 +92,7 @@ def pick_dirs(need_gb: float) -> list[Path]:
     return [p for free, p in found if free >= need_gb] or [found[0][1]]
 
 
-def build(work: Path, tiny: bool, device: str, int4: bool, log: dict) -> dict[str, Path]:
+def build(work: Path, tiny: bool, device: str, int4: bool, log: dict, target_dir: str | None = None) -> dict[str, Path]:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,7 +112,7 @@ def build(work: Path, tiny: bool, device: str, int4: bool, log: dict) -> dict[st
     target.eval()
     log["target_params"] = sum(p.numel() for p in target.parameters())
     log["target_bytes"] = sum(p.numel() * p.element_size() for p in target.parameters())
-    dirs = pick_dirs(log["target_bytes"] / 1e9 + 2)
+    dirs = [Path(target_dir)] if target_dir else pick_dirs(log["target_bytes"] / 1e9 + 2)
     paths = {"target": dirs[0] / "h27-target", "drafter": work / "drafter"}
     for p in paths.values():
         shutil.rmtree(p, ignore_errors=True)
@@ -185,31 +184,50 @@ class GpuPeak:
             self._thread.join()
 
 
+def _rss(pid: int) -> dict[str, int]:
+    """The process's resident memory by kind (bytes): anonymous (what it allocated), file-backed (mmapped
+    checkpoint pages, which the kernel can drop) and shared memory (/dev/shm files it maps)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def cli(args: list[str], out: Path, name: str, timeout: int) -> dict:
-    """Run `dflash-quant ARGS` as a user would; wall time, exit code, host peak (max RSS) and GPU peak."""
+    """Run `dflash-quant ARGS` as a user would; wall time, exit code, host peaks (polled /proc) and GPU peak."""
     cmd = [sys.executable, "-m", "dflash_quant.cli.app", *args]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    with GpuPeak() as gpu, open(out / f"{name}.log", "w") as err:
-        try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, env=env, timeout=timeout, cwd=ROOT)
-            rc, stdout = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            rc, stdout = 124, exc.stdout or b""
+    host: dict[str, int] = {}
+    with GpuPeak() as gpu, open(out / f"{name}.log", "w") as err, open(out / f"{name}.json", "wb") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=env, cwd=ROOT)
+        while proc.poll() is None:
+            for key, value in _rss(proc.pid).items():
+                host[key] = max(host.get(key, 0), value)
+            if time.perf_counter() - t0 > timeout:
+                proc.kill()
+                proc.wait()
+                break
+            time.sleep(0.2)
+        rc = 124 if proc.returncode in (-9, None) else proc.returncode
     row = {
         "command": "dflash-quant " + " ".join(args),
         "exit": rc,
         "seconds": round(time.perf_counter() - t0, 1),
-        # max RSS of the largest child so far (the runs are sequential, so each row's value is a running max)
-        "host_peak_max_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "host_peak_bytes": host,  # per kind, each its own maximum over the polls
         "gpu_peak_smi_bytes": gpu.peak_mib * 2**20 if gpu.peak_mib else None,
     }
-    (out / f"{name}.json").write_bytes(stdout)
+    text = (out / f"{name}.json").read_bytes()
     try:
-        row["result"] = json.loads(stdout)
+        row["result"] = json.loads(text)
     except ValueError:
-        row["stdout_tail"] = stdout.decode(errors="replace")[-500:]
+        row["stdout_tail"] = text.decode(errors="replace")[-500:]
     return row
 
 
@@ -237,7 +255,8 @@ def summarize(name: str, gptq: dict) -> dict:
         "calib_peak_predicted_bytes": mem.get("predicted_peak_bytes"),
         "calib_peak_ratio": mem.get("ratio"),
         "gpu_peak_smi_bytes": gptq["gpu_peak_smi_bytes"],
-        "host_peak_bytes": gptq["host_peak_max_rss_bytes"],
+        "host_peak_anon_bytes": gptq["host_peak_bytes"].get("RssAnon"),
+        "host_peak_rss_bytes": gptq["host_peak_bytes"].get("VmRSS"),
         "calib_tau_bf16": cal.get("mean_tau_bf16"),
         "tau_bf16": (parity.get("baseline") or {}).get("tau"),
         "tau_int4": (parity.get("quantized") or {}).get("tau"),
@@ -257,6 +276,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
     ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--target-dir", default=None, help="where the bf16 target is written (default: most free space)")
     ap.add_argument("--capped-memory", default=None, help="--max-memory of the capped run (default: budget's plan)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/hybrid27b")))
     args = ap.parse_args()
@@ -282,11 +302,12 @@ def main() -> None:
     deadline = t0 + args.deadline
     if args.build_only:  # in a child process, so that the runs' GPU peaks hold no CUDA context of ours
         log: dict = {}
-        paths = build(work, args.tiny, args.device, "int4" in runs, log)
+        paths = build(work, args.tiny, args.device, "int4" in runs, log, args.target_dir)
         (work / "build.json").write_text(json.dumps({"log": log, "paths": {k: str(v) for k, v in paths.items()}}))
         return
     (work / "build.json").unlink(missing_ok=True)
     child = [sys.executable, __file__, "--build-only", "--runs", args.runs, "--device", args.device]
+    child += ["--target-dir", args.target_dir] if args.target_dir else []
     subprocess.run(child + (["--tiny"] if args.tiny else []), env={**os.environ, "H27_WORK": str(work)}, check=False)
     if not (work / "build.json").is_file():
         result["build"] = {"error": "the build process failed (see its output)"}
