@@ -273,6 +273,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--eval-new-tokens", type=int, default=64, help="tokens per parity prompt")
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
     ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
@@ -320,7 +321,7 @@ def main() -> None:
     common = [
         "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
         "--max-new-tokens", str(args.new_tokens), "--eval-num-prompts", str(args.prompts),
-        "--eval-max-new-tokens", str(args.new_tokens), "--no-calib-cache", "--no-check-cache", "--json",
+        "--eval-max-new-tokens", str(args.eval_new_tokens), "--no-calib-cache", "--no-check-cache", "--json",
         "--device", args.device, "--tolerance", "0.5",
     ]  # fmt: skip
     for name in runs:
