@@ -116,7 +116,7 @@ def pin_offloaded(model: torch.nn.Module) -> int:
         return 0
     pinned = 0
     seen: set[int] = set()
-    hooks = []
+    hooks: list[Any] = []
     for module in model.modules():
         hook = getattr(module, "_hf_hook", None)
         hooks += getattr(hook, "hooks", [hook]) if hook is not None else []  # SequentialHook holds several
