@@ -349,7 +349,9 @@ def test_batch_defaults_and_fallbacks(tiny_target):
     assert default_batch(None, torch.device("cpu")) == CPU_BATCH == 16
     assert default_batch(None, torch.device("cuda")) == 1 and default_batch(3, torch.device("cuda")) == 3
     drafter = SimpleNamespace(model=_drafter())
-    job = SimpleNamespace(calib_batch=None, calib_max_new_tokens=8, quant=SimpleNamespace(sequential=False))
+    job = SimpleNamespace(
+        calib_batch=None, calib_max_new_tokens=8, quant=SimpleNamespace(sequential=False), teacher_forced=False
+    )
     forty, five = [[1, 2, 3]] * 40, [[1, 2, 3]] * 5
     assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), forty) == 16
     assert calib_rows(job, drafter, SimpleNamespace(model=tiny_target), five) == 5
@@ -359,6 +361,10 @@ def test_batch_defaults_and_fallbacks(tiny_target):
     hybrid = AutoModelForCausalLM.from_config(hybrid_target_config()).eval()
     job.quant.sequential = False
     assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), forty) == 1
+    job.teacher_forced = True  # the teacher decodes any target's prompts as rows, --sequential's too
+    assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), forty) == 16
+    job.quant.sequential = True
+    assert calib_rows(job, drafter, SimpleNamespace(model=hybrid), five) == 5
 
 
 def test_gpu_rows_fit_in_memory():
