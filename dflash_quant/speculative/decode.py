@@ -158,14 +158,15 @@ def speculative_generate(
     ids = torch.full((max_len + 1,), drafter.mask_token_id, dtype=torch.long, device=device)
     ids[:n] = input_ids[0]
     # refuses (one line) a cache it cannot roll back, before any compute; a teacher keeps no state
-    t_state: Any = target.state() if isinstance(target, TeacherTarget) else TargetCache(target)
+    taught = isinstance(target, TeacherTarget)  # answered from a record: no target forward is run
+    t_state: Any = target.state() if taught else TargetCache(target)
     t_cache, kw = t_state.cache, t_state.kw
     d_cache = DraftCache()
     result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])
 
     t0 = _sync(device)
     out = target(input_ids.to(t_dev), **{kw: t_cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    result.target_forwards += 1
+    result.target_forwards += not taught
     last_logits = out.logits[0, -1].to(device)
     ids[n] = _sample(_probs(last_logits, temperature), generator) if temperature > 0 else last_logits.argmax()
     ctx = tap_states(out.hidden_states, drafter.target_layer_ids, device)
@@ -210,7 +211,7 @@ def speculative_generate(
             use_cache=True,
             output_hidden_states=size > 1,
         )
-        result.target_forwards += 1
+        result.target_forwards += not taught
         result.verified_tokens += batch.numel()
         result.verify_rows.append(batch.shape[0])
         if rows is None and not merged:
