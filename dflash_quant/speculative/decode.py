@@ -159,7 +159,7 @@ def speculative_generate(
     ids[:n] = input_ids[0]
     # refuses (one line) a cache it cannot roll back, before any compute; a teacher keeps no state
     taught = isinstance(target, TeacherTarget)  # answered from a record: no target forward is run
-    t_state: Any = target.state() if taught else TargetCache(target)
+    t_state: Any = target.state() if isinstance(target, TeacherTarget) else TargetCache(target)
     t_cache, kw = t_state.cache, t_state.kw
     d_cache = DraftCache()
     result = SpecResult(tokens=[], acceptance_lengths=[], accepted=[], drafted=[])
