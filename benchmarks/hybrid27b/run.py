@@ -14,7 +14,7 @@ Each run: `gptq --bits 4 --group-size 32 --teacher-forced` (16 calibration promp
 and GGUF, then `memory`. Recorded: wall time by stage, the calibration's GPU peak (torch allocator) next to its
 prediction, the whole command's GPU peak (nvidia-smi, CUDA context included) and host peak (max RSS).
 
-  python3 benchmarks/hybrid27b/run.py --runs gpu,int4 --out $OUT         # on the lent GPU (~10 min)
+  python3 benchmarks/hybrid27b/run.py --runs gpu,int4 --out $OUT         # on one H100/H200
   python3 benchmarks/hybrid27b/run.py --runs capped --out $OUT
   python3 benchmarks/hybrid27b/run.py --tiny --device cpu --runs gpu,int4 --out /tmp/h27   # plumbing, on CPU
 
@@ -275,7 +275,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--eval-new-tokens", type=int, default=64, help="tokens per parity prompt")
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
-    ap.add_argument("--deadline", type=int, default=570, help="seconds for the whole script (device call limit)")
+    ap.add_argument(
+        "--deadline",
+        type=int,
+        default=570,
+        help="seconds for the whole script: later steps are skipped when it runs out",
+    )
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--target-dir", default=None, help="where the bf16 target is written (default: most free space)")
     ap.add_argument("--capped-memory", default=None, help="--max-memory of the capped run (default: budget's plan)")
