@@ -608,6 +608,20 @@ ROWS = [
         r"--method must be one of gptq, gptq-kl, rtn",
     ),
     R(
+        "gptq-teacher-with-lookup",
+        "arguments",
+        lambda c: c.gptq("--teacher-forced", "--lookup"),
+        2,
+        r"drop --teacher-forced or --lookup",
+    ),
+    R(
+        "gptq-teacher-with-full-baseline",
+        "arguments",
+        lambda c: c.gptq("--teacher-forced", "--full-baseline"),
+        2,
+        r"drop --teacher-forced or --full-baseline",
+    ),
+    R(
         "gptq-gguf-type-unknown",
         "arguments",
         lambda c: c.gptq("--format", "gguf", "--gguf-type", "Q7_K"),

@@ -151,22 +151,6 @@ def test_gptq_teacher_forced_reports_tau_and_no_lossless_claim(tmp_path):
     assert json.loads(loop.stdout)["summary"]["tau"] == parity["quantized"]["tau"]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--teacher-forced", "--lookup"], "drop --teacher-forced or --lookup"),
-        (["--teacher-forced", "--full-baseline"], "drop --teacher-forced or --full-baseline"),
-    ],
-)
-def test_teacher_forced_conflicts_are_one_line_errors(tmp_path, args, message):
-    out = tmp_path / "never"
-    res = _cli("gptq", "--output", str(out), *args)
-    assert res.returncode == 2
-    lines = [line for line in res.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], res.stderr
-    assert not out.exists()
-
-
 def test_budget_plans_room_for_the_teachers_rows():
     from dflash_quant.memory.calibration import calibration_budget
 
