@@ -127,6 +127,7 @@ def check_parity(
                     f"greedy output of {check['drafter']} with lookup differs from the target's own"
                 )
     record = _record(job, spec, eval_ids, block, device, dtype, target, kernel, s_base, s_quant, verdict)
+    # "hit": those runs (and their timings) come from an earlier run's cache, not from this run
     record["cache"] = {
         "target_only": cache.events.get("baseline", "off"),
         "bf16_drafter": cache.events.get("spec", "off"),
