@@ -135,6 +135,9 @@ class Quantization(Record):
     tune_lr: float | None = doc("gptq-kl: Adam step on each group's log scale", omit_none=True)
     tune_codes: bool | None = doc("gptq-kl: codes could move one step", omit_none=True)
     tune_code_lr: float | None = doc("gptq-kl: signed step of each code offset", omit_none=True)
+    tune_anchor: float | None = doc(
+        "gptq-kl: weight of the Hessian-weighted error to the bf16 weights in the loss (0: KL alone)", omit_none=True
+    )
     extra: E = doc("", factory=dict)
 
 

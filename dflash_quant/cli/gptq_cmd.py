@@ -139,6 +139,11 @@ def gptq(
         True, "--tune-codes/--no-tune-codes", help="gptq-kl: let each code move one step (signed-gradient offsets)."
     ),
     tune_code_lr: float = typer.Option(TUNE_CODE_LR, help="gptq-kl: signed step of each code offset per step."),
+    tune_anchor: float = typer.Option(
+        0.0,
+        help="gptq-kl: add this times each Linear's Hessian-weighted error to its bf16 weights (relative, mean over "
+        "Linears) to the KL: the calibration statistics of every prompt hold the tuning near GPTQ's objective.",
+    ),
     sequential: bool = typer.Option(
         False,
         "--sequential/--no-sequential",
@@ -378,6 +383,7 @@ def gptq(
             tune_lr=tune_lr,
             tune_codes=tune_codes,
             tune_code_lr=tune_code_lr,
+            tune_anchor=tune_anchor,
         ),
         overwrite=overwrite,
         calib_prompts=calib_prompts,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch import nn
 
 from dflash_quant import __version__
 from dflash_quant.artifact.manifest import write_manifest
@@ -194,20 +195,34 @@ def _quant_report(outcome: QuantOutcome, tuning: TuneReport | None = None) -> Qu
     )
 
 
-def teacher(loaded: Loaded, cal: Calibrated) -> list[torch.Tensor]:
-    """gptq-kl: the bf16 drafter's output rows on the recorded calibration inputs, before its weights change."""
+@dataclass
+class Teacher:
+    """gptq-kl's reference, taken before quantize changes the weights: the bf16 drafter's output rows on the
+    recorded calibration inputs and, with --tune-anchor, every Linear's bf16 weight."""
+
+    rows: list[torch.Tensor]
+    weights: dict[str, torch.Tensor]
+
+
+def teacher(job: GptqJob, loaded: Loaded, cal: Calibrated) -> Teacher:
     assert cal.stats is not None and cal.stats.replay is not None  # calibration keeps the replay for gptq-kl
-    return teacher_rows(loaded.drafter.model, cal.stats.replay)
+    model = loaded.drafter.model
+    weights = {}
+    if job.quant.tune_anchor > 0:
+        weights = {n: m.weight.detach().float().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return Teacher(teacher_rows(model, cal.stats.replay), weights)
 
 
-def tune(
-    job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, rows: list[torch.Tensor], progress: Progress
-) -> None:
+def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teacher, progress: Progress) -> None:
     """gptq-kl: the GPTQ grid's scales (and codes, one step at most) tuned on the drafter's KL to its bf16 self
     (quantize.tune); the drafter, the outcome and the quant report follow."""
     assert cal.stats is not None and cal.stats.replay is not None
     quant, outcome = q.quant, q.outcome
+    rows = ref.rows
     step = progress(f"tuning ({quant.tune_epochs} passes on the drafter's KL)", quant.tune_epochs * len(rows))
+    anchors = {}
+    if quant.tune_anchor > 0:
+        anchors = {n: (ref.weights[n], cal.stats.for_linear(n).xtx) for n in outcome.weights}
     tuning = tune_scales(
         loaded.drafter.model,
         outcome.weights,
@@ -218,6 +233,8 @@ def tune(
         lr=quant.tune_lr,
         codes=quant.tune_codes,
         code_lr=quant.tune_code_lr,
+        anchors=anchors,
+        anchor_weight=quant.tune_anchor,
         seed=job.seed,
         progress=step,
     )
@@ -392,10 +409,10 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
         plan = mix(job, loaded, ins, cal, progress)
         timings["mix_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    rows = teacher(loaded, cal) if job.quant.tuned else None
+    ref = teacher(job, loaded, cal) if job.quant.tuned else None
     q = quantize(job, loaded, ins, cal, plan, progress)
-    if rows is not None:
-        tune(job, loaded, cal, q, rows, progress)
+    if ref is not None:
+        tune(job, loaded, cal, q, ref, progress)
     timings["quantize_s"] = time.perf_counter() - t
     provenance = record(job, loaded, ins, cal, q)
     parity = None

@@ -52,6 +52,7 @@ class QuantSettings:
     tune_lr: float = TUNE_LR  # gptq-kl: Adam step on each group's log scale multiplier
     tune_codes: bool = True  # gptq-kl: codes may also move one step (signed-gradient offsets, as AutoRound)
     tune_code_lr: float = TUNE_CODE_LR
+    tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
 
     @property
     def calibrated(self) -> bool:
@@ -83,6 +84,8 @@ class QuantSettings:
             raise UsageError(f"--tune-epochs must be >= 1, got {self.tune_epochs}")
         if not 0 < self.tune_lr < 1:
             raise UsageError(f"--tune-lr must be in (0, 1), got {self.tune_lr}")
+        if not 0 <= self.tune_anchor <= 1000:
+            raise UsageError(f"--tune-anchor must be in [0, 1000] (0: KL alone), got {self.tune_anchor}")
         if self.profile not in PROFILES:
             raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if not 0 < self.damp < 1:

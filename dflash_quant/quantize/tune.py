@@ -12,7 +12,7 @@ loads it unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -200,13 +200,19 @@ def tune_scales(
     lr: float = TUNE_LR,
     codes: bool = True,
     code_lr: float = TUNE_CODE_LR,
+    anchors: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    anchor_weight: float = 0.0,
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
     """Tune `weights` (GPTQ's, for the Linears already holding their dequantized values) in place: each
     QuantizedWeight gets fp16 scales (and, with `codes`, codes moved by at most one step) that lower the drafter's
     KL to its bf16 self, and its module the new dequantized weight. Never worse on the replay: if the tuned loss
-    is not lower, GPTQ's scales and codes stay."""
+    is not lower, GPTQ's scales and codes stay.
+
+    anchors: per Linear (its bf16 weight W, its calibration Hessian H); with anchor_weight > 0 the loss adds
+    anchor_weight x the mean over Linears of tr(E H E^T) / tr(W H W^T), E = tuned weight - W: GPTQ's own
+    objective, which sums every calibration row, holds the few-prompt KL from overfitting."""
     if not replay or len(replay) != len(teacher):
         raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
     p = next(drafter.parameters())
@@ -230,6 +236,21 @@ def tune_scales(
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
         total_rows = sum(t.shape[0] for t in teacher)
 
+        anchored = []
+        if anchor_weight > 0 and anchors:
+            for name, (w, h) in anchors.items():
+                if name in swapped and h is not None:
+                    w, h = w.to(device, torch.float32), h.to(device, torch.float32)
+                    norm = float(((w @ h) * w).sum())
+                    anchored.append((swapped[name][3], w, h, norm if norm > 0 else 1.0))
+
+        def anchor_of() -> torch.Tensor:
+            terms = []
+            for t, w, h, norm in anchored:
+                e = cast(torch.Tensor, t.step_weight).float() - w
+                terms.append(((e @ h) * e).sum() / norm)
+            return torch.stack(terms).mean()
+
         def loss_of(i: int) -> torch.Tensor:
             for *_, t in swapped.values():
                 t.build(dtype)  # one weight per step, shared by every row of the prompt (and its backward)
@@ -249,7 +270,10 @@ def tune_scales(
             for _ in range(epochs):
                 for i in torch.randperm(len(replay), generator=gen).tolist():
                     opt.zero_grad(set_to_none=True)
-                    (loss_of(i) / max(teacher[i].shape[0], 1)).backward()
+                    loss = loss_of(i) / max(teacher[i].shape[0], 1)
+                    if anchored:
+                        loss = loss + anchor_weight * anchor_of()
+                    loss.backward()
                     opt.step()
                     with torch.no_grad():
                         for *_, t in swapped.values():
