@@ -105,6 +105,31 @@ def test_tuning_lowers_the_drafters_kl_and_keeps_a_plain_grid(calibrated):
     assert all(type(model.get_submodule(n)).__name__ == "Linear" for n in outcome.weights)
 
 
+def _hessian_error(weights, originals, stats) -> float:
+    """Mean over Linears of tr(E H E^T) / tr(W H W^T), E = quantized - bf16 weight (GPTQ's objective)."""
+    errs = []
+    for name, qw in weights.items():
+        w, h = originals[name], stats.for_linear(name).xtx
+        e = qw.dequantize() - w
+        errs.append(float(((e @ h) * e).sum() / ((w @ h) * w).sum()))
+    return sum(errs) / len(errs)
+
+
+def test_the_anchor_holds_the_tuning_near_gptqs_objective(calibrated):
+    drafter, _, stats = calibrated
+    originals = {n: drafter.model.get_submodule(n).weight.detach().clone() for n, _ in drafter.model.named_modules()
+                 if isinstance(drafter.model.get_submodule(n), torch.nn.Linear)}  # fmt: skip
+    errors = {}
+    for weight in (0.0, 1000.0):
+        model, teacher, outcome, head = _quantized(calibrated)
+        anchors = {n: (originals[n], stats.for_linear(n).xtx) for n in outcome.weights}
+        report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=5e-3,
+                             anchors=anchors, anchor_weight=weight)  # fmt: skip
+        assert not report.kept_gptq_scales
+        errors[weight] = _hessian_error(outcome.weights, originals, stats)
+    assert errors[1000.0] < errors[0.0]
+
+
 def test_a_drafter_already_at_its_teacher_keeps_the_gptq_scales(calibrated):
     """Never worse on the replay: with the quantized drafter as its own teacher the KL is 0 and stays the best."""
     _, _, stats = calibrated

@@ -240,7 +240,8 @@ def tune_scales(
         if anchor_weight > 0 and anchors:
             for name, (w, h) in anchors.items():
                 if name in swapped and h is not None:
-                    w, h = w.to(device, torch.float32), h.to(device, torch.float32)
+                    # clones: calibration built them in inference mode, which autograd refuses to save
+                    w, h = w.to(device, torch.float32).clone(), h.to(device, torch.float32).clone()
                     norm = float(((w @ h) * w).sum())
                     anchored.append((swapped[name][3], w, h, norm if norm > 0 else 1.0))
 
