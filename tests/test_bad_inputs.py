@@ -615,6 +615,13 @@ ROWS = [
         r"drop --teacher-forced or --lookup",
     ),
     R(
+        "verify-teacher-with-lookup",
+        "arguments",
+        lambda c: c.verify("--teacher-forced", "--lookup"),
+        2,
+        r"--teacher-forced replays the target's greedy continuation; drop --lookup",
+    ),
+    R(
         "gptq-teacher-with-full-baseline",
         "arguments",
         lambda c: c.gptq("--teacher-forced", "--full-baseline"),

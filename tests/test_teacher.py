@@ -149,6 +149,15 @@ def test_gptq_teacher_forced_reports_tau_and_no_lossless_claim(tmp_path):
     loop = _cli("verify", str(out), "--num-prompts", "4", "--max-new-tokens", "24", "--json")
     assert loop.returncode == 0, loop.stderr
     assert json.loads(loop.stdout)["summary"]["tau"] == parity["quantized"]["tau"]
+    # verify --teacher-forced: the same tau and acceptance as the loop, no lossless claim
+    taught = _cli("verify", str(out), "--teacher-forced", "--compare", "reference-dflash2", "--num-prompts", "4",
+                  "--max-new-tokens", "24", "--json")  # fmt: skip
+    assert taught.returncode == 0, taught.stderr
+    report, looped = json.loads(taught.stdout), json.loads(loop.stdout)["summary"]
+    assert report["teacher_forced"] is True and report["summary"]["lossless"] is None
+    assert report["summary"]["tau"] == looped["tau"]
+    assert report["summary"]["per_position_acceptance"] == looped["per_position_acceptance"]
+    assert report["baseline"]["tau"] == parity["baseline"]["tau"] and report["parity"]["lossless_gated"] is False
 
 
 def test_budget_plans_room_for_the_teachers_rows():

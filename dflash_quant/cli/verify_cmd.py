@@ -93,6 +93,40 @@ def _category_table(summaries: list[dict]) -> Table | None:
     return table
 
 
+TEACHER_ROWS = 16  # prompts per batched greedy decode of the target (verify --teacher-forced)
+
+
+def _teacher_report(drafters, tgt, encoded, settings, block, categories, compare, tolerance) -> dict:
+    """verify --teacher-forced: every drafter against the target's greedy continuation of each prompt."""
+    from dflash_quant.speculative.teacher import greedy_rows
+    from dflash_quant.speculative.verify import by_category, parity, spec_runs, summarize, untimed
+
+    device = next(drafters[-1].model.parameters()).device
+    layers = sorted({i for d in drafters for i in d.model.target_layer_ids})
+    teachers = []
+    for i in range(0, len(encoded), TEACHER_ROWS):
+        teachers += greedy_rows(tgt.model, encoded[i : i + TEACHER_ROWS], settings.max_new_tokens, layers, device)
+    summaries = []
+    for d in drafters:
+        runs = spec_runs(d.model, tgt.model, encoded, settings, teachers=teachers)
+        summaries.append(untimed(summarize(d.source.id, runs, None, settings, block)))
+        if cats := by_category(runs, categories):
+            summaries[-1]["by_category"] = cats
+    report = {
+        "num_prompts": len(encoded),
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": 0.0,
+        "block_size": block,
+        "teacher_forced": True,
+        "summary": summaries[-1],
+        "target_quantization": tgt.quantization.to_dict() if tgt.quantization is not None else None,
+    }
+    if compare:
+        report["baseline"] = summaries[0]
+        report["parity"] = parity(summaries[0], summaries[1], tolerance, greedy=False)
+    return report
+
+
 @handle_errors
 def verify(
     drafter: str = typer.Argument(
@@ -128,6 +162,12 @@ def verify(
         None, help="Where target-only and drafter runs are cached (default ~/.cache/dflash-quant/check)."
     ),
     no_check_cache: bool = typer.Option(False, "--no-check-cache", help="Neither read nor write the run cache."),
+    teacher_forced: bool = typer.Option(
+        False,
+        "--teacher-forced/--no-teacher-forced",
+        help="Run the drafters against the target's greedy continuation, decoded once for 16 prompts at a time "
+        "(hybrid or offloaded targets): tau and per-position acceptance, not losslessness or speed.",
+    ),
     lookup: bool = typer.Option(
         False,
         "--lookup/--no-lookup",
@@ -184,6 +224,10 @@ def verify(
     look = LookupSettings(lookup_mode, lookup_min_ngram, lookup_max_ngram, lookup_tokens) if lookup else None
     if look is not None:
         look.check()
+    if teacher_forced and (lookup or temperature > 0):
+        raise UsageError(
+            "--teacher-forced replays the target's greedy continuation; drop --lookup and --temperature, or it"
+        )
     from dflash_quant.models.placement import make_placement
 
     placement = make_placement(device_map, max_memory)
@@ -215,6 +259,18 @@ def verify(
     from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, default_dir, model_identity
     from dflash_quant.speculative.decode import GreedyResult, SpecResult
 
+    if teacher_forced:
+        report = _teacher_report(drafters, tgt, encoded, settings, block, categories, compare, tolerance)
+        report.update({"target": tgt.source.id, "prompt_set": spec, "device": str(dev)})
+        report["dtype"] = str(dt).replace("torch.", "")
+        if json_out:
+            print_json(report)
+        else:
+            out_console.print(
+                _table([*([report["baseline"]] if compare else []), report["summary"]], report.get("parity"))
+            )
+            out_console.print("teacher-forced: tau and acceptance only; losslessness and speed not measured")
+        return
     cache = CheckCache(None if no_check_cache else (check_cache or default_dir()))
     key = check_key(target=model_identity(tgt.source.path), prompts=encoded, settings=settings, device=dev, dtype=dt)
     summaries, cached = [], {}

@@ -29,6 +29,7 @@ from dflash_quant.speculative.verify import (
     reference_runs,
     spec_runs,
     summarize,
+    untimed,
     warm_up,
 )
 
@@ -157,7 +158,7 @@ def _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids,
             model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)),
             teachers=teachers,
         )  # fmt: skip
-        check = summarize(name, runs, None, settings, block)
+        check = untimed(summarize(name, runs, None, settings, block))
         if cats := by_category(runs, categories):
             check["by_category"] = cats
         checks.append(check)

@@ -294,6 +294,12 @@ def summarize(
     return out
 
 
+def untimed(check: dict[str, Any]) -> dict[str, Any]:
+    """A teacher-forced run's check: its seconds time the drafter alone (no target verifies), so no speed."""
+    check["spec_seconds"] = check["spec_tokens_per_s"] = None
+    return check
+
+
 def parity(
     baseline: dict[str, Any], quantized: dict[str, Any], tolerance: float, greedy: bool, exact: bool = True
 ) -> dict[str, Any]:
