@@ -98,14 +98,12 @@ TEACHER_ROWS = 16  # prompts per batched greedy decode of the target (verify --t
 
 def _teacher_report(drafters, tgt, encoded, settings, block, categories, compare, tolerance) -> dict:
     """verify --teacher-forced: every drafter against the target's greedy continuation of each prompt."""
-    from dflash_quant.speculative.teacher import greedy_rows
+    from dflash_quant.speculative.teacher import greedy_rows_batched
     from dflash_quant.speculative.verify import by_category, parity, spec_runs, summarize, untimed
 
     device = next(drafters[-1].model.parameters()).device
     layers = sorted({i for d in drafters for i in d.model.target_layer_ids})
-    teachers = []
-    for i in range(0, len(encoded), TEACHER_ROWS):
-        teachers += greedy_rows(tgt.model, encoded[i : i + TEACHER_ROWS], settings.max_new_tokens, layers, device)
+    teachers = greedy_rows_batched(tgt.model, encoded, settings.max_new_tokens, layers, device, TEACHER_ROWS)
     summaries = []
     for d in drafters:
         runs = spec_runs(d.model, tgt.model, encoded, settings, teachers=teachers)

@@ -18,7 +18,7 @@ from dflash_quant.pipeline.batching import check_rows, default_batch, row_bytes
 from dflash_quant.pipeline.job import GptqJob, Progress
 from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
 from dflash_quant.speculative.decode import GreedyResult, SpecResult
-from dflash_quant.speculative.teacher import greedy_rows
+from dflash_quant.speculative.teacher import greedy_rows_batched
 from dflash_quant.speculative.verify import (
     TIMED_PROMPTS,
     CheckSettings,
@@ -144,12 +144,8 @@ def _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids,
     block = base.config.block_size
     rows = default_batch(job.calib_batch, device, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens))
     adv = progress("parity: target's greedy continuation", len(eval_ids))
-    teachers = []
-    for i in range(0, len(eval_ids), rows):
-        chunk = eval_ids[i : i + rows]
-        teachers += greedy_rows(target.model, chunk, job.eval_max_new_tokens, base.model.target_layer_ids, device)
-        for _ in chunk:
-            adv()
+    layers = base.model.target_layer_ids
+    teachers = greedy_rows_batched(target.model, eval_ids, job.eval_max_new_tokens, layers, device, rows, adv)
     checks = []
     categories = prompt_categories(spec, job.eval_num_prompts)
     drafters = ((source_id, "bf16", base.model), (portable_path(job.output), "quantized", quant.model))

@@ -209,7 +209,8 @@ def teacher(job: GptqJob, loaded: Loaded, cal: Calibrated) -> Teacher:
     model = loaded.drafter.model
     weights = {}
     if job.quant.tune_anchor > 0:
-        weights = {n: m.weight.detach().float().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        # in the model's dtype: tune converts each to fp32 once, on its device
+        weights = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     return Teacher(teacher_rows(model, cal.stats.replay), weights)
 
 

@@ -19,7 +19,7 @@ zero the pad rows before their projections, so their conv and recurrent states s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -118,6 +118,26 @@ def greedy_rows(
             )
         )
     return result
+
+
+def greedy_rows_batched(
+    target: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    new_tokens: int,
+    layer_ids: Sequence[int],
+    device: torch.device,
+    rows: int,
+    progress: Callable[[], None] | None = None,
+) -> list[TeacherRow]:
+    """greedy_rows over `prompts`, `rows` prompts per batch (the check's record: kept whole for both drafters)."""
+    out: list[TeacherRow] = []
+    for i in range(0, len(prompts), max(rows, 1)):
+        chunk = prompts[i : i + max(rows, 1)]
+        out += greedy_rows(target, chunk, new_tokens, layer_ids, device)
+        for _ in chunk:
+            if progress:
+                progress()
+    return out
 
 
 class _Taps:
