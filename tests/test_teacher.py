@@ -110,9 +110,16 @@ def test_int4_hybrid_target_packs_the_deltanet_projections(tmp_path):
     assert "model.layers.0.linear_attn.out_proj.weight_packed" in keys
     assert "model.layers.0.linear_attn.in_proj_a.weight" in keys  # the small gates stay dense
     assert counts["quantized"] == sum(k.endswith(".weight_packed") for k in keys)
-    # it loads packed and decodes like the dense target's greedy continuation on an easy prompt
     packed = load_target(str(dst), device=CPU, dtype=torch.float32)
     assert packed.quantization is not None and packed.quantization.packed_linears == counts["quantized"]
+    # the consumer: transformers' compressed-tensors loader applies the config to exactly the packed Linears
+    # (the ignore list keeps the gates and lm_head dense) and computes what our packed modules compute
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 11, 30, 7, 100, 200]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, packed.model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def _cli(*args):
@@ -144,7 +151,15 @@ def test_gptq_teacher_forced_reports_tau_and_no_lossless_claim(tmp_path):
     assert parity["baseline"]["tau"] > 1.5 and len(parity["quantized"]["per_position_acceptance"]) == 7
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["calibration"]["teacher_forced"] is True and prov["calibration"]["batch_rows"] == 4
-    assert (out / "README.md").is_file()
+    assert "teacher-forced" in (out / "README.md").read_text()  # the card says how tau was measured
+    # the other commands take the artifact as any other
+    for args in (
+        ["card", str(out)],
+        ["memory", str(out), "--json"],
+        ["push", str(out), "--repo-id", "me/tf", "--dry-run"],
+    ):
+        done = _cli(*args)
+        assert done.returncode == 0, (args, done.stderr)
     # the same check in the loop gives the same tau (fp32: the teacher's tokens are the loop's)
     loop = _cli("verify", str(out), "--num-prompts", "4", "--max-new-tokens", "24", "--json")
     assert loop.returncode == 0, loop.stderr

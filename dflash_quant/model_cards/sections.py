@@ -216,8 +216,14 @@ def section_parity(ctx: dict) -> str:
     ):
         if parity.get(key) is not None:
             settings.append(f"{label} {fmt_any(parity.get(key))}")
+    how = (
+        "dflash-quant's reference speculative loop replayed against the target's greedy continuation, decoded "
+        "once (teacher-forced: same tau at temperature 0, losslessness and speed not measured)"
+        if parity.get("teacher_forced")
+        else "dflash-quant's reference speculative loop"
+    )
     out.append(
-        f"Measured by dflash-quant's reference speculative loop ({', '.join(settings) or 'settings not recorded'}). "
+        f"Measured by {how} ({', '.join(settings) or 'settings not recorded'}). "
         "tau (acceptance length) is the mean over steps of accepted drafts + 1 (the target's own token), "
         "range [1, block size]."
     )
