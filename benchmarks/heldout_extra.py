@@ -1,10 +1,13 @@
-"""More held-out prompts for a shipped pair, to separate quantizers whose difference the shipped 64 cannot.
+"""More prompts for a shipped pair: held-out ones to separate quantizers whose difference the shipped 64 cannot,
+or (`--from train`) more calibration prompts to see whether calibration-hungry methods are data-limited.
 
-Prompts are cut from the pair's held-out corpus files (never seen in training) exactly as the pair's own
-held-out prompts were (`reference.train.make_prompts`, the pair's recorded prompt lengths), with another seed,
-and every text already in the pair's prompt files is dropped. Deterministic for one stdlib:
+Prompts are cut from the pair's held-out corpus files (never seen in training) or from its training files, exactly
+as the pair's own prompts were (`reference.train.make_prompts`, the pair's recorded prompt lengths), with another
+seed, and every text already in the pair's prompt files is dropped. Deterministic for one stdlib:
 
     python benchmarks/heldout_extra.py reference-dflash2 --n 256 --out benchmarks/prompts/d2_heldout_extra.jsonl
+    python benchmarks/heldout_extra.py reference-dflash2 --from train --n 1024 \
+        --exclude benchmarks/prompts/d2_heldout_extra.jsonl --out benchmarks/prompts/d2_calib_extra.jsonl
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pair", choices=["reference", "reference-dflash2"])
     ap.add_argument("--n", type=int, default=256)
+    ap.add_argument("--from", dest="split", choices=("heldout", "train"), default="heldout", help="corpus files to cut")
+    ap.add_argument("--exclude", type=Path, action="append", default=[], help="a prompt file whose texts to leave out")
     ap.add_argument("--seed", type=int, default=1009)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -37,17 +42,21 @@ def main() -> None:
     known = set()
     for name in ("calibration_prompts.jsonl", "heldout_prompts.jsonl"):
         known |= {json.loads(line)["prompt"] for line in (root / name).read_text().splitlines() if line.strip()}
-    _, held_docs = split_corpus(load_corpus())
+    for path in args.exclude:  # e.g. the extra held-out prompts: a snippet can occur in a train and a held-out file
+        known |= {json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()}
+    train_docs, held_docs = split_corpus(load_corpus())
+    docs = held_docs if args.split == "heldout" else train_docs
     # Over-generate, then drop prompts the pair already ships, so the extra set is disjoint from both files.
-    rows = make_prompts(tok, held_docs, args.n + len(known), recipe, random.Random(args.seed), "extra")
+    rows = make_prompts(tok, docs, args.n + len(known), recipe, random.Random(args.seed), "extra")
     rows = [r for r in rows if r["prompt"] not in known][: args.n]
     if len(rows) < args.n:
-        raise SystemExit(f"only {len(rows)} new held-out prompts could be cut; ask for fewer")
+        raise SystemExit(f"only {len(rows)} new {args.split} prompts could be cut; ask for fewer")
+    tag = "heldout-extra" if args.split == "heldout" else "calib-extra"
     for i, row in enumerate(rows):
-        row["id"] = f"heldout-extra-{i:03d}"
+        row["id"] = f"{tag}-{i:03d}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(f"{len(rows)} prompts from {len(held_docs)} held-out files -> {args.out}")
+    print(f"{len(rows)} prompts from {len(docs)} {args.split} files -> {args.out}")
 
 
 if __name__ == "__main__":

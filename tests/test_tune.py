@@ -85,10 +85,10 @@ def test_tuning_lowers_the_drafters_kl_and_keeps_a_plain_grid(calibrated):
     zeros = {n: qw.zeros.clone() for n, qw in outcome.weights.items()}
     old_scales = {n: qw.scales.clone() for n, qw in outcome.weights.items()}
     before = _replay_kl(model, stats.replay, teacher, head)
-    report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=5e-3)
+    report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=5e-3, codes=False)
     after = _replay_kl(model, stats.replay, teacher, head)
 
-    assert not report.kept_gptq_scales and report.steps == 2 * len(stats.replay)
+    assert not report.kept_gptq_scales and report.steps == 2 * len(stats.replay) and report.code_travel is None
     assert report.kl_before == pytest.approx(before, rel=1e-4)
     assert report.kl_after == pytest.approx(after, rel=1e-4)  # measured on what the module now holds
     assert after < 0.9 * before
@@ -103,6 +103,32 @@ def test_tuning_lowers_the_drafters_kl_and_keeps_a_plain_grid(calibrated):
     assert moved == len(outcome.weights)
     # the swap is undone: plain Linears, nothing left trainable that was not before
     assert all(type(model.get_submodule(n)).__name__ == "Linear" for n in outcome.weights)
+
+
+def test_code_offsets_travel_at_most_their_budget_however_many_steps_run(calibrated):
+    """Each signed step is --tune-code-travel / steps (at most 0.01): more prompts or passes do not move codes
+    further (with a fixed step, 6x the calibration prompts let codes drift and the tuning lost to GPTQ)."""
+    _, _, stats = calibrated
+    for epochs in (2, 12):
+        model, teacher, outcome, head = _quantized(calibrated)
+        codes = {n: qw.codes.clone() for n, qw in outcome.weights.items()}
+        report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=epochs, code_travel=0.45)
+        assert report.steps == epochs * len(stats.replay)
+        assert report.code_step == pytest.approx(min(0.01, 0.45 / report.steps))
+        # 0.45 < 0.5: no offset reaches a rounding boundary, so no code moves, at 12 steps or 72
+        assert all(torch.equal(qw.codes, codes[n]) for n, qw in outcome.weights.items())
+    model, teacher, outcome, head = _quantized(calibrated)
+    codes = {n: qw.codes.clone() for n, qw in outcome.weights.items()}
+    report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=12, code_travel=2.0)
+    assert report.code_step == pytest.approx(0.01) and not report.kept_gptq_scales  # 72 steps: capped at 0.01
+    moved = [float((qw.codes != codes[n]).float().mean()) for n, qw in outcome.weights.items()]
+    assert max(moved) > 0 and moved == pytest.approx([report.codes_changed[n] for n in outcome.weights])
+    for n, qw in outcome.weights.items():  # by at most one step, inside the grid
+        assert (
+            int((qw.codes.int() - codes[n].int()).abs().max()) <= 1
+            and 0 <= int(qw.codes.min())
+            and int(qw.codes.max()) <= 7
+        )
 
 
 def _hessian_error(weights, originals, stats) -> float:
@@ -215,6 +241,7 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
     [
         (["--method", "gptq-kl", "--tune-epochs", "0"], "--tune-epochs must be >= 1"),
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
+        (["--method", "gptq-kl", "--tune-code-travel", "0"], "--tune-code-travel must be in (0, 100]"),
         (["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q4_K"], "drop --gguf-type"),
         (["--method", "rtn", "--max-tau-loss", "0.01"], "drop --method rtn"),
     ],

@@ -38,7 +38,9 @@ DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the develo
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
     """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or
-    `gptq-kl:lr=0.002:epochs=2:codes=no:code_lr=0.005:tokens=256:tf=yes` -> (method, extra options)."""
+    `gptq-kl:lr=0.002:epochs=2:codes=no:code_travel=1:tokens=256:tf=yes:calib=512` -> (method, extra options).
+    calib=N adds the first N prompts of `benchmarks/prompts/*_calib_extra.jsonl` (cut from the pair's training
+    files) to the split's calibration prompts."""
     method, *opts = text.split(":")
     return method, dict(o.split("=", 1) for o in opts)
 
@@ -61,16 +63,29 @@ def run_one(
             cmd += ["--max-new-tokens", v]
         elif k == "tf":  # tf=yes: --teacher-forced calibration and check
             cmd += ["--teacher-forced"] if v == "yes" else []
+        elif k == "calib":
+            pass  # below, with the split's calibration prompts
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
     if split == "extra":  # 256 more held-out prompts (benchmarks/heldout_extra.py), for tighter intervals
         extra = {"reference": "ref", "reference-dflash2": "d2"}[pair]
         cmd += ["--eval-prompts", str(ROOT / f"benchmarks/prompts/{extra}_heldout_extra.jsonl")]
+    lines = [x for x in (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
     if split == "dev":
         dev = work / f"{pair}-dev.jsonl"
-        lines = (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
         dev.write_text("\n".join(lines[DEV_FROM:]) + "\n")
-        cmd += ["--num-prompts", str(DEV_FROM), "--eval-prompts", str(dev)]
+        cmd += ["--eval-prompts", str(dev)]
+        lines = lines[:DEV_FROM]
+    n_extra = int(opts.get("calib", 0))
+    if n_extra:
+        short = {"reference": "ref", "reference-dflash2": "d2"}[pair]
+        extra_lines = (ROOT / f"benchmarks/prompts/{short}_calib_extra.jsonl").read_text().splitlines()
+        if len(extra_lines) < n_extra:
+            raise SystemExit(f"calib={n_extra}: only {len(extra_lines)} extra calibration prompts")
+        lines = lines + extra_lines[:n_extra]
+    calib = work / f"{pair}-{split}-calib{n_extra}.jsonl"
+    calib.write_text("\n".join(lines) + "\n")
+    cmd += ["--calib-prompts", str(calib), "--num-prompts", str(len(lines))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -138,7 +153,7 @@ def main() -> None:
     ap.add_argument("--split", choices=("dev", "heldout", "extra"), default="dev")
     ap.add_argument("--pairs", default="reference,reference-dflash2")
     ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
-    ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_lr=0.01,gptq-kl:code_lr=0.02")
+    ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_travel=2,gptq-kl:code_travel=4")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each one CPU thread)")
     ap.add_argument("--device", default="cpu", help="--device of every run (cpu: the fp32 numbers of docs/quality.md)")
     ap.add_argument("--out", required=True)
@@ -187,7 +202,8 @@ def main() -> None:
         # by one; plain GPTQ batches them, so its Hessians are keyed apart): the rest read their cache entries
         first: dict[tuple, tuple] = {}
         for run in runs:
-            first.setdefault((run[0], run[3].startswith("gptq-kl"), run[4].get("tokens"), run[4].get("tf")), run)
+            key = (run[0], run[3].startswith("gptq-kl"), run[4].get("tokens"), run[4].get("tf"), run[4].get("calib"))
+            first.setdefault(key, run)
         with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
             rows += list(pool.map(one, first.values()))
             rows += list(pool.map(one, [r for r in runs if r not in first.values()]))

@@ -134,7 +134,9 @@ class Quantization(Record):
     tune_epochs: int | None = doc("gptq-kl: passes over the recorded calibration inputs", omit_none=True)
     tune_lr: float | None = doc("gptq-kl: Adam step on each group's log scale", omit_none=True)
     tune_codes: bool | None = doc("gptq-kl: codes could move one step", omit_none=True)
-    tune_code_lr: float | None = doc("gptq-kl: signed step of each code offset", omit_none=True)
+    tune_code_travel: float | None = doc(
+        "gptq-kl: code steps each code offset may travel over the tuning (each step: this / steps)", omit_none=True
+    )
     tune_anchor: float | None = doc(
         "gptq-kl: weight of the Hessian-weighted error to the bf16 weights in the loss (0: KL alone)", omit_none=True
     )

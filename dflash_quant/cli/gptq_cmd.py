@@ -22,7 +22,7 @@ from dflash_quant.cli.common import (
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
-from dflash_quant.quantize.settings import TUNE_CODE_LR, TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -138,7 +138,9 @@ def gptq(
     tune_codes: bool = typer.Option(
         True, "--tune-codes/--no-tune-codes", help="gptq-kl: let each code move one step (signed-gradient offsets)."
     ),
-    tune_code_lr: float = typer.Option(TUNE_CODE_LR, help="gptq-kl: signed step of each code offset per step."),
+    tune_code_travel: float = typer.Option(
+        TUNE_CODE_TRAVEL, help="gptq-kl: how far (code steps) a code offset may move over the whole tuning."
+    ),
     tune_anchor: float = typer.Option(
         0.0,
         help="gptq-kl: add this times each Linear's Hessian-weighted error to its bf16 weights (relative, mean over "
@@ -382,7 +384,7 @@ def gptq(
             tune_epochs=tune_epochs,
             tune_lr=tune_lr,
             tune_codes=tune_codes,
-            tune_code_lr=tune_code_lr,
+            tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,
         ),
         overwrite=overwrite,

@@ -233,7 +233,7 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
         epochs=quant.tune_epochs,
         lr=quant.tune_lr,
         codes=quant.tune_codes,
-        code_lr=quant.tune_code_lr,
+        code_travel=quant.tune_code_travel,
         anchors=anchors,
         anchor_weight=quant.tune_anchor,
         seed=job.seed,

@@ -27,7 +27,12 @@ METHODS = ("gptq", "gptq-kl", "rtn")
 # Chosen on the development split (benchmarks/studies/kl_tuning.py); the held-out prompts only measure them.
 TUNE_EPOCHS = 2
 TUNE_LR = 2e-3
-TUNE_CODE_LR = 1e-2  # signed step of each code offset (a flip needs ~50 agreeing steps)
+# how far (in code steps) each code offset may travel over the whole tuning: every signed step is this / the number
+# of steps (AutoRound's lr = 1 / iterations), at most TUNE_CODE_STEP_MAX, so more calibration prompts do not move
+# codes further and a short tuning does not flip them in a few steps; 2.0 x 1/192 is about the 0.01 per step the
+# default was chosen with (96 dev prompts x 2 epochs)
+TUNE_CODE_TRAVEL = 2.0
+TUNE_CODE_STEP_MAX = 0.01  # a flip needs >= 50 agreeing steps
 
 
 @dataclass
@@ -51,7 +56,7 @@ class QuantSettings:
     tune_epochs: int = TUNE_EPOCHS  # gptq-kl: passes over the recorded calibration inputs
     tune_lr: float = TUNE_LR  # gptq-kl: Adam step on each group's log scale multiplier
     tune_codes: bool = True  # gptq-kl: codes may also move one step (signed-gradient offsets, as AutoRound)
-    tune_code_lr: float = TUNE_CODE_LR
+    tune_code_travel: float = TUNE_CODE_TRAVEL
     tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
 
     @property
@@ -84,6 +89,10 @@ class QuantSettings:
             raise UsageError(f"--tune-epochs must be >= 1, got {self.tune_epochs}")
         if not 0 < self.tune_lr < 1:
             raise UsageError(f"--tune-lr must be in (0, 1), got {self.tune_lr}")
+        if not 0 < self.tune_code_travel <= 100:
+            raise UsageError(
+                f"--tune-code-travel must be in (0, 100] (code steps over the tuning), got {self.tune_code_travel}"
+            )
         if not 0 <= self.tune_anchor <= 1000:
             raise UsageError(f"--tune-anchor must be in [0, 1000] (0: KL alone), got {self.tune_anchor}")
         if self.profile not in PROFILES:

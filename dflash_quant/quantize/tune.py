@@ -30,7 +30,7 @@ from dflash_quant.models.model import (
     visibility_mask,
 )
 from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, QuantizedWeight
-from dflash_quant.quantize.settings import TUNE_CODE_LR, TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_STEP_MAX, TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR
 
 
 @dataclass
@@ -39,7 +39,8 @@ class TuneReport:
 
     epochs: int
     lr: float
-    code_lr: float | None  # None: codes were not tuned
+    code_travel: float | None  # None: codes were not tuned
+    code_step: float | None  # each signed step: min(code_travel / steps, TUNE_CODE_STEP_MAX)
     steps: int
     seconds: float
     kl_before: float
@@ -50,10 +51,11 @@ class TuneReport:
 
     def to_dict(self) -> dict:
         return {
-            "method": "kl-scales+codes" if self.code_lr is not None else "kl-scales",
+            "method": "kl-scales+codes" if self.code_travel is not None else "kl-scales",
             "epochs": self.epochs,
             "lr": self.lr,
-            "code_lr": self.code_lr,
+            "code_travel": self.code_travel,
+            "code_step": None if self.code_step is None else round(self.code_step, 8),
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
             "kl_before": round(self.kl_before, 6),
@@ -199,7 +201,7 @@ def tune_scales(
     epochs: int = TUNE_EPOCHS,
     lr: float = TUNE_LR,
     codes: bool = True,
-    code_lr: float = TUNE_CODE_LR,
+    code_travel: float = TUNE_CODE_TRAVEL,
     anchors: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     anchor_weight: float = 0.0,
     seed: int = 0,
@@ -265,6 +267,7 @@ def tune_scales(
                 return sum(float(loss_of(i)) for i in range(len(replay))) / max(total_rows, 1)
 
         before = mean_kl()
+        code_step = min(TUNE_CODE_STEP_MAX, code_travel / max(1, epochs * len(replay)))
         gen = torch.Generator().manual_seed(seed)
         steps = 0
         with torch.enable_grad():
@@ -282,7 +285,7 @@ def tune_scales(
                             if t.offset is not None and t.offset.grad is not None:
                                 # signed gradient (AutoRound): every offset moves by the same step, so a code
                                 # flips only after many steps agree on its direction
-                                t.offset.sub_(code_lr * t.offset.grad.sign()).clamp_(-1.0, 1.0)
+                                t.offset.sub_(code_step * t.offset.grad.sign()).clamp_(-1.0, 1.0)
                                 t.offset.grad = None
                     steps += 1
                     if progress:
@@ -314,7 +317,8 @@ def tune_scales(
     return TuneReport(
         epochs=epochs,
         lr=lr,
-        code_lr=code_lr if codes else None,
+        code_travel=code_travel if codes else None,
+        code_step=code_step if codes else None,
         steps=steps,
         seconds=time.perf_counter() - t0,
         kl_before=before,
