@@ -315,3 +315,32 @@ def test_gptq_max_tau_loss_plans_on_the_cached_maps_bounds(pair):
     assert prov["predicted_tau_ratio_low"] <= prov["predicted_tau_ratio"]
     card = (art / "README.md").read_text()
     assert f"no Linear below {prov['bits_floor']} bits" in card and "with the slope's upper bound" in card
+
+
+@pytest.mark.slow
+def test_gptq_kl_mix_plans_on_the_tuned_drafters_line(pair):
+    """--method gptq-kl with --max-tau-loss: the map also measures the act-order + clip uniform drafters after the
+    tuning (tuned on the calibration prompts after the dev ones), and the plan counts every Linear on that line."""
+    r = gptq(pair, "mix-kl", "--method", "gptq-kl", "--max-tau-loss", "0.05", "--tune-epochs", "1")
+    assert r.returncode == 0, r.stderr
+    art = pair["root"] / "mix-kl"
+    prov = json.loads((art / "provenance.json").read_text())["mixed"]
+    settings = [p["setting"] for p in prov["tau_calibration"]]
+    kl = ["2/64+act+clip+kl", "3/64+act+clip+kl", "4/64+act+clip+kl"]
+    assert settings[-3:] == kl and mp.kind(kl[0]) == "kl"
+    # each tuned point sits at the loss of the grid it started from, beside that grid's untuned point
+    by = {p["setting"]: p for p in prov["tau_calibration"]}
+    for s in kl:
+        assert by[s]["loss"] == by[s[: -len("+kl")]]["loss"]
+    lo, fit, hi = prov["solver_slopes"]["kl"]
+    assert lo <= fit <= hi
+    assert all(p["slope"] == pytest.approx(fit, abs=1e-6) for p in prov["tau_calibration"])  # the line planned on
+    assert prov["loss_budget"] == pytest.approx(0.05 / hi, rel=1e-4) if hi > 0 else True
+    assert all(int(s.split("/")[0]) >= prov["bits_floor"] for s in prov["picks"].values())
+    report = json.loads((art / "quant_report.json").read_text())
+    assert report["tuning"]["steps"] > 0  # the mix itself was tuned after the pick
+    # the cached map is keyed by the tuning: a plain GPTQ goal on the same cache measures its own map
+    plain = gptq(pair, "mix-plain", "--max-tau-loss", "0.05", "--no-verify", "--no-card")
+    assert plain.returncode == 0, plain.stderr
+    again = json.loads((pair["root"] / "mix-plain" / "provenance.json").read_text())["mixed"]
+    assert not any(p["setting"].endswith("+kl") for p in again["tau_calibration"])

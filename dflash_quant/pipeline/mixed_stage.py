@@ -21,6 +21,7 @@ from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import select_linears
 from dflash_quant.quantize.mixed import Candidate, max_quality
 from dflash_quant.quantize.mixed_table import build_table, load_curve, load_table, save_curve, save_table
+from dflash_quant.quantize.tune import teacher_rows, tune_scales
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 
@@ -74,11 +75,18 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     # the loss -> tau map on the dev prompts (first calibration prompts; the gate's held-out prompts are not used)
 
     dev_ids = calib_ids[: goal.dev_prompts]
+    q = job.quant
     ckey = {
         "dev_prompts": len(dev_ids),
         "dev_max_new_tokens": goal.dev_max_new_tokens,
         "seed": job.seed,
         "per_prompt": True,  # maps cached before tokens/steps per prompt were kept are remeasured
+        # gptq-kl: the map also holds tuned uniform drafters, tuned as this run will tune its mix
+        **(
+            {"kl": [q.tune_epochs, q.tune_lr, q.tune_codes, q.tune_code_travel, q.tune_anchor, "after-dev-prompts"]}
+            if q.tuned
+            else {}
+        ),
     }
     t = time.perf_counter()
     curve = load_curve(job.calib_cache, key, ckey) if job.calib_cache is not None else None
@@ -87,15 +95,20 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     if curve is None:
         check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
         lengths: list[int] = []
+        tune = _kl_tuner(job, drafter, target, stats, len(dev_ids)) if q.tuned else None
         tau_bf16, per_prompt, points = mp.measure_points(
-            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress, lengths_out=lengths
-        )
+            drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress, lengths_out=lengths,
+            tune=tune,
+        )  # fmt: skip
         hist = {str(a): lengths.count(a) for a in sorted(set(lengths))}
         curve = {"tau_bf16": round(tau_bf16, 5), "per_prompt": per_prompt, "points": points, "bf16_lengths": hist}
         if job.calib_cache is not None:
             save_curve(job.calib_cache, key, ckey, curve)
     seconds["tau_map_s"] = round(time.perf_counter() - t, 3)
     points = curve["points"]
+    # a gptq-kl mix is tuned after the pick: its tau follows the tuned uniform drafters' line, not GPTQ's
+    kl_points = [p for p in points if mp.kind(str(p["setting"])) == "kl"] if q.tuned else []
+    line = kl_points or points
 
     t = time.perf_counter()
     bounds = mp.slope_bounds(curve)
@@ -108,7 +121,12 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
         # says can keep it
         kinds = mp.kind_slope_bounds(curve)
-        choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
+        if kl_points and kinds and "kl" in kinds:
+            # every Linear will be tuned: each loss counts at the kl line's upper slope, the floor from its points
+            lo, _, hi = kinds["kl"]
+            choice, loss_budget, floor = mp.plan_tau_loss(table, kl_points, (lo, hi), goal.max_tau_loss)
+        else:
+            choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
     else:
         if fit_opts is not None:
 
@@ -126,9 +144,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
                         save_curve(job.calib_cache, key, ckey, curve)
                 return float(got[str(k + 1)])
 
-            serving, byte_budget = _fit_choice(
-                goal, fit_opts, table, points, curve["bf16_lengths"], rest, top, measure_k
-            )
+            serving, byte_budget = _fit_choice(goal, fit_opts, table, line, curve["bf16_lengths"], rest, top, measure_k)
             progress(f"fit: {fit_line(serving)}", None)
         assert byte_budget is not None
         choice = max_quality(table, min(byte_budget, top))
@@ -137,6 +153,9 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     # each Linear's loss at its solver kind's slope (max_tau_loss), else every kind at the shared one
     fitted = {k: b[1] for k, b in (kinds or {}).items()}
     upper = {k: b[2] for k, b in (kinds or {}).items()}
+    if kl_points and kinds and "kl" in kinds:  # a tuned mix: every solver kind at the kl line
+        fitted = {k: kinds["kl"][1] for k in ("plain", "tuned")}
+        upper = {k: kinds["kl"][2] for k in ("plain", "tuned")}
     grids = {n: c.grid for n, c in choice.picks.items()}  # engines see the grid only; the solver leaves no trace
     base = base_setting(grids)
     record = Mixed(
@@ -148,10 +167,10 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         picks={n: mp.fmt_cand(c) for n, c in choice.picks.items()},
         predicted_bytes=choice.total_bytes,
         predicted_loss=round(choice.total_loss, 6),
-        predicted_tau_ratio=round(1 - mp.mix_tau_loss(table, choice.picks, fitted, mp.slope(points)), 5),
+        predicted_tau_ratio=round(1 - mp.mix_tau_loss(table, choice.picks, fitted, mp.slope(line)), 5),
         predicted_tau_ratio_low=None
         if a_upper is None and not kinds
-        else round(1 - mp.mix_tau_loss(table, choice.picks, upper, a_upper or mp.slope(points)), 5),
+        else round(1 - mp.mix_tau_loss(table, choice.picks, upper, a_upper or mp.slope(line)), 5),
         solver_slopes=None if not kinds else {k: [round(x, 6) for x in b] for k, b in kinds.items()},
         slope_bounds=None if bounds is None else [round(x, 6) for x in bounds],
         bits_floor=floor,
@@ -159,7 +178,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
             {
                 **{k: v for k, v in p.items() if k != "per_prompt"},
                 "tau_bf16": curve["tau_bf16"],
-                "slope": round(mp.slope(points), 6),
+                "slope": round(mp.slope(line), 6),
             }
             for p in points
         ],
@@ -183,6 +202,30 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         base,
         record,
     )
+
+
+def _kl_tuner(job, drafter, target, stats, n_dev: int):
+    """gptq-kl's tuning for the map's uniform drafters, on the calibration prompts after the dev ones (the map
+    measures tau on the dev prompts: tuned on them, it would measure its own training prompts)."""
+    replay = (stats.replay or [])[n_dev:]
+    if not replay:
+        raise UsageError(
+            f"--method gptq-kl with a mixed-precision goal tunes the tau map's drafters on the calibration prompts "
+            f"after the first {n_dev} (--mix-dev-prompts), and there are none: give more calibration prompts"
+        )
+    teacher = teacher_rows(drafter.model, replay)
+    head = target.model.get_output_embeddings()
+    q = job.quant
+    bf16 = {n: m.weight.detach().clone() for n, m in drafter.model.named_modules() if isinstance(m, nn.Linear)}
+
+    def tune(model, weights) -> None:
+        anchors = {n: (bf16[n], stats.for_linear(n).xtx) for n in weights} if q.tune_anchor > 0 else {}
+        tune_scales(
+            model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr, codes=q.tune_codes,
+            code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor, seed=job.seed,
+        )  # fmt: skip
+
+    return tune
 
 
 def _other_bytes(model: nn.Module, chosen: list[str]) -> int:

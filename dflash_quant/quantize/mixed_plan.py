@@ -185,9 +185,10 @@ def slope_bounds(
 
 
 def kind(c: Candidate | str) -> str:
-    """`plain` (GPTQ as is) or `tuned` (act-order and/or clip search): the map fits a slope per kind."""
+    """`plain` (GPTQ as is), `tuned` (act-order and/or clip search) or, for a map point only, `kl` (a uniform
+    drafter tuned end to end after GPTQ, `+kl`): the map fits a slope per kind."""
     if isinstance(c, str):
-        return "tuned" if "+" in c else "plain"
+        return "kl" if c.endswith("+kl") else "tuned" if "+" in c else "plain"
     return "tuned" if c.act or c.clip else "plain"
 
 
@@ -271,10 +272,13 @@ def measure_points(
     table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
     progress: Callable[[str, int | None], Callable[[], None]],
     lengths_out: list[int] | None = None,
+    tune: Callable[[Any, Mapping[str, Any]], None] | None = None,
 ) -> tuple[float, dict[str, list[int]], list[dict[str, Any]]]:
     """bf16 tau and its tokens/steps per prompt, and per uniform setting (summed loss, tau, tau ratio, tau
     loss, tokens/steps per prompt) on the dev prompts; `lengths_out` receives the bf16 drafter's acceptance
-    lengths (for tau at fewer tokens, `--fit`)."""
+    lengths (for tau at fewer tokens, `--fit`). With `tune(model, weights)` (gptq-kl), each act-order + clip
+    setting below 8 bits is also measured after that tuning (`+kl` points, at the loss of the grid it started
+    from): a gptq-kl mix is tuned after the pick, so its tau follows those drafters' line."""
 
     def tau(m, label: str) -> tuple[float, dict[str, list[int]]]:
         runs = spec_runs(m, target_model, dev_ids, check, progress(f"mix: tau map, {label}", len(dev_ids)))
@@ -286,16 +290,24 @@ def measure_points(
 
     tau_bf16, base = tau(model, "bf16")
     points = []
-    for c in tau_points(list(next(iter(table.values())))):
+    settings = [(c, False) for c in tau_points(list(next(iter(table.values()))))]
+    if tune is not None:
+        settings += [(c, True) for c, _ in settings if c.act and c.clip]
+    for c, tuned in settings:
         q = copy.deepcopy(model)
         each = replace(quant, bits=c.bits, group_size=c.group_size, desc_act=c.act, static_groups=c.act)
-        quantize_drafter(q, stats, replace(each, clip_search=c.clip))
-        t, per = tau(q, f"uniform {fmt_cand(c)}")
+        outcome = quantize_drafter(q, stats, replace(each, clip_search=c.clip))
+        label = fmt_cand(c) + ("+kl" if tuned else "")
+        if tuned:
+            assert tune is not None
+            progress(f"mix: tau map, tuning uniform {label}", None)
+            tune(q, outcome.weights)
+        t, per = tau(q, f"uniform {label}")
         del q
         b, loss = uniform_loss(table, c)
         points.append(
             {
-                "setting": fmt_cand(c),
+                "setting": label,
                 "bytes": b,
                 "loss": loss,
                 "tau": round(t, 5),
