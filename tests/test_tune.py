@@ -223,6 +223,9 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
     result = json.loads(res.stdout)
     tuning = result["quant_report"]["tuning"]
     assert tuning["steps"] == 6 and tuning["kl_after"] <= tuning["kl_before"]
+    # 6 prompts: the run says it was tuned on too few, and how to give more
+    assert tuning["prompts"] == 6 and "gptq-kl was tuned on 6 calibration prompts" in res.stderr
+    assert "--calib-prompts" in res.stderr
     report = json.loads((out / "quant_report.json").read_text())
     methods = {layer["method"] for layer in report["layers"]}
     assert methods == ({"gptq"} if tuning["kept_gptq_scales"] else {"gptq-kl"})

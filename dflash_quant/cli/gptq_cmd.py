@@ -22,7 +22,7 @@ from dflash_quant.cli.common import (
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
-from dflash_quant.quantize.settings import TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR, TUNE_MIN_PROMPTS
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -457,6 +457,12 @@ def gptq(
         out_console.print(f"artifact: {result.output}")
     for note in (result.parity or {}).get("notes", []):
         err_console.print(f"[yellow]note:[/] {note}")
+    tuned_on = ((result.quant_report or {}).get("tuning") or {}).get("prompts")
+    if tuned_on is not None and tuned_on < TUNE_MIN_PROMPTS:
+        err_console.print(
+            f"[yellow]note:[/] gptq-kl was tuned on {tuned_on} calibration prompts; below ~{TUNE_MIN_PROMPTS} it fit "
+            "them more than unseen prompts on the shipped pairs (docs/quality.md): give more with --calib-prompts"
+        )
     if goal is not None and goal.kind == "fit":  # the serving settings the drafter was sized for, on stderr
         from dflash_quant.artifact.reports import Provenance
         from dflash_quant.pipeline.mixed_stage import fit_line

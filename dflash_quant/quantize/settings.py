@@ -33,6 +33,9 @@ TUNE_LR = 2e-3
 # default was chosen with (96 dev prompts x 2 epochs)
 TUNE_CODE_TRAVEL = 2.0
 TUNE_CODE_STEP_MAX = 0.01  # a flip needs >= 50 agreeing steps
+# below this many calibration prompts gptq-kl fit its prompts more than unseen ones on both shipped pairs (dev split,
+# 3-bit: 96 prompts vs 608; docs/quality.md), so a run tuned on fewer says so
+TUNE_MIN_PROMPTS = 512
 
 
 @dataclass

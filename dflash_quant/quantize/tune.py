@@ -38,6 +38,7 @@ class TuneReport:
     """What tuning did: the loss on the calibration replay before and after, and how far the scales moved."""
 
     epochs: int
+    prompts: int  # calibration prompts whose recorded drafter inputs the tuning ran on
     lr: float
     code_travel: float | None  # None: codes were not tuned
     code_step: float | None  # each signed step: min(code_travel / steps, TUNE_CODE_STEP_MAX)
@@ -53,6 +54,7 @@ class TuneReport:
         return {
             "method": "kl-scales+codes" if self.code_travel is not None else "kl-scales",
             "epochs": self.epochs,
+            "prompts": self.prompts,
             "lr": self.lr,
             "code_travel": self.code_travel,
             "code_step": None if self.code_step is None else round(self.code_step, 8),
@@ -316,6 +318,7 @@ def tune_scales(
             q.requires_grad_(flag)
     return TuneReport(
         epochs=epochs,
+        prompts=len(replay),
         lr=lr,
         code_travel=code_travel if codes else None,
         code_step=code_step if codes else None,
