@@ -28,6 +28,8 @@ def check_location(directory: Path) -> Path:
 def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
     directory = check_location(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # no entry while the files change: a reader that finds the key finds the tensors written with it
+    (directory / META).unlink(missing_ok=True)
     tensors = {}
     for name, acc in stats.hessians.items():
         for part, t in acc.state_dict().items():
@@ -43,8 +45,13 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
                     call.positions,
                 )
         _atomic_save({k: v.contiguous() for k, v in rep.items()}, directory / REPLAY)
+    else:
+        # a replay another calibration left here must not pass for this one's (plain GPTQ and gptq-kl can share
+        # a key: a later gptq-kl run read 1120 prompts' drafter inputs beside 608 prompts' Hessians)
+        (directory / REPLAY).unlink(missing_ok=True)
     meta = {
         "key": key,
+        "replay_prompts": None if stats.replay is None else len(stats.replay),
         "kv_hessian": stats.kv_hessian,
         "prompts": stats.prompts,
         "steps": stats.steps,
@@ -67,8 +74,10 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise DFlashQuantError(f"{meta_path} is damaged ({exc.msg}); delete the --calib-cache directory") from exc
-    if meta.get("key") != key or (need_replay and not (directory / REPLAY).is_file()):
+    if meta.get("key") != key:
         return None
+    if need_replay and (meta.get("replay_prompts") is None or not (directory / REPLAY).is_file()):
+        return None  # no replay written with this key (entries from before replay_prompts are recaptured)
     try:
         flat = load_file(str(directory / STATS))
     except (SafetensorError, OSError) as exc:
@@ -88,6 +97,8 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
     if need_replay:
         rep = load_file(str(directory / REPLAY))
         n_prompts = 1 + max(int(k.split(".")[0]) for k in rep) if rep else 0
+        if n_prompts != meta["replay_prompts"]:
+            return None  # the replay file changed under the key (another run saving here): capture again
         replay = []
         for p in range(n_prompts):
             n_calls = len([k for k in rep if k.startswith(f"{p}.") and k.endswith(".noise")])

@@ -1,0 +1,58 @@
+"""--calib-cache: an entry is the Hessians and (for gptq-kl / sequential) the drafter inputs of one calibration;
+nothing of another calibration passes for it."""
+
+import torch
+
+from dflash_quant.calibration import cache
+from dflash_quant.calibration.capture import CalibrationStats, DraftCall
+from dflash_quant.calibration.hessian import HessianAccumulator
+
+
+def _stats(n_prompts: int, seed: int, replay: bool) -> CalibrationStats:
+    gen = torch.Generator().manual_seed(seed)
+    acc = HessianAccumulator(8, name="fc")
+    acc.add(torch.randn(16, 8, generator=gen))
+    calls = [
+        [DraftCall(torch.randn(1, 4, 8, generator=gen), torch.randn(1, 3, 8), torch.arange(7)[None])]
+        for _ in range(n_prompts)
+    ]
+    return CalibrationStats({"fc": acc}, "block", prompts=n_prompts, steps=n_prompts, replay=calls if replay else None)
+
+
+def test_a_plain_entry_does_not_inherit_the_replay_of_an_earlier_calibration(tmp_path):
+    """gptq-kl (with replay) on one prompt set, then plain GPTQ (no replay) on another under the key a later
+    gptq-kl run asks for: that run must recapture, not read the first set's drafter inputs."""
+    cache.save(tmp_path, _stats(5, 0, replay=True), {"prompts": "A"})
+    plain = _stats(3, 1, replay=False)
+    cache.save(tmp_path, plain, {"prompts": "B"})
+    assert not (tmp_path / cache.REPLAY).exists()
+    assert cache.load(tmp_path, {"prompts": "B"}, need_replay=True, device=torch.device("cpu")) is None
+    got = cache.load(tmp_path, {"prompts": "B"}, need_replay=False, device=torch.device("cpu"))
+    assert got is not None and torch.equal(got.hessians["fc"].xtx, plain.hessians["fc"].xtx)
+    # with a replay of its own the entry serves gptq-kl: the same prompts' inputs come back
+    kl = _stats(3, 2, replay=True)
+    cache.save(tmp_path, kl, {"prompts": "B"})
+    back = cache.load(tmp_path, {"prompts": "B"}, need_replay=True, device=torch.device("cpu"))
+    assert back is not None and back.replay is not None and len(back.replay) == 3
+    assert torch.equal(back.replay[2][0].noise, kl.replay[2][0].noise)  # type: ignore[index]
+
+
+def test_a_replay_changed_under_the_key_is_a_miss(tmp_path):
+    """Another run saving into the directory between our reads of the key and of the tensors: its replay does not
+    match the prompt count the key was written with, so the entry is recaptured instead of mixed."""
+    cache.save(tmp_path, _stats(4, 0, replay=True), {"prompts": "A"})
+    meta = (tmp_path / cache.META).read_text()
+    cache.save(tmp_path, _stats(6, 1, replay=True), {"prompts": "C"})
+    (tmp_path / cache.META).write_text(meta)  # the key of the first entry, the tensors of the second
+    assert cache.load(tmp_path, {"prompts": "A"}, need_replay=True, device=torch.device("cpu")) is None
+
+
+def test_entries_written_before_replay_counts_are_recaptured_for_replay(tmp_path):
+    import json
+
+    cache.save(tmp_path, _stats(2, 0, replay=True), {"prompts": "A"})
+    meta = json.loads((tmp_path / cache.META).read_text())
+    del meta["replay_prompts"]
+    (tmp_path / cache.META).write_text(json.dumps(meta))
+    assert cache.load(tmp_path, {"prompts": "A"}, need_replay=True, device=torch.device("cpu")) is None
+    assert cache.load(tmp_path, {"prompts": "A"}, need_replay=False, device=torch.device("cpu")) is not None
