@@ -198,9 +198,9 @@ class Mixed(Record):
         "no Linear goes below it"
     )
     solver_slopes: dict[str, list[float]] | None = doc(
-        "max_tau_loss: per solver kind (`plain`, `tuned` = act-order and/or clip search) [lower bound, fitted, "
-        "upper bound] of the map's slope; each Linear's loss counts at its kind's upper slope in the plan and "
-        "at its fitted slope in predicted_tau_ratio"
+        "max_tau_loss: per solver kind (`plain`, `tuned` = act-order and/or clip search, `kl` = tuned after GPTQ "
+        "by gptq-kl) [lower bound, fitted, upper bound] of the map's slope; each Linear's loss counts at its kind's "
+        "upper slope in the plan and at its fitted slope in predicted_tau_ratio (a gptq-kl mix: every Linear at kl's)"
     )
     tau_calibration: list[dict] | None = doc(
         "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"
