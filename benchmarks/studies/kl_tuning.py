@@ -1,7 +1,8 @@
 """Choose gptq-kl's defaults on a development split, or measure methods on held-out prompts.
 
 dev (default): calibration on the first 96 calibration prompts of each shipped pair, parity on the other 32
-(never the held-out file); heldout: calibration on all 128, parity on the pair's 64 held-out prompts; extra: the
+(never the held-out file); devfiles: calibration on the 128 (+ calib=N extra), parity on 128 extra prompts from
+training files no calibration prompt comes from; heldout: calibration on all 128, parity on the pair's 64 held-out prompts; extra: the
 same calibration, parity on 256 more held-out prompts (`benchmarks/prompts/*_heldout_extra.jsonl`). Each config
 is one `dflash-quant gptq` subprocess (the calibration cache is shared, so each pair calibrates once per
 split); the result keeps tau, tau ratio, per-position acceptance, lossless, and quantization time.
@@ -34,6 +35,9 @@ PAIRS = {
     "reference-dflash2": ROOT / "dflash_quant/reference/dflash2_pair",
 }
 DEV_FROM = 96  # calibration prompts [0, 96) calibrate; [96, 128) are the development parity set
+# devfiles: the pair's 128 calibration prompts (+ calib=N <= 512 extra) calibrate; extra prompts [512, 640), cut from
+# training files none of those come from, measure (the dev split's prompts share files with the extra ones)
+DEVFILES_FROM, DEVFILES_N = 512, 128
 
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
@@ -71,18 +75,30 @@ def run_one(
         extra = {"reference": "ref", "reference-dflash2": "d2"}[pair]
         cmd += ["--eval-prompts", str(ROOT / f"benchmarks/prompts/{extra}_heldout_extra.jsonl")]
     lines = [x for x in (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
+    short = {"reference": "ref", "reference-dflash2": "d2"}[pair]
+    extra_lines = (ROOT / f"benchmarks/prompts/{short}_calib_extra.jsonl").read_text().splitlines()
+    if split == "devfiles":
+        # dev prompts from training files no calibration prompt is cut from (the extra prompts from 512 on are)
+        dev = work / f"{pair}-devfiles.jsonl"
+        dev.write_text("\n".join(extra_lines[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]) + "\n")
+        cmd += ["--eval-prompts", str(dev)]
     if split == "dev":
         dev = work / f"{pair}-dev.jsonl"
         dev.write_text("\n".join(lines[DEV_FROM:]) + "\n")
         cmd += ["--eval-prompts", str(dev)]
         lines = lines[:DEV_FROM]
     n_extra = int(opts.get("calib", 0))
+    if split == "devfiles" and n_extra > DEVFILES_FROM:
+        raise SystemExit(f"calib={n_extra}: the devfiles split measures on extra prompts from {DEVFILES_FROM} on")
     if n_extra:
-        short = {"reference": "ref", "reference-dflash2": "d2"}[pair]
-        extra_lines = (ROOT / f"benchmarks/prompts/{short}_calib_extra.jsonl").read_text().splitlines()
         if len(extra_lines) < n_extra:
             raise SystemExit(f"calib={n_extra}: only {len(extra_lines)} extra calibration prompts")
         lines = lines + extra_lines[:n_extra]
+    if split == "devfiles":
+        seen = {json.loads(x)["source"] for x in lines}
+        dev_src = {json.loads(x)["source"] for x in extra_lines[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]}
+        if seen & dev_src:
+            raise SystemExit(f"devfiles: {len(seen & dev_src)} dev files also give calibration prompts")
     calib = work / f"{pair}-{split}-calib{n_extra}.jsonl"
     calib.write_text("\n".join(lines) + "\n")
     cmd += ["--calib-prompts", str(calib), "--num-prompts", str(len(lines))]
@@ -150,7 +166,7 @@ def base_of(row: dict, rows: list[dict]) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=("dev", "heldout", "extra"), default="dev")
+    ap.add_argument("--split", choices=("dev", "devfiles", "heldout", "extra"), default="dev")
     ap.add_argument("--pairs", default="reference,reference-dflash2")
     ap.add_argument("--bits", default="3:128", help="bits:group pairs, comma-separated")
     ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_travel=2,gptq-kl:code_travel=4")
