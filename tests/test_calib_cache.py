@@ -1,6 +1,7 @@
 """--calib-cache: an entry is the Hessians and (for gptq-kl / sequential) the drafter inputs of one calibration;
 nothing of another calibration passes for it."""
 
+import pytest
 import torch
 
 from dflash_quant.calibration import cache
@@ -56,3 +57,26 @@ def test_entries_written_before_replay_counts_are_recaptured_for_replay(tmp_path
     (tmp_path / cache.META).write_text(json.dumps(meta))
     assert cache.load(tmp_path, {"prompts": "A"}, need_replay=True, device=torch.device("cpu")) is None
     assert cache.load(tmp_path, {"prompts": "A"}, need_replay=False, device=torch.device("cpu")) is not None
+
+
+def test_a_save_cut_short_leaves_no_entry_that_mixes_two_calibrations(tmp_path, monkeypatch):
+    """A signal between the Hessians and the replay of a rewrite: the old entry's key must not find the new
+    Hessians (the key is removed first and written last), and the next save works in the same directory."""
+    cache.save(tmp_path, _stats(4, 0, replay=True), {"prompts": "A"})
+    real = cache._atomic_save
+
+    def interrupted(tensors, path):
+        if path.name == cache.REPLAY:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the middle of the rewrite
+        real(tensors, path)
+
+    monkeypatch.setattr(cache, "_atomic_save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.save(tmp_path, _stats(6, 1, replay=True), {"prompts": "B"})
+    monkeypatch.setattr(cache, "_atomic_save", real)
+    for key in ({"prompts": "A"}, {"prompts": "B"}):
+        assert cache.load(tmp_path, key, need_replay=False, device=torch.device("cpu")) is None
+    again = _stats(6, 1, replay=True)
+    cache.save(tmp_path, again, {"prompts": "B"})
+    back = cache.load(tmp_path, {"prompts": "B"}, need_replay=True, device=torch.device("cpu"))
+    assert back is not None and torch.equal(back.hessians["fc"].xtx, again.hessians["fc"].xtx)

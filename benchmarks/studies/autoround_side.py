@@ -45,30 +45,18 @@ from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens  # noqa: E402
 from dflash_quant.quantize.tune import pack  # noqa: E402
 
-SHORT = {"reference": "ref", "reference-dflash2": "d2"}
-PAIRS = {"reference": "pair", "reference-dflash2": "dflash2_pair"}
-DEV_FROM = 96  # as kl_tuning.py: calibration prompts [0, 96) calibrate in the dev split, [96, 128) measure
+sys.path.insert(0, str(Path(__file__).parent))
+from kl_tuning import PAIRS, split_prompts  # noqa: E402
 
 
 def prompt_files(pair: str, split: str, n_extra: int, work: Path) -> tuple[Path, Path]:
     """The calibration and evaluation prompt files of kl_tuning.py's split (same prompts, same order)."""
-    lines = [
-        x
-        for x in (ROOT / "dflash_quant/reference" / PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines()
-        if x.strip()
-    ]
-    if split == "dev":
-        evals = lines[DEV_FROM:]
-        lines = lines[:DEV_FROM]
-    elif split == "extra":
-        evals = (ROOT / f"benchmarks/prompts/{SHORT[pair]}_heldout_extra.jsonl").read_text().splitlines()
-    else:
-        evals = (ROOT / "dflash_quant/reference" / PAIRS[pair] / "heldout_prompts.jsonl").read_text().splitlines()
-    if n_extra:
-        lines += (ROOT / f"benchmarks/prompts/{SHORT[pair]}_calib_extra.jsonl").read_text().splitlines()[:n_extra]
+    lines, evals = split_prompts(pair, split, n_extra)
+    if evals is None:  # heldout: the pair's own file
+        evals = [x for x in (PAIRS[pair] / "heldout_prompts.jsonl").read_text().splitlines() if x.strip()]
     calib, ev = work / "calib.jsonl", work / "eval.jsonl"
     calib.write_text("\n".join(lines) + "\n")
-    ev.write_text("\n".join(x for x in evals if x.strip()) + "\n")
+    ev.write_text("\n".join(evals) + "\n")
     return calib, ev
 
 
@@ -190,7 +178,7 @@ def quantize(drafter, replay, bits: int, group: int, iters: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", choices=list(PAIRS), default="reference")
-    ap.add_argument("--split", choices=("dev", "heldout", "extra"), default="dev")
+    ap.add_argument("--split", choices=("dev", "devfiles", "heldout", "extra"), default="dev")
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--calib", type=int, default=0, help="extra calibration prompts (as kl_tuning.py's calib=N)")

@@ -49,6 +49,32 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
     return method, dict(o.split("=", 1) for o in opts)
 
 
+def split_prompts(pair: str, split: str, n_extra: int = 0) -> tuple[list[str], list[str] | None]:
+    """The split's calibration and parity prompts (JSONL lines); parity None: the pair's held-out file (the CLI's
+    default). n_extra adds the first n_extra prompts of `benchmarks/prompts/*_calib_extra.jsonl` to calibration."""
+    lines = [x for x in (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
+    short = {"reference": "ref", "reference-dflash2": "d2"}[pair]
+    extra = (ROOT / f"benchmarks/prompts/{short}_calib_extra.jsonl").read_text().splitlines()
+    evals: list[str] | None = None
+    if split == "extra":  # 256 more held-out prompts (benchmarks/heldout_extra.py), for tighter intervals
+        evals = (ROOT / f"benchmarks/prompts/{short}_heldout_extra.jsonl").read_text().splitlines()
+    elif split == "dev":
+        lines, evals = lines[:DEV_FROM], lines[DEV_FROM:]
+    elif split == "devfiles":
+        # dev prompts from training files no calibration prompt is cut from (the extra prompts from 512 on are)
+        if n_extra > DEVFILES_FROM:
+            raise SystemExit(f"calib={n_extra}: the devfiles split measures on extra prompts from {DEVFILES_FROM} on")
+        evals = extra[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]
+    if len(extra) < n_extra:
+        raise SystemExit(f"calib={n_extra}: only {len(extra)} extra calibration prompts")
+    lines = lines + extra[:n_extra]
+    if split == "devfiles":
+        shared = {json.loads(x)["source"] for x in lines} & {json.loads(x)["source"] for x in evals or []}
+        if shared:
+            raise SystemExit(f"devfiles: {len(shared)} dev files also give calibration prompts")
+    return lines, [x for x in evals if x.strip()] if evals is not None else None
+
+
 def run_one(
     pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path, device: str = "cpu"
 ) -> dict:
@@ -71,34 +97,12 @@ def run_one(
             pass  # below, with the split's calibration prompts
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
-    if split == "extra":  # 256 more held-out prompts (benchmarks/heldout_extra.py), for tighter intervals
-        extra = {"reference": "ref", "reference-dflash2": "d2"}[pair]
-        cmd += ["--eval-prompts", str(ROOT / f"benchmarks/prompts/{extra}_heldout_extra.jsonl")]
-    lines = [x for x in (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
-    short = {"reference": "ref", "reference-dflash2": "d2"}[pair]
-    extra_lines = (ROOT / f"benchmarks/prompts/{short}_calib_extra.jsonl").read_text().splitlines()
-    if split == "devfiles":
-        # dev prompts from training files no calibration prompt is cut from (the extra prompts from 512 on are)
-        dev = work / f"{pair}-devfiles.jsonl"
-        dev.write_text("\n".join(extra_lines[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]) + "\n")
-        cmd += ["--eval-prompts", str(dev)]
-    if split == "dev":
-        dev = work / f"{pair}-dev.jsonl"
-        dev.write_text("\n".join(lines[DEV_FROM:]) + "\n")
-        cmd += ["--eval-prompts", str(dev)]
-        lines = lines[:DEV_FROM]
     n_extra = int(opts.get("calib", 0))
-    if split == "devfiles" and n_extra > DEVFILES_FROM:
-        raise SystemExit(f"calib={n_extra}: the devfiles split measures on extra prompts from {DEVFILES_FROM} on")
-    if n_extra:
-        if len(extra_lines) < n_extra:
-            raise SystemExit(f"calib={n_extra}: only {len(extra_lines)} extra calibration prompts")
-        lines = lines + extra_lines[:n_extra]
-    if split == "devfiles":
-        seen = {json.loads(x)["source"] for x in lines}
-        dev_src = {json.loads(x)["source"] for x in extra_lines[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]}
-        if seen & dev_src:
-            raise SystemExit(f"devfiles: {len(seen & dev_src)} dev files also give calibration prompts")
+    lines, evals = split_prompts(pair, split, n_extra)
+    if evals is not None:
+        ev = work / f"{pair}-{split}-eval.jsonl"
+        ev.write_text("\n".join(evals) + "\n")
+        cmd += ["--eval-prompts", str(ev)]
     calib = work / f"{pair}-{split}-calib{n_extra}.jsonl"
     calib.write_text("\n".join(lines) + "\n")
     cmd += ["--calib-prompts", str(calib), "--num-prompts", str(len(lines))]

@@ -460,8 +460,9 @@ def gptq(
     tuned_on = ((result.quant_report or {}).get("tuning") or {}).get("prompts")
     if tuned_on is not None and tuned_on < TUNE_MIN_PROMPTS:
         err_console.print(
-            f"[yellow]note:[/] gptq-kl was tuned on {tuned_on} calibration prompts; below ~{TUNE_MIN_PROMPTS} it fit "
-            "them more than unseen prompts on the shipped pairs (docs/quality.md): give more with --calib-prompts"
+            f"[yellow]note:[/] gptq-kl was tuned on {tuned_on} calibration prompts; on the shipped pairs "
+            f"~{TUNE_MIN_PROMPTS}+ tuned better for prompts like the drafter's training data (docs/quality.md): "
+            "give more with --calib-prompts"
         )
     if goal is not None and goal.kind == "fit":  # the serving settings the drafter was sized for, on stderr
         from dflash_quant.artifact.reports import Provenance

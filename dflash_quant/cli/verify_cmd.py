@@ -224,7 +224,8 @@ def verify(
         look.check()
     if teacher_forced and (lookup or temperature > 0):
         raise UsageError(
-            "--teacher-forced replays the target's greedy continuation; drop --lookup and --temperature, or it"
+            "--teacher-forced replays the target's greedy continuation; drop --lookup and --temperature, or drop "
+            "--teacher-forced"
         )
     from dflash_quant.models.placement import make_placement
 

@@ -21,7 +21,7 @@ from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import select_linears
 from dflash_quant.quantize.mixed import Candidate, max_quality
 from dflash_quant.quantize.mixed_table import build_table, load_curve, load_table, save_curve, save_table
-from dflash_quant.quantize.tune import teacher_rows, tune_scales
+from dflash_quant.quantize.tune import tune_scales
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
 
 
@@ -33,7 +33,11 @@ class MixPlan:
     record: Mixed
 
 
-def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key: dict[str, Any], progress) -> MixPlan:
+def plan_mix(
+    job, drafter, target, stats, calib_ids: list[list[int]], calib_key: dict[str, Any], progress, reference=None
+) -> MixPlan:
+    """reference (gptq-kl): the bf16 drafter's rows on every calibration prompt's replay and, with --tune-anchor,
+    its Linears' bf16 weights (pipeline.stages.Teacher), taken once for the map's tunings and the mix's own."""
     goal: mp.MixedGoal = job.mixed
     seconds: dict[str, float] = {}
     # which Linears (profile, --skip); --bits/--group-size do not apply to a mix, so any width is accepted here
@@ -95,7 +99,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     if curve is None:
         check = CheckSettings(goal.dev_max_new_tokens, 0.0, drafter.config.block_size, job.seed, stop_tokens(target))
         lengths: list[int] = []
-        tune = _kl_tuner(job, drafter, target, stats, len(dev_ids)) if q.tuned else None
+        tune = _kl_tuner(job, target, stats, reference, len(dev_ids)) if q.tuned else None
         tau_bf16, per_prompt, points = mp.measure_points(
             drafter.model, target.model, stats, job.quant, dev_ids, check, table, progress, lengths_out=lengths,
             tune=tune,
@@ -109,6 +113,7 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     # a gptq-kl mix is tuned after the pick: its tau follows the tuned uniform drafters' line, not GPTQ's
     kl_points = [p for p in points if mp.kind(str(p["setting"])) == "kl"] if q.tuned else []
     line = kl_points or points
+    kl: tuple[float, float, float] | None = None  # the kl line's (lower, fitted, upper) slope, when it plans
 
     t = time.perf_counter()
     bounds = mp.slope_bounds(curve)
@@ -121,10 +126,10 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
         # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
         # says can keep it
         kinds = mp.kind_slope_bounds(curve)
-        if kl_points and kinds and "kl" in kinds:
+        kl = (kinds or {}).get("kl") if kl_points else None
+        if kl is not None:
             # every Linear will be tuned: each loss counts at the kl line's upper slope, the floor from its points
-            lo, _, hi = kinds["kl"]
-            choice, loss_budget, floor = mp.plan_tau_loss(table, kl_points, (lo, hi), goal.max_tau_loss)
+            choice, loss_budget, floor = mp.plan_tau_loss(table, kl_points, (kl[0], kl[2]), goal.max_tau_loss)
         else:
             choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
     else:
@@ -151,11 +156,10 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     seconds["search_s"] = round(time.perf_counter() - t, 3)
 
     # each Linear's loss at its solver kind's slope (max_tau_loss), else every kind at the shared one
-    fitted = {k: b[1] for k, b in (kinds or {}).items()}
-    upper = {k: b[2] for k, b in (kinds or {}).items()}
-    if kl_points and kinds and "kl" in kinds:  # a tuned mix: every solver kind at the kl line
-        fitted = {k: kinds["kl"][1] for k in ("plain", "tuned")}
-        upper = {k: kinds["kl"][2] for k in ("plain", "tuned")}
+    # (a tuned mix: every solver kind at the kl line)
+    by_kind = {k: kl for k in ("plain", "tuned")} if kl is not None else (kinds or {})
+    fitted = {k: b[1] for k, b in by_kind.items()}
+    upper = {k: b[2] for k, b in by_kind.items()}
     grids = {n: c.grid for n, c in choice.picks.items()}  # engines see the grid only; the solver leaves no trace
     base = base_setting(grids)
     record = Mixed(
@@ -204,22 +208,22 @@ def plan_mix(job, drafter, target, stats, calib_ids: list[list[int]], calib_key:
     )
 
 
-def _kl_tuner(job, drafter, target, stats, n_dev: int):
+def _kl_tuner(job, target, stats, reference, n_dev: int):
     """gptq-kl's tuning for the map's uniform drafters, on the calibration prompts after the dev ones (the map
     measures tau on the dev prompts: tuned on them, it would measure its own training prompts)."""
+    assert reference is not None  # the pipeline takes gptq-kl's reference before the mix
     replay = (stats.replay or [])[n_dev:]
     if not replay:
         raise UsageError(
             f"--method gptq-kl with a mixed-precision goal tunes the tau map's drafters on the calibration prompts "
             f"after the first {n_dev} (--mix-dev-prompts), and there are none: give more calibration prompts"
         )
-    teacher = teacher_rows(drafter.model, replay)
+    teacher = reference.rows[n_dev:]
     head = target.model.get_output_embeddings()
     q = job.quant
-    bf16 = {n: m.weight.detach().clone() for n, m in drafter.model.named_modules() if isinstance(m, nn.Linear)}
 
     def tune(model, weights) -> None:
-        anchors = {n: (bf16[n], stats.for_linear(n).xtx) for n in weights} if q.tune_anchor > 0 else {}
+        anchors = {n: (reference.weights[n], stats.for_linear(n).xtx) for n in weights} if q.tune_anchor > 0 else {}
         tune_scales(
             model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr, codes=q.tune_codes,
             code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor, seed=job.seed,

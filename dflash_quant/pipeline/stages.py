@@ -152,10 +152,11 @@ def calibrated(job: GptqJob, loaded: Loaded, ins: Inputs, progress: Progress, st
     return Calibrated(stats, info)
 
 
-def mix(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, progress: Progress) -> MixPlan:
-    """The per-Linear bits and groups of a mixed-precision job (pipeline.mixed_stage)."""
+def mix(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, ref: Teacher | None, progress: Progress) -> MixPlan:
+    """The per-Linear bits and groups of a mixed-precision job (pipeline.mixed_stage); gptq-kl's reference is
+    shared with the map's tuned drafters."""
     key = calib_key(job, loaded.drafter, loaded.target, ins.calib_spec, ins.calib_ids, ins.drafter_sha)
-    return plan_mix(job, loaded.drafter, loaded.target, cal.stats, ins.calib_ids, key, progress)
+    return plan_mix(job, loaded.drafter, loaded.target, cal.stats, ins.calib_ids, key, progress, ref)
 
 
 def quantize(
@@ -405,12 +406,14 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
     if cal.stats is not None:
         timings["calibrate_s"] = time.perf_counter() - t
     plan = None
+    t = time.perf_counter()
+    ref = teacher(job, loaded, cal) if job.quant.tuned else None  # of the bf16 drafter: before mix and quantize
+    teacher_s = time.perf_counter() - t
     if job.mixed is not None:
         t = time.perf_counter()
-        plan = mix(job, loaded, ins, cal, progress)
+        plan = mix(job, loaded, ins, cal, ref, progress)
         timings["mix_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    ref = teacher(job, loaded, cal) if job.quant.tuned else None
+    t = time.perf_counter() - teacher_s
     q = quantize(job, loaded, ins, cal, plan, progress)
     if ref is not None:
         tune(job, loaded, cal, q, ref, progress)
