@@ -414,3 +414,37 @@ def test_signal_right_after_the_staging_dir_is_made_leaves_nothing(tmp_path, mon
             finally:
                 done.set()
             assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_a_signal_swallowed_by_native_code_still_exits_as_the_signal(tmp_path, sig, code):
+    # safetensors' Rust reader calls back into Python; a Ctrl-C landing there comes out as its own error
+    # ("could not determine the shape of ... UntypedStorage"), which read_safetensors reports as a corrupt file.
+    import typer
+
+    from dflash_quant.cli.common import handle_errors
+    from dflash_quant.errors import DFlashQuantError
+
+    @handle_errors
+    def command() -> None:
+        with atomic.guard_output(tmp_path / "art", overwrite=False), atomic.staging(tmp_path / "art"):
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(1)
+            except BaseException as exc:
+                raise ValueError("could not determine the shape of object type") from exc
+            pytest.fail("the signal's handler must have raised inside the try")
+
+    with pytest.raises(typer.Exit) as exit_info:
+        command()
+    assert exit_info.value.exit_code == code
+    assert os.listdir(tmp_path) == []
+
+    @handle_errors
+    def corrupt_without_a_signal() -> None:
+        with atomic.signals_raise():
+            raise DFlashQuantError("x.safetensors is not a readable safetensors file")
+
+    with pytest.raises(typer.Exit) as exit_info:
+        corrupt_without_a_signal()
+    assert exit_info.value.exit_code == 1  # a stale stop from the run above is not reused

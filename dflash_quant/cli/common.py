@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exc  # type: ignore[no-redef]  # same module, older typer
 
 from dflash_quant.errors import DFlashQuantError
+from dflash_quant.io.atomic import Terminated, stop_signal
 
 # Diagnostics and progress go to stderr so that `--json` stdout stays parseable.
 err_console = Console(stderr=True)
@@ -37,12 +39,36 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except DFlashQuantError as exc:
+        except (typer.Exit, click_exc.ClickException):
+            raise  # already reported (a refusal or a stop): one line only
+        except Exception as exc:
+            stop = as_stop(exc)
+            if stop is not None:
+                fail(*stop_message(stop))
+            if not isinstance(exc, DFlashQuantError):
+                raise
             fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
             fail("interrupted; no output was written", 130)
 
     return wrapper
+
+
+def as_stop(exc: BaseException) -> KeyboardInterrupt | Terminated | None:
+    """The signal behind an error: a Ctrl-C or SIGTERM that landed inside native code (safetensors' reader
+    turns the raised KeyboardInterrupt into its own error) must still read, and exit, as the signal."""
+    if isinstance(exc, KeyboardInterrupt | Terminated):
+        return exc
+    signum = stop_signal()
+    if signum is None:
+        return None
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def stop_message(stop: BaseException) -> tuple[str, int]:
+    if isinstance(stop, Terminated):
+        return f"stopped by {stop}; temporary files and the output lock were removed", 128 + stop.signum
+    return "interrupted; no output was written", 130
 
 
 def print_json(data: Any) -> None:

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_quant.cli.common import (
+    as_stop,
     device_map_option,
     device_option,
     err_console,
@@ -19,6 +20,7 @@ from dflash_quant.cli.common import (
     max_memory_option,
     out_console,
     print_json,
+    stop_message,
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
@@ -90,12 +92,7 @@ def _summary(result) -> Table:
 
 def _stopped(exc: BaseException, kept) -> None:
     """The one line for a signal: what was cleaned up and, after a checkpoint, that a rerun resumes."""
-    from dflash_quant.io.atomic import Terminated
-
-    if isinstance(exc, Terminated):
-        message, code = f"stopped by {exc}; temporary files and the output lock were removed", 128 + exc.signum
-    else:
-        message, code = "interrupted; no output was written", 130
+    message, code = stop_message(exc)
     if kept is not None and kept.path.is_file():  # calibration.checkpoint.Kept
         message += (
             f"; the partial calibration ({kept.done} of {kept.total} prompts) was kept in the cache at "
@@ -434,9 +431,12 @@ def gptq(
     state = RunState()
     try:
         result = run_gptq(job, progress=stage, state=state)
-    except (Terminated, KeyboardInterrupt) as exc:
+    except (Exception, Terminated, KeyboardInterrupt) as exc:
+        stop = as_stop(exc)
+        if stop is None:
+            raise
         bar.stop()
-        _stopped(exc, state.kept_checkpoint)
+        _stopped(stop, state.kept_checkpoint)
     finally:
         bar.stop()
     if json_out:

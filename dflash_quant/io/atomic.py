@@ -177,6 +177,7 @@ _signal_depth = 0
 _installed: set[int] = set()  # the signals signals_raise gave to _handler
 _deferred = 0  # depth of deferred_signals sections (and of handler set-up) in the main thread
 _pending: int | None = None  # the first signal that arrived inside one
+_stopped_by: int | None = None  # the signal _stop raised for
 
 # Python runs a signal's handler between bytecodes, at the end of a call at the latest, so a handler that
 # raises can land between any two calls of the code below. Each counter change is one statement without a
@@ -193,11 +194,18 @@ def _handler(signum: int, frame: Any) -> None:
 
 
 def _stop(signum: int) -> None:
+    global _stopped_by
+    _stopped_by = signum  # native code (safetensors' reader) may swallow the exception into its own error
     for sig in _installed:  # a second signal must not interrupt the cleanup the first one started
         signal.signal(sig, signal.SIG_IGN)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(signum)
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped this run under signals_raise, if any: an error raised after it is its echo."""
+    return _stopped_by
 
 
 def _raise_pending() -> None:
@@ -211,10 +219,11 @@ def _raise_pending() -> None:
 def signals_raise() -> Iterator[None]:
     """Turn terminating signals into Terminated (Ctrl-C stays KeyboardInterrupt) through one handler that
     deferred_signals can hold back, for the duration (main thread only; nests; restores the handlers)."""
-    global _signal_depth, _deferred
+    global _signal_depth, _deferred, _stopped_by
     if threading.current_thread() is not threading.main_thread() or _signal_depth:
         yield  # an outer level (or no main thread) owns the handlers
         return
+    _stopped_by = None
     previous: dict[int, Any] = {}
     _deferred += 1  # a signal while the handlers go in is held back like in a section
     try:
