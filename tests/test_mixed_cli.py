@@ -15,7 +15,7 @@ from dflash_quant.export.gptq_dynamic import layer_setting
 from dflash_quant.loading.drafter import load_drafter
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import quantize_drafter
-from dflash_quant.quantize.mixed import Candidate, min_bytes
+from dflash_quant.quantize.mixed import Candidate, coded_bits_per_weight, min_bytes
 from dflash_quant.quantize.rtn import rtn_quantize
 from dflash_quant.quantize.settings import QuantSettings
 from dflash_quant.quantize.spec import QuantSpec
@@ -177,6 +177,8 @@ def test_goal_flags_are_exclusive_and_checked():
         (mp.MixedGoal(max_tau_loss=1.0), r"in \(0, 1\)"),
         (mp.MixedGoal(fit_gpu="rtx4090"), "needs --context"),
         (mp.MixedGoal(max_bytes=10, context=10), "only apply with --fit"),
+        (mp.MixedGoal(max_bytes=10, max_bits_per_weight=3.25), "exclusive"),
+        (mp.MixedGoal(max_bits_per_weight=0.5), r"in \(1, 16\]"),
     ]:
         with pytest.raises(UsageError, match=msg):
             goal.check()
@@ -291,6 +293,7 @@ def test_gptq_max_bytes_writes_a_mix_that_verify_and_export_load(pair, tmp_path)
     # the card names the picks and the engines that cannot load the mix
     card = (art / "README.md").read_text()
     assert "Mixed precision" in card and prov["nearest_uniform"] in card
+    assert f"{prov['bits_per_weight']:.3f} bits per weight without g_idx" in card
 
 
 @pytest.mark.slow
@@ -315,6 +318,20 @@ def test_gptq_max_tau_loss_plans_on_the_cached_maps_bounds(pair):
     assert prov["predicted_tau_ratio_low"] <= prov["predicted_tau_ratio"]
     card = (art / "README.md").read_text()
     assert f"no Linear below {prov['bits_floor']} bits" in card and "with the slope's upper bound" in card
+    # a bits-per-weight budget on the same cache: between uniform 3- and 4-bit at group 64 the pick mixes widths
+    r = gptq(pair, "mix-bpw", "--max-bits-per-weight", "3.5", "--no-verify", "--no-card")
+    assert r.returncode == 0, r.stderr
+    art = pair["root"] / "mix-bpw"
+    prov = json.loads((art / "provenance.json").read_text())["mixed"]
+    report = json.loads((art / "quant_report.json").read_text())
+    shapes = [tuple(e["shape"]) for e in report["layers"]]
+    assert prov["goal"] == "max_bits_per_weight" and prov["predicted_bytes"] == report["quantized_bytes"]
+    assert prov["bits_per_weight"] == pytest.approx(coded_bits_per_weight(shapes, report["quantized_bytes"]), abs=1e-4)
+    assert 3.0 < prov["bits_per_weight"] <= 3.5
+    assert {int(s.split("/")[0]) for s in prov["picks"].values()} >= {4}  # wider Linears where the budget allows
+    r = gptq(pair, "mix-bpw-low", "--max-bits-per-weight", "1.5", "--no-verify", "--no-card")
+    assert r.returncode == 2 and "--max-bits-per-weight 1.5 is below the smallest mix" in r.stderr
+    assert not (pair["root"] / "mix-bpw-low").exists()
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import torch
 from dflash_quant.errors import UsageError
 from dflash_quant.quantize.mixed import (
     Candidate,
+    bits_per_weight_bytes,
     candidate_errors,
+    coded_bits_per_weight,
     max_quality,
     min_bytes,
     output_error,
@@ -112,6 +114,16 @@ def test_packed_bytes_gptq_v1():
     # 64x256 at 4 bits g128: qweight 256*4/32*64*4, qzeros 2*ceil(64*4/32)*4, scales 2*64*2, g_idx 256*4
     assert packed_bytes(64, 256, Candidate(4, 128)) == 8192 + 64 + 256 + 1024
     assert packed_bytes(64, 256, Candidate(2, 32)) < packed_bytes(64, 256, Candidate(3, 32))
+
+
+def test_bits_per_weight_counts_codes_scales_and_zeros_not_g_idx():
+    shapes = [(64, 256), (128, 768), (96, 128)]
+    u3 = sum(packed_bytes(o, i, Candidate(3, 128)) for o, i in shapes)
+    # 3 bits + an fp16 scale and a 3-bit zero per 128 weights; g_idx (4 bytes per input column) not counted
+    assert coded_bits_per_weight(shapes, u3) == pytest.approx(3 + 16 / 128 + 3 / 128)
+    assert u3 <= bits_per_weight_bytes(shapes, 3.25) < sum(packed_bytes(o, i, Candidate(4, 128)) for o, i in shapes)
+    budget = bits_per_weight_bytes(shapes, 3.25)
+    assert coded_bits_per_weight(shapes, budget) <= 3.25 < coded_bits_per_weight(shapes, budget + 1)
 
 
 def test_candidate_errors_order_with_bits():

@@ -174,9 +174,13 @@ class FitServing(Record):
 
 @dataclass
 class Mixed(Record):
-    goal: str | None = doc("`max_tau_loss`, `max_bytes` or `fit` (the gptq flag that asked for the mix)")
+    goal: str | None = doc(
+        "`max_tau_loss`, `max_bytes`, `max_bits_per_weight` or `fit` (the gptq flag that asked for the mix)"
+    )
     goal_value: str | None = doc("the flag's value (tau loss, bytes, or GPU and context for `fit`)")
-    byte_budget: int | None = doc("bytes the quantized Linears may take (max_bytes / fit); null for max_tau_loss")
+    byte_budget: int | None = doc(
+        "bytes the quantized Linears may take (max_bytes / max_bits_per_weight / fit); null for max_tau_loss"
+    )
     loss_budget: float | None = doc("summed relative output error allowed (max_tau_loss, from the tau calibration)")
     candidates: list[str] | None = doc("settings searched per Linear, `bits/group_size[+act][+clip]`")
     picks: dict[str, str] | None = doc(
@@ -184,6 +188,9 @@ class Mixed(Record):
         "(clip search) for how GPTQ solved it"
     )
     predicted_bytes: int | None = doc("GPTQ v1 bytes of the quantized Linears at the picks")
+    bits_per_weight: float | None = doc(
+        "the picks' bits per weight in codes, scales and zeros (g_idx, one int32 per input column, not counted)"
+    )
     predicted_loss: float | None = doc("summed relative output error at the picks (calibration rows)")
     predicted_tau_ratio: float | None = doc("tau ratio the tau calibration predicts for that loss")
     predicted_tau_ratio_low: float | None = doc(

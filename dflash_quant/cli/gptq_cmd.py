@@ -291,6 +291,11 @@ def gptq(
         None,
         help="Mixed precision: the best predicted acceptance with the whole drafter within this size (e.g. 900KB).",
     ),
+    max_bits_per_weight: float | None = typer.Option(
+        None,
+        help="Mixed precision: the best predicted acceptance with the quantized Linears at most this many bits per "
+        "weight in codes, scales and zeros (3.25: 3-bit g128 plus a few wider Linears).",
+    ),
     fit: str | None = typer.Option(
         None, help="Mixed precision: the best acceptance that fits this GPU (rtx4090, h100, 24GB) next to the target."
     ),
@@ -340,7 +345,7 @@ def gptq(
     )
     goal = None
     if (
-        max_tau_loss is not None or max_bytes is not None or fit is not None or context is not None or target_weights
+        max_tau_loss is not None or max_bytes is not None or max_bits_per_weight is not None or fit is not None or context is not None or target_weights
         or serving.given()
     ):  # fmt: skip
         from dflash_quant.quantize.mixed_plan import MixedGoal  # torch: only for a mixed-precision job
@@ -348,6 +353,7 @@ def gptq(
         goal = MixedGoal(
             max_tau_loss=max_tau_loss,
             max_bytes=None if max_bytes is None else parse_bytes(max_bytes, what="--max-bytes"),
+            max_bits_per_weight=max_bits_per_weight,
             fit_gpu=fit,
             context=context,
             target_weights=target_weights,

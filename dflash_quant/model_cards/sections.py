@@ -369,7 +369,12 @@ def section_mixed(ctx: dict) -> str:
             [
                 [
                     "this mix",
-                    fmt_bytes(mix.get("predicted_bytes")),
+                    fmt_bytes(mix.get("predicted_bytes"))
+                    + (
+                        f" ({fmt_float(mix.get('bits_per_weight'), 3)} bits per weight without g_idx)"
+                        if mix.get("bits_per_weight") is not None
+                        else ""
+                    ),
                     fmt_float(mix.get("predicted_loss"), 4),
                     f"{fmt_float(mix.get('predicted_tau_ratio'), 4)} predicted"
                     + (

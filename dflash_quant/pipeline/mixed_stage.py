@@ -19,7 +19,7 @@ from dflash_quant.loading.runtime import stop_tokens
 from dflash_quant.memory import fit as mf
 from dflash_quant.quantize import mixed_plan as mp
 from dflash_quant.quantize.drafter import select_linears
-from dflash_quant.quantize.mixed import Candidate, max_quality
+from dflash_quant.quantize.mixed import Candidate, bits_per_weight_bytes, coded_bits_per_weight, max_quality
 from dflash_quant.quantize.mixed_table import build_table, load_curve, load_table, save_curve, save_table
 from dflash_quant.quantize.tune import tune_scales
 from dflash_quant.speculative.verify import CheckSettings, spec_runs
@@ -43,7 +43,8 @@ def plan_mix(
     # which Linears (profile, --skip); --bits/--group-size do not apply to a mix, so any width is accepted here
     chosen, _ = select_linears(drafter.model, replace(job.quant, bits=8, group_size=-1))
     weights = {n: cast(nn.Linear, drafter.model.get_submodule(n)).weight.detach().float() for n in chosen}
-    candidates = mp.candidates_for([(int(w.shape[0]), int(w.shape[1])) for w in weights.values()])
+    shapes = [(int(w.shape[0]), int(w.shape[1])) for w in weights.values()]
+    candidates = mp.candidates_for(shapes)
     plain = [c for c in candidates if c == c.grid]  # the uniform drafters users make (and the card compares)
     key = {
         **calib_key,
@@ -73,6 +74,15 @@ def plan_mix(
             raise UsageError(
                 f"--max-bytes {goal.max_bytes} leaves {byte_budget} bytes for the quantized Linears after the "
                 f"drafter's {rest} bf16 bytes; the smallest mix takes {least}: raise the budget"
+            )
+    elif goal.kind == "max_bits_per_weight":
+        assert goal.max_bits_per_weight is not None
+        byte_budget = bits_per_weight_bytes(shapes, goal.max_bits_per_weight)
+        if byte_budget < least:
+            raise UsageError(
+                f"--max-bits-per-weight {goal.max_bits_per_weight} is below the smallest mix "
+                f"({coded_bits_per_weight(shapes, least):.3f} bits per weight, every Linear at its narrowest "
+                "setting): raise it"
             )
     elif goal.kind == "fit":
         fit_opts = _fit_options(goal, target, drafter, table, candidates, rest, least)
@@ -170,6 +180,7 @@ def plan_mix(
         candidates=[mp.fmt_cand(c) for c in candidates],
         picks={n: mp.fmt_cand(c) for n, c in choice.picks.items()},
         predicted_bytes=choice.total_bytes,
+        bits_per_weight=round(coded_bits_per_weight(shapes, choice.total_bytes), 4),
         predicted_loss=round(choice.total_loss, 6),
         predicted_tau_ratio=round(1 - mp.mix_tau_loss(table, choice.picks, fitted, mp.slope(line)), 5),
         predicted_tau_ratio_low=None

@@ -57,6 +57,21 @@ def packed_bytes(out_features: int, in_features: int, cand: Candidate) -> int:
     return qweight + qzeros + scales + g_idx
 
 
+def bits_per_weight_bytes(shapes: Sequence[tuple[int, int]], bits_per_weight: float) -> int:
+    """The GPTQ v1 bytes Linears of these (out, in) shapes may take at `bits_per_weight` for codes, scales and zeros.
+    g_idx (one int32 per input column, the same at every setting) is added on top: it is column // group, which
+    engines can rebuild, and at drafter sizes it would count as ~0.1 bit per weight."""
+    weights = sum(o * i for o, i in shapes)
+    return math.floor(bits_per_weight * weights / 8) + sum(i * 4 for _, i in shapes)
+
+
+def coded_bits_per_weight(shapes: Sequence[tuple[int, int]], total_bytes: int) -> float:
+    """bits per weight of codes, scales and zeros for Linears of these shapes taking total_bytes (bits_per_weight_bytes'
+    inverse)."""
+    weights = sum(o * i for o, i in shapes)
+    return (total_bytes - sum(i * 4 for _, i in shapes)) * 8 / weights
+
+
 def output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor) -> float:
     """trace((W - Q) H (W - Q)^T) in fp32: the GPTQ objective, summed over output rows."""
     E = weight.float() - dequantized.float()

@@ -71,6 +71,7 @@ def tau_points(candidates: Sequence[Candidate]) -> list[Candidate]:
 class MixedGoal:
     max_tau_loss: float | None = None
     max_bytes: int | None = None
+    max_bits_per_weight: float | None = None  # codes, scales and zeros of the quantized Linears (not g_idx)
     fit_gpu: str | None = None
     context: int | None = None
     target_weights: str | None = None
@@ -82,6 +83,8 @@ class MixedGoal:
     def kind(self) -> str:
         if self.max_tau_loss is not None:
             return "max_tau_loss"
+        if self.max_bits_per_weight is not None:
+            return "max_bits_per_weight"
         return "max_bytes" if self.max_bytes is not None else "fit"
 
     @property
@@ -90,12 +93,18 @@ class MixedGoal:
             return str(self.max_tau_loss)
         if self.kind == "max_bytes":
             return str(self.max_bytes)
+        if self.kind == "max_bits_per_weight":
+            return str(self.max_bits_per_weight)
         given = "".join(f" {k} {v}" for k, v in self.serving.given().items())
         return f"{self.fit_gpu} context {self.context} target weights {self.target_weights or 'from files'}{given}"
 
     def check(self) -> None:
         given = [
-            f for f, v in (("--max-tau-loss", self.max_tau_loss), ("--max-bytes", self.max_bytes), ("--fit", self.fit_gpu))
+            f
+            for f, v in (
+                ("--max-tau-loss", self.max_tau_loss), ("--max-bytes", self.max_bytes),
+                ("--max-bits-per-weight", self.max_bits_per_weight), ("--fit", self.fit_gpu),
+            )
             if v is not None
         ]  # fmt: skip
         if self.fit_gpu is None and (self.context is not None or self.target_weights is not None):
@@ -107,11 +116,16 @@ class MixedGoal:
         if len(given) > 1:
             raise UsageError(f"{' and '.join(given)} are exclusive; pick one goal for the mixed-precision search")
         if not given:
-            raise UsageError("give a mixed-precision goal: --max-tau-loss, --max-bytes or --fit")
+            raise UsageError("give a mixed-precision goal: --max-tau-loss, --max-bytes, --max-bits-per-weight or --fit")
         if self.max_tau_loss is not None and not (0 < self.max_tau_loss < 1):
             raise UsageError(f"--max-tau-loss must be in (0, 1) (0.01 keeps 99 % of bf16 tau), got {self.max_tau_loss}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise UsageError(f"--max-bytes must be a positive size like 900KB or 1.2GB, got {self.max_bytes}")
+        if self.max_bits_per_weight is not None and not (1 < self.max_bits_per_weight <= 16):
+            raise UsageError(
+                f"--max-bits-per-weight must be in (1, 16] (3.25: 3-bit g128 with room for a few 4-bit Linears), "
+                f"got {self.max_bits_per_weight}"
+            )
         if self.fit_gpu is not None and self.context is None:
             raise UsageError("--fit needs --context N (the context length to serve next to the target)")
         if self.context is not None and self.context < 1:
