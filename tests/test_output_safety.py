@@ -448,3 +448,13 @@ def test_a_signal_swallowed_by_native_code_still_exits_as_the_signal(tmp_path, s
     with pytest.raises(typer.Exit) as exit_info:
         corrupt_without_a_signal()
     assert exit_info.value.exit_code == 1  # a stale stop from the run above is not reused
+
+    @handle_errors
+    def stopped_outside_gptq() -> None:  # export, card, memory: the signal itself reaches the wrapper
+        with atomic.signals_raise():
+            os.kill(os.getpid(), sig)
+            time.sleep(1)
+
+    with pytest.raises(typer.Exit) as exit_info:
+        stopped_outside_gptq()
+    assert exit_info.value.exit_code == code

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
 
-from kl_tuning import paired_interval, split_prompts  # noqa: E402
+from kl_tuning import paired_interval, parity_fields, split_prompts  # noqa: E402
 
 from dflash_quant.io.atomic import write_json_atomic  # noqa: E402
 
@@ -68,15 +68,7 @@ def row_of(pair: str, spec: str, res: dict, wall: float | None) -> dict:
         "pair": pair,
         "run": spec,
         "method": spec.split(":")[0],
-        "tau_bf16": par["baseline"]["tau"],
-        "tau": par["quantized"]["tau"],
-        "tau_ratio": par["tau_ratio"],
-        "per_position_acceptance": par["quantized"]["per_position_acceptance"],
-        "per_position_acceptance_bf16": par["baseline"]["per_position_acceptance"],
-        "lossless": par["lossless"],
-        "prompts": par.get("num_prompts"),
-        "per_prompt": par["quantized"].get("per_prompt"),
-        "per_prompt_bf16": par["baseline"].get("per_prompt"),
+        **parity_fields(par),
         "quantized_bytes": rep["quantized_bytes"],
         "bits_per_weight": round((rep["quantized_bytes"] - g_idx) * 8 / weights, 4),
         "settings": sorted({f"{layer['bits']}/{layer['group_size']}" for layer in rep["layers"]}),

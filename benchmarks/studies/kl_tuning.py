@@ -120,6 +120,17 @@ def run_one(
         "group_size": group,
         "method": label,
         "options": opts,
+        **parity_fields(par),
+        "calibrate_s": res["timings"].get("calibrate_s"),
+        "quantize_s": res["timings"].get("quantize_s"),
+        "tuning": rep.get("tuning"),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def parity_fields(par: dict) -> dict:
+    """What a study row keeps of a `gptq --json` parity result: tau, per-position and per-prompt acceptance."""
+    return {
         "tau_bf16": par["baseline"]["tau"],
         "tau": par["quantized"]["tau"],
         "tau_ratio": par["tau_ratio"],
@@ -129,10 +140,6 @@ def run_one(
         "prompts": par.get("num_prompts"),
         "per_prompt": par["quantized"].get("per_prompt"),
         "per_prompt_bf16": par["baseline"].get("per_prompt"),
-        "calibrate_s": res["timings"].get("calibrate_s"),
-        "quantize_s": res["timings"].get("quantize_s"),
-        "tuning": rep.get("tuning"),
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
 
 

@@ -48,8 +48,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if not isinstance(exc, DFlashQuantError):
                 raise
             fail(str(exc), exc.exit_code)
-        except KeyboardInterrupt:
-            fail("interrupted; no output was written", 130)
+        except (KeyboardInterrupt, Terminated) as exc:
+            fail(*stop_message(exc))
 
     return wrapper
 

@@ -345,8 +345,8 @@ def gptq(
     )
     goal = None
     if (
-        max_tau_loss is not None or max_bytes is not None or max_bits_per_weight is not None or fit is not None or context is not None or target_weights
-        or serving.given()
+        max_tau_loss is not None or max_bytes is not None or max_bits_per_weight is not None or fit is not None
+        or context is not None or target_weights or serving.given()
     ):  # fmt: skip
         from dflash_quant.quantize.mixed_plan import MixedGoal  # torch: only for a mixed-precision job
 
