@@ -277,7 +277,8 @@ class Provenance(ReportFile):
     calibration: Calibration | None = doc("calibration data")
     quantization: Quantization | None = doc("recipe")
     mixed: Mixed | None = doc(
-        "per-Linear mixed precision chosen by a search (gptq --max-tau-loss/--max-bytes/--fit)", omit_none=True
+        "per-Linear mixed precision chosen by a search (gptq --max-tau-loss/--max-bytes/--max-bits-per-weight/--fit)",
+        omit_none=True,
     )
     device: str | None = doc("device of the run")
     dtype: str | None = doc("compute dtype of the run")

@@ -134,8 +134,8 @@ def check_job(job: GptqJob) -> GptqJob:
         if not quant.calibrated or quant.sequential or job.gguf_type is not None:
             # gptq-kl is allowed: the search picks each Linear's grid from plain GPTQ, the tuning then runs on the mix
             raise UsageError(
-                "the mixed-precision search (--max-tau-loss/--max-bytes/--max-bits-per-weight/--fit) runs GPTQ from the calibration "
-                "Hessians; drop --method rtn, --sequential and --gguf-type"
+                "the mixed-precision search (--max-tau-loss/--max-bytes/--max-bits-per-weight/--fit) runs GPTQ from the "
+                "calibration Hessians; drop --method rtn, --sequential and --gguf-type"
             )
         if job.format in ("gguf", "mlx"):
             raise UsageError(
