@@ -266,6 +266,30 @@ def summarize(name: str, gptq: dict) -> dict:
     }
 
 
+def reusable(work: Path, runs: list[str]) -> bool:
+    """Whether an earlier build on this machine left every model these runs need (a warm machine keeps /tmp
+    and /dev/shm between calls, and the build is the slowest step)."""
+    try:
+        built = json.loads((work / "build.json").read_text())
+    except (OSError, ValueError):
+        return False
+    paths = built.get("paths", {})
+    need = ["target", "drafter"] + (["int4"] if "int4" in runs and "int4_error" not in built.get("log", {}) else [])
+    return all(k in paths and (Path(paths[k]) / "config.json").is_file() for k in need)
+
+
+def fresh_build(work: Path, args: argparse.Namespace) -> dict | None:
+    """Build in a child process, so that the runs' GPU peaks hold no CUDA context of ours."""
+    (work / "build.json").unlink(missing_ok=True)
+    child = [sys.executable, __file__, "--build-only", "--runs", args.runs, "--device", args.device]
+    child += ["--target-dir", args.target_dir] if args.target_dir else []
+    child += ["--tiny"] if args.tiny else []
+    subprocess.run(child, env={**os.environ, "H27_WORK": str(work)}, check=False)
+    if not (work / "build.json").is_file():
+        return None
+    return json.loads((work / "build.json").read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="gpu,int4", help="comma list of gpu, capped, int4")
@@ -282,6 +306,11 @@ def main() -> None:
         help="seconds for the whole script: later steps are skipped when it runs out",
     )
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--reuse-build",
+        action="store_true",
+        help="use the models an earlier run on this machine built (H27_WORK/build.json) when they are all there",
+    )
     ap.add_argument("--target-dir", default=None, help="where the bf16 target is written (default: most free space)")
     ap.add_argument("--capped-memory", default=None, help="--max-memory of the capped run (default: budget's plan)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/hybrid27b")))
@@ -306,22 +335,22 @@ def main() -> None:
 
     t0 = time.perf_counter()
     deadline = t0 + args.deadline
-    if args.build_only:  # in a child process, so that the runs' GPU peaks hold no CUDA context of ours
+    if args.build_only:
         log: dict = {}
         paths = build(work, args.tiny, args.device, "int4" in runs, log, args.target_dir)
         (work / "build.json").write_text(json.dumps({"log": log, "paths": {k: str(v) for k, v in paths.items()}}))
         return
-    (work / "build.json").unlink(missing_ok=True)
-    child = [sys.executable, __file__, "--build-only", "--runs", args.runs, "--device", args.device]
-    child += ["--target-dir", args.target_dir] if args.target_dir else []
-    subprocess.run(child + (["--tiny"] if args.tiny else []), env={**os.environ, "H27_WORK": str(work)}, check=False)
-    if not (work / "build.json").is_file():
-        result["build"] = {"error": "the build process failed (see its output)"}
-        save()
-        raise SystemExit(1)
-    built = json.loads((work / "build.json").read_text())
+    if args.reuse_build and reusable(work, runs):
+        built = json.loads((work / "build.json").read_text())
+        result["build"] = {**built["log"], "reused": True}
+    else:
+        built = fresh_build(work, args)
+        if built is None:
+            result["build"] = {"error": "the build process failed (see its output)"}
+            save()
+            raise SystemExit(1)
+        result["build"] = {**built["log"], "seconds": round(time.perf_counter() - t0, 1)}
     paths = {k: Path(v) for k, v in built["paths"].items()}
-    result["build"] = {**built["log"], "seconds": round(time.perf_counter() - t0, 1)}
     save()
     common = [
         "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
