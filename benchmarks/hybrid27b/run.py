@@ -258,6 +258,8 @@ def summarize(name: str, gptq: dict) -> dict:
         "host_peak_anon_bytes": gptq["host_peak_bytes"].get("RssAnon"),
         "host_peak_rss_bytes": gptq["host_peak_bytes"].get("VmRSS"),
         "calib_tau_bf16": cal.get("mean_tau_bf16"),
+        "calib_cached": cal.get("cached"),
+        "calib_resumed_prompts": cal.get("resumed_prompts"),
         "tau_bf16": (parity.get("baseline") or {}).get("tau"),
         "tau_int4": (parity.get("quantized") or {}).get("tau"),
         "tau_ratio": parity.get("tau_ratio"),
@@ -298,6 +300,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--eval-new-tokens", type=int, default=64, help="tokens per parity prompt")
+    ap.add_argument(
+        "--capped-eval-new-tokens",
+        type=int,
+        default=32,
+        help="tokens per parity prompt of the capped run (each offloaded step moves the CPU layers over PCIe)",
+    )
     ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
     ap.add_argument(
         "--deadline",
@@ -355,8 +363,7 @@ def main() -> None:
     common = [
         "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
         "--max-new-tokens", str(args.new_tokens), "--eval-num-prompts", str(args.prompts),
-        "--eval-max-new-tokens", str(args.eval_new_tokens), "--no-calib-cache", "--no-check-cache", "--json",
-        "--device", args.device, "--tolerance", "0.5",
+        "--no-check-cache", "--json", "--device", args.device, "--tolerance", "0.5",
     ]  # fmt: skip
     for name in runs:
         if name == "int4" and "int4" not in paths:
@@ -380,6 +387,13 @@ def main() -> None:
         if left < 60:
             result["runs"][name] = {"skipped": f"{left} s left of --deadline"}
             continue
+        # A calibration cache per run: a rerun on the warm machine (--reuse-build) resumes from its checkpoint.
+        cache = work / f"calib-{name}"
+        if not result["build"].get("reused"):
+            shutil.rmtree(cache, ignore_errors=True)
+        tokens = args.capped_eval_new_tokens if name == "capped" else args.eval_new_tokens
+        extra += ["--calib-cache", str(cache), "--eval-max-new-tokens", str(tokens)]
+        row["eval_max_new_tokens"] = tokens
         gptq = cli(["gptq", str(paths["drafter"]), "--target", str(target), *common, *extra, "-o", str(art / "gptq")],
                    args.out, f"gptq_{name}", min(args.timeout, left))  # fmt: skip
         row["gptq"] = {k: v for k, v in gptq.items() if k != "result"}
