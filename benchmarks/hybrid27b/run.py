@@ -71,7 +71,7 @@ def drafter_config(tiny: bool, target_layers: int) -> dict:
         )  # fmt: skip
         raw["dflash_config"] = {
             **raw["dflash_config"], "mask_token_id": 1, "target_layer_ids": [0, 2, 4, 5, 6], "selector_rank": 32,
-            "conv_group_size": 16,
+            "conv_group_size": 16, "selector_top_k": 8,  # llama.cpp needs hidden >= top_k * (top_k + 1)
         }  # fmt: skip
     return raw
 
