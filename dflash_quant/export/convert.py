@@ -17,8 +17,8 @@ from dflash_quant.artifact.sources import portable_path
 from dflash_quant.errors import DFlashQuantError, UsageError
 from dflash_quant.export.compressed_tensors import grid_problem as ct_grid_problem
 from dflash_quant.export.compressed_tensors import write_compressed_tensors
+from dflash_quant.export.gguf import dflash2_problem, kept_problem, write_gguf
 from dflash_quant.export.gguf import grid_problem as gguf_grid_problem
-from dflash_quant.export.gguf import write_gguf
 from dflash_quant.export.gptq_v1 import read_gptq_artifact
 from dflash_quant.export.mlx import grid_problem as mlx_grid_problem
 from dflash_quant.export.mlx import write_mlx
@@ -77,6 +77,8 @@ def convert_artifact(
             f"export compressed-tensors or GPTQ, or re-run gptq uniform (nearest: --bits {top[0]} --group-size {top[1]})"
         )
     problem = format_problem(fmt, art.bits, art.group_size, art.sym, permuted, requantize)
+    if fmt == "gguf":  # what llama.cpp cannot load, before anything is written
+        problem = problem or dflash2_problem(art.config) or kept_problem(art.quantized)
     if problem:
         raise UsageError(problem)
     # the source's reports, through their typed readers (one-line errors when malformed)

@@ -11,6 +11,7 @@ from the dequantized GPTQ weights with gguf's own round-to-nearest when --requan
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from dflash_quant.export.imatrix import write_for_stats
 from dflash_quant.export.writer import whole_drafter_bytes
 from dflash_quant.io.gguf import (
     BLOCK,
+    DFLASH2_KEYS,
     FILE_TYPES,
     K_FILE_TYPES,
     LLAMA_CPP_REVISION,
@@ -86,9 +88,30 @@ def target_depth(target: Path | None, config: dict[str, Any]) -> int | None:
     return int(n) if n is not None else None
 
 
+def dflash2_problem(config: dict[str, Any]) -> str | None:
+    """Why llama.cpp's loader refuses this DFlash2 drafter (None: it loads it, or it is a v1 drafter).
+    `src/models/dflash.cpp` needs hidden_size >= top_k * (top_k + 1) (its selector packs each block position's
+    top-k candidate ids and top-k x top-k transition scores into one hidden-size output row) and hidden_size % conv_group_size == 0 (parse_draft_config refuses
+    that already)."""
+    cfg = parse_draft_config(config)
+    if not cfg.is_dflash2:
+        return None
+    hidden, top_k = int(cfg.hidden_size), int(cfg.selector_top_k)
+    if hidden < top_k * (top_k + 1):
+        return (
+            f"llama.cpp refuses this DFlash2 drafter: hidden size {hidden} is below selector_top_k x (selector_top_k + 1) "
+            f"= {top_k * (top_k + 1)} (its 'selector lattice' check), so llama-server cannot load the GGUF; "
+            "export this drafter as gptq, compressed-tensors or mlx instead"
+        )
+    return None
+
+
 def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
     """Why llama.cpp cannot run this drafter with this target (None: it can). llama.cpp taps layer *inputs*
-    (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts."""
+    (ids + 1), so a tap on the target's last layer has no input tensor and llama-server aborts; a DFlash2
+    drafter must also pass the loader's size checks (dflash2_problem)."""
+    if problem := dflash2_problem(config):
+        return problem
     ids = [int(i) for i in parse_draft_config(config).target_layer_ids]
     depth = target_depth(target, config)
     if depth is not None and ids and max(ids) >= depth - 1:
@@ -97,6 +120,22 @@ def pairing_problem(config: dict[str, Any], target: Path | None) -> str | None:
             f"(id + 1) and has none after the last layer, so llama-server would abort; GGUF needs taps below {depth - 1}"
         )
     return None
+
+
+# DFlash2 Linears that GGUF keeps unquantized, as llama.cpp's converter writes them and every engine runs them
+KEPT_LINEARS = ("kernel_projection", "hidden_projection")
+
+
+def kept_problem(names: Iterable[str]) -> str | None:
+    """The DFlash2 convolution / selector projections stay BF16 in GGUF: refuse an artifact that quantized them."""
+    packed = sorted(n for n in names if n.rsplit(".", 1)[-1] in KEPT_LINEARS)
+    if not packed:
+        return None
+    return (
+        f"GGUF keeps DFlash2's convolution and selector projections BF16 (as llama.cpp's converter writes them), but "
+        f"{packed[0]}{f' and {len(packed) - 1} more' if len(packed) > 1 else ''} are quantized; re-run gptq without "
+        "--quantize-conv / --quantize-selector"
+    )
 
 
 # ------------------------------------------------------------------------------------------- block codecs
@@ -142,6 +181,11 @@ def _hparams(config: dict[str, Any]) -> dict[str, Any]:
     return {"cfg": cfg, "rope_theta": theta}
 
 
+def _dflash2_fields(cfg) -> tuple[int, int, int, int]:
+    k, g, r, t = (int(getattr(cfg, key)) for key in DFLASH2_KEYS)
+    return k, g, r, t
+
+
 def header(art: GptqArtifact, file_type: int) -> DrafterHeader:
     """The GGUF metadata of a drafter from its config.json, as llama.cpp's converter derives it."""
     hp = _hparams(art.config)
@@ -170,6 +214,7 @@ def header(art: GptqArtifact, file_type: int) -> DrafterHeader:
         vocab_size=int(cfg.vocab_size),
         mask_token_id=int(cfg.mask_token_id),
         version=__version__,
+        dflash2=_dflash2_fields(cfg) if cfg.is_dflash2 else None,
     )
 
 
@@ -190,7 +235,9 @@ def write_gguf(
         raise UsageError(
             "GGUF needs the target's tokenizer (llama.cpp checks draft and target vocabularies); pass --target TARGET"
         )
-    if problem := pairing_problem(art.config, Path(target)):
+    if problem := pairing_problem(art.config, Path(target)) or kept_problem(
+        [*art.quantized, *(hf_name(k).removesuffix(".weight") for k in encoded or {})]
+    ):
         raise UsageError(problem)
     written: dict[str, tuple[np.ndarray, str]] = dict(encoded or {})
     for name, qw in art.quantized.items():
@@ -209,8 +256,9 @@ def write_gguf(
             qbytes += data.nbytes
             continue
         value = art.dense[hf_name(key)]
-        if value.dim() <= 1 or key.endswith("_norm.weight"):
-            tensors.append((key, value.float().numpy(), None))  # llama.cpp keeps norms in F32
+        if value.dim() <= 1 or key.endswith("_norm.weight") or not key.endswith(".weight"):
+            # F32 as llama.cpp's converter forces: norms, 1-D tensors and names without `.weight` (base_kernel)
+            tensors.append((key, value.float().numpy(), None))
         else:  # a Linear kept unquantized: its stored bf16 bits, untouched
             bits = value.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
             tensors.append((key, bits.reshape(value.shape[0], -1), "BF16"))

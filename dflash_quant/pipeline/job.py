@@ -142,6 +142,11 @@ def check_job(job: GptqJob) -> GptqJob:
                 f"--format {job.format} holds one bit width for all Linears, not a per-Linear mix; use --format gptq "
                 "or compressed-tensors, or a uniform --bits"
             )
+    if job.format == "gguf" and (quant.quantize_conv or quant.quantize_selector):
+        raise UsageError(
+            "--format gguf keeps DFlash2's convolution and selector projections BF16 (as llama.cpp's converter writes "
+            "them); drop --quantize-conv / --quantize-selector"
+        )
     if job.gguf_type is None and job.format != "gptq":
         from dflash_quant.export.convert import format_problem  # torch: only a job for another format loads it
 
