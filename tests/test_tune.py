@@ -186,6 +186,45 @@ def test_a_mixed_precision_drafter_is_tuned_within_each_linears_grid(calibrated)
         assert torch.equal(model.get_submodule(name).weight, qw.dequantize())
 
 
+@pytest.mark.parametrize("gguf_type", ["Q3_K", "Q2_K", "Q4_K", "IQ4_NL"])
+def test_a_kquant_grid_is_tuned_within_llama_cpps_layout(calibrated, gguf_type):
+    """On a llama.cpp grid the fp16 super-block d (and dmin) move, the integer sub-block scales and mins stay, codes
+    move at most one step (IQ4_NL's codebook indices not at all), and the module holds what the GGUF will store."""
+    from dflash_quant.quantize.kquant import quantize_drafter_kquant
+
+    drafter, target, stats = calibrated
+    model = copy.deepcopy(drafter.model)
+    rows = teacher_rows(model, stats.replay)
+    outcome = quantize_drafter_kquant(model, stats, QuantSettings(bits=4, min_rows=16), gguf_type, scale_search=0)
+    old = {
+        n: (qw.d.clone(), qw.dmin.clone(), qw.sc.clone(), qw.m.clone(), qw.codes.clone())
+        for n, qw in outcome.weights.items()
+    }
+    head = target.model.get_output_embeddings()
+    before = _replay_kl(model, stats.replay, rows, head)
+    # at 4.5 bits (IQ4_NL's blocks of 32) the default --tune-lr moves every scale by more than the grid errs
+    lr = 5e-4 if gguf_type == "IQ4_NL" else 2e-3
+    report = tune_scales(model, outcome.weights, stats.replay, rows, head, epochs=2, lr=lr)
+    after = _replay_kl(model, stats.replay, rows, head)
+    assert not report.kept_gptq_scales and after < 0.9 * before
+    assert report.kl_after == pytest.approx(after, rel=1e-4)
+    for name, qw in outcome.weights.items():
+        d, dmin, sc, m, codes = old[name]
+        assert torch.equal(qw.sc, sc) and torch.equal(qw.m, m)  # the integer sub-block scales stay
+        assert torch.equal(qw.d, qw.d.half().float()) and torch.equal(qw.dmin, qw.dmin.half().float())
+        assert torch.equal(qw.d == 0, d == 0)
+        if qw.grid.has_min:  # d and dmin share the block's multiplier: the block scales around zero
+            live = (d != 0) & (dmin != 0)
+            assert torch.allclose((qw.d / d)[live], (qw.dmin / dmin)[live], rtol=2e-3)
+        else:
+            assert torch.equal(qw.dmin, dmin)
+        moved = (qw.codes.long() - codes.long()).abs()
+        assert int(moved.max()) <= (0 if gguf_type == "IQ4_NL" else 1)
+        assert int(qw.codes.max()) <= qw.grid.levels - 1
+        assert torch.equal(model.get_submodule(name).weight, qw.dequantize())
+    assert any(not torch.equal(qw.d, old[n][0]) for n, qw in outcome.weights.items())
+
+
 def test_tuning_without_recorded_inputs_is_refused(calibrated):
     from dflash_quant.errors import DFlashQuantError
 
@@ -239,13 +278,43 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
     assert json.loads(check.stdout)["summary"]["lossless"] is True
 
 
+@pytest.mark.slow
+def test_gptq_kl_on_a_kquant_mix_writes_the_tuned_gguf(tmp_path):
+    """`--method gptq-kl --gguf-type Q2_K_MIX` (llama.cpp's Q2_K mix): the GGUF holds the tuned grid, its report names
+    the method per Linear, and verify reloads the file and finds the same drafter."""
+    out = tmp_path / "q2k"
+    small = ["--num-prompts", "6", "--max-new-tokens", "24", "--eval-num-prompts", "3", "--eval-max-new-tokens", "24"]
+    res = _cli(
+        "gptq", "--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q2_K_MIX", "--tune-epochs", "1",
+        "--output", str(out), *small, "--tolerance", "0.5", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    tuning = result["quant_report"]["tuning"]
+    assert tuning["steps"] == 6 and tuning["kl_after"] <= tuning["kl_before"]
+    report = json.loads((out / "quant_report.json").read_text())
+    assert {layer["method"] for layer in report["layers"]} == ({"gptq"} if tuning["kept_gptq_scales"] else {"gptq-kl"})
+    assert {layer["gguf_type"] for layer in report["layers"]} == {"Q2_K", "Q3_K"}  # llama.cpp's per-tensor mix
+    ggufs = [p for p in out.glob("*.gguf") if not p.name.endswith(".imatrix.gguf")]
+    assert len(ggufs) == 1
+    check = _cli("verify", str(out), "--num-prompts", "3", "--max-new-tokens", "24", "--json")
+    assert check.returncode == 0, check.stderr
+    summary = json.loads(check.stdout)["summary"]
+    assert summary["lossless"] is True
+    # the reloaded GGUF drafts exactly as the drafter gptq measured (same weights, same prompts)
+    assert summary["tau"] == pytest.approx(result["parity"]["quantized"]["tau"], abs=1e-9)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--method", "gptq-kl", "--tune-epochs", "0"], "--tune-epochs must be >= 1"),
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
         (["--method", "gptq-kl", "--tune-code-travel", "0"], "--tune-code-travel must be in (0, 100]"),
-        (["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q4_K"], "drop --gguf-type"),
+        (
+            ["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q3_K", "--desc-act"],
+            "drop --sequential/--desc-act",
+        ),
         (["--method", "rtn", "--max-tau-loss", "0.01"], "drop --method rtn"),
     ],
 )

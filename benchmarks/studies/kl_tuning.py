@@ -42,7 +42,8 @@ DEVFILES_FROM, DEVFILES_N = 512, 128
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
     """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or
-    `gptq-kl:lr=0.002:epochs=2:codes=no:code_travel=1:tokens=256:tf=yes:calib=512` -> (method, extra options).
+    `gptq-kl:lr=0.002:epochs=2:codes=no:code_travel=1:tokens=256:tf=yes:calib=512:gguf=Q3_K_S` -> (method, extra
+    options).
     calib=N adds the first N prompts of `benchmarks/prompts/*_calib_extra.jsonl` (cut from the pair's training
     files) to the split's calibration prompts."""
     method, *opts = text.split(":")
@@ -95,6 +96,8 @@ def run_one(
             cmd += ["--teacher-forced"] if v == "yes" else []
         elif k == "calib":
             pass  # below, with the split's calibration prompts
+        elif k == "gguf":  # gguf=Q3_K_S: llama.cpp's grid (the bits:group of the row are not used)
+            cmd += ["--format", "gguf", "--gguf-type", v]
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
     n_extra = int(opts.get("calib", 0))
@@ -162,14 +165,15 @@ def paired_interval(row: dict, base: dict, draws: int = 2000) -> list[float]:
 
 
 def base_of(row: dict, rows: list[dict]) -> dict | None:
-    """The GPTQ row a tuned row is compared with: same pair, grid and solver flags (`gptq-kl+act` -> `gptq+act`)."""
+    """The GPTQ row a tuned row is compared with: same pair, grid (llama.cpp type too) and solver flags
+    (`gptq-kl+act` -> `gptq+act`)."""
     flags = "".join("+" + f for f in row["method"].split("+")[1:])
     return next(
         (
             r
             for r in rows
-            if (r["pair"], r["bits"], r["group_size"], r["method"])
-            == (row["pair"], row["bits"], row["group_size"], "gptq" + flags)
+            if (r["pair"], r["bits"], r["group_size"], r["method"], r["options"].get("gguf"))
+            == (row["pair"], row["bits"], row["group_size"], "gptq" + flags, row["options"].get("gguf"))
         ),
         None,
     )

@@ -125,11 +125,6 @@ def check_job(job: GptqJob) -> GptqJob:
             raise UsageError(f"--gguf-scale-search must be 0..8 (0: off), got {job.gguf_scale_search}")
         if job.format != "gguf":
             raise UsageError(f"--gguf-type {job.gguf_type} writes GGUF; add --format gguf")
-        if quant.tuned:
-            raise UsageError(
-                "--method gptq-kl tunes GPTQ v1 scales, not llama.cpp's k-quant grids; drop --gguf-type (a Q4_0 "
-                "GGUF of a gptq-kl run: --group-size 32 --format gguf) or use --method gptq"
-            )
     if job.mixed is not None:
         if not quant.calibrated or quant.sequential or job.gguf_type is not None:
             # gptq-kl is allowed: the search picks each Linear's grid from plain GPTQ, the tuning then runs on the mix

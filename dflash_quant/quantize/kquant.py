@@ -469,6 +469,7 @@ def quantize_drafter_kquant(model, stats, settings, gguf_type: str, progress=Non
             {
                 "name": name,
                 "shape": list(weight.shape),
+                "method": "gptq" if settings.calibrated else "rtn",
                 "gguf_type": grid.name,
                 "bits_per_weight": grid.bits_per_weight,
                 "hessian_rows": acc.rows if acc is not None else None,

@@ -30,6 +30,7 @@ from dflash_quant.models.model import (
     visibility_mask,
 )
 from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, QuantizedWeight
+from dflash_quant.quantize.kquant import KQuantWeight, column_grid, decode
 from dflash_quant.quantize.settings import TUNE_CODE_STEP_MAX, TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR
 
 
@@ -105,10 +106,92 @@ class _ScaledCodes(nn.Module):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
 
+class _KScaledCodes(nn.Module):
+    """The same tuning on a llama.cpp k-quant grid: each row's super-block gets a learned multiplier on its fp16
+    `d` and, for the grids with mins, on `dmin` alike, so the block scales around zero as a GPTQ v1 group does (a
+    multiplier on d alone would pivot around the block's minimum); the integer sub-block scales and mins stay,
+    and each code gets an offset of at most one step (IQ4_NL's codebook indices are not steps, so only its d is
+    tuned). Every tuned value is stored as the GGUF stores it (fp16 d/dmin, integer codes)."""
+
+    def __init__(self, qw: KQuantWeight, bias: torch.Tensor | None, device: torch.device, codes: bool):
+        super().__init__()
+        self.grid = qw.grid
+        self.d = qw.d.to(device).float()
+        self.dmin = qw.dmin.to(device).float()
+        self.sc = qw.sc.to(device)
+        self.m = qw.m.to(device)
+        self.codes = qw.codes.to(device).float()
+        self.maxq = float(qw.grid.levels - 1)
+        self.log_mult = nn.Parameter(torch.zeros_like(self.d))
+        movable = codes and qw.grid.name != "IQ4_NL"
+        self.offset = nn.Parameter(torch.zeros_like(self.codes)) if movable else None
+        self.bias = bias
+        self.step_weight: torch.Tensor | None = None
+        self.stored_min: torch.Tensor | None = None  # set once tuning ends: dmin as the file stores it
+
+    def tuned_scales(self) -> torch.Tensor:
+        return self.d * self.log_mult.exp()
+
+    def tuned_mins(self) -> torch.Tensor:
+        if self.stored_min is not None:
+            return self.stored_min
+        return self.dmin * self.log_mult.exp() if self.grid.has_min else self.dmin
+
+    def tuned_codes(self) -> torch.Tensor:
+        if self.offset is None:
+            return self.codes
+        c = self.codes + self.offset
+        return (c + (torch.round(c) - c).detach()).clamp(0, self.maxq)
+
+    def build(self, dtype: torch.dtype) -> None:
+        step, off = column_grid(self.grid, self.tuned_scales(), self.tuned_mins(), self.sc, self.m)
+        codes = self.tuned_codes()
+        if self.grid.name == "IQ4_NL":
+            weight = decode(self.grid, codes.long(), step, off)
+        elif self.grid.signed:
+            weight = step * (codes - self.grid.levels // 2)
+        else:
+            weight = step * codes - off
+        self.step_weight = weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step_weight is None:
+            self.build(x.dtype)
+        weight = cast(torch.Tensor, self.step_weight)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def round_to_stored(self) -> None:
+        """d and dmin exactly as the GGUF will hold them, fp16 each (zero blocks stay zero)."""
+        if self.grid.has_min:
+            self.stored_min = _fp16_signed(self.dmin * self.log_mult.exp(), self.dmin != 0)
+        live = self.d != 0
+        stored = _fp16_signed(self.d * self.log_mult.exp(), live)
+        self.log_mult.copy_(torch.where(live, (stored / torch.where(live, self.d, 1.0)).log(), 0.0))
+
+
+Tuned = _ScaledCodes | _KScaledCodes
+
+
 def _fp16_nearest(scale: torch.Tensor) -> torch.Tensor:
     if not torch.isfinite(scale).all() or (scale > FP16_MAX).any():
         raise DFlashQuantError("scale tuning diverged (a scale left the fp16 range); rerun with a lower --tune-lr")
     return scale.clamp(min=FP16_TINY).half().float()
+
+
+def _fp16_signed(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """fp16 values of x where live (k-quant d may be negative), zero elsewhere."""
+    return torch.where(live, x.sign() * _fp16_nearest(torch.where(live, x.abs(), 1.0)), torch.zeros_like(x))
+
+
+def _store_kquant(qw: KQuantWeight, tuned: _KScaledCodes) -> float:
+    """Write the tuned fp16 d (and dmin) into qw; the mean |log change| of its nonzero d."""
+    live = qw.d != 0
+    new_d = _fp16_signed(tuned.tuned_scales().detach().to(qw.d.device), live)
+    change = float((new_d[live] / qw.d[live]).log().abs().mean()) if live.any() else 0.0
+    qw.d = new_d
+    if tuned.stored_min is not None:
+        qw.dmin = tuned.stored_min.detach().to(qw.dmin.device)
+    return change
 
 
 def _kl(student: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -195,7 +278,7 @@ def teacher_rows(drafter: DFlashDrafter, replay: Sequence[Sequence[DraftCall]]) 
 
 def tune_scales(
     drafter: DFlashDrafter,
-    weights: dict[str, QuantizedWeight],
+    weights: Mapping[str, QuantizedWeight | KQuantWeight],
     replay: Sequence[Sequence[DraftCall]],
     teacher: list[torch.Tensor],
     head: nn.Module,
@@ -224,7 +307,7 @@ def tune_scales(
     t0 = time.perf_counter()
     frozen = [(q, q.requires_grad) for q in drafter.parameters()]
     head_frozen = [(q, q.requires_grad) for q in head.parameters()]
-    swapped: dict[str, tuple[nn.Module, str, nn.Linear, _ScaledCodes]] = {}
+    swapped: dict[str, tuple[nn.Module, str, nn.Linear, Tuned]] = {}
     try:
         for q, _ in frozen + head_frozen:
             q.requires_grad_(False)
@@ -232,10 +315,15 @@ def tune_scales(
             module = cast(nn.Linear, drafter.get_submodule(name))
             parent_name, _, leaf = name.rpartition(".")
             parent = drafter.get_submodule(parent_name) if parent_name else drafter
-            tuned = _ScaledCodes(qw, module.bias, device, codes)
+            tuned: Tuned = (
+                _KScaledCodes(qw, module.bias, device, codes)
+                if isinstance(qw, KQuantWeight)
+                else _ScaledCodes(qw, module.bias, device, codes)
+            )
             setattr(parent, leaf, tuned)
             swapped[name] = (parent, leaf, module, tuned)
-        params = [t.log_mult for *_, t in swapped.values()]  # the code offsets take signed steps, not Adam's
+        # the code offsets take signed steps, not Adam's
+        params = [t.log_mult for *_, t in swapped.values()]
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
         total_rows = sum(t.shape[0] for t in teacher)
@@ -295,7 +383,10 @@ def tune_scales(
         # what the checkpoint will hold: fp16 scales
         with torch.no_grad():
             for *_, t in swapped.values():
-                t.log_mult.copy_((_fp16_nearest(t.tuned_scales()) / t.scales).log())
+                if isinstance(t, _KScaledCodes):
+                    t.round_to_stored()
+                else:
+                    t.log_mult.copy_((_fp16_nearest(t.tuned_scales()) / t.scales).log())
         after = mean_kl()
         keep = not after < before
         change: dict[str, float] = {}
@@ -303,9 +394,13 @@ def tune_scales(
         for name, (_, _, module, tuned) in swapped.items():
             qw = weights[name]
             if not keep:
-                new = _fp16_nearest(tuned.tuned_scales().detach()).to(qw.scales.device)
-                change[name] = float((new / qw.scales).log().abs().mean())
-                qw.scales = new
+                if isinstance(qw, KQuantWeight):
+                    assert isinstance(tuned, _KScaledCodes)
+                    change[name] = _store_kquant(qw, tuned)
+                else:
+                    new = _fp16_nearest(tuned.tuned_scales().detach()).to(qw.scales.device)
+                    change[name] = float((new / qw.scales).log().abs().mean())
+                    qw.scales = new
                 new_codes = tuned.tuned_codes().detach().to(qw.codes.device, qw.codes.dtype)
                 flipped[name] = float((new_codes != qw.codes).float().mean())
                 qw.codes = new_codes
