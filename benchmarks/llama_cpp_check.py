@@ -128,6 +128,26 @@ def ours(out: Path, *args) -> Path:
 V1_POINTS = ((4, 128), (3, 32), (3, 128), (2, 32))
 
 
+# --kl: our GPTQ and gptq-kl on these types, both calibrated on the 128 + 512 prompts gptq-kl's defaults were
+# chosen with (benchmarks/studies/kl_tuning.py, devfiles split), teacher-forced
+KL_TYPES = ("Q3_K_S", "Q2_K_MIX")
+KL_EXTRA = 512
+
+
+def kl_label(kind: str, method: str) -> str:
+    return f"{kind} dflash-quant {method.upper()} on grid, {128 + KL_EXTRA} calibration prompts"
+
+
+def kl_calibration(w: Path) -> list[str]:
+    """The pair's calibration prompts and the first KL_EXTRA of benchmarks/prompts/ref_calib_extra.jsonl."""
+    lines = [x for x in (PAIR / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
+    lines += (ROOT / "benchmarks/prompts/ref_calib_extra.jsonl").read_text().splitlines()[:KL_EXTRA]
+    path = w / "calib640.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return ["--calib-prompts", str(path), "--num-prompts", str(len(lines)), "--teacher-forced", "--calib-cache",
+            str(w / "calib640")]  # fmt: skip
+
+
 def v1_label(bits: int, group: int) -> str:
     return f"GPTQ-v1-{bits}bit-g{group} dflash-quant GPTQ v1 sym (dequantized, f32 GGUF)"
 
@@ -519,6 +539,11 @@ def main() -> None:
         help="with --kquant: also our GPTQ with --gguf-scale-search 0 (no in-loop sub-block scale search)",
     )
     ap.add_argument("--gptq-v1", action="store_true", help="with --kquant: add GPTQ v1 points (f32 GGUF)")
+    ap.add_argument(
+        "--kl",
+        action="store_true",
+        help="with --kquant: our GPTQ and gptq-kl on Q3_K_S and the Q2_K mix, 640 calibration prompts each",
+    )
     ap.add_argument("--plot-with", type=Path, nargs="*", default=[], help="more result JSONs to draw (same prompts)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, help="also write the bits/weight vs tau-ratio plot (PNG)")
@@ -560,6 +585,13 @@ def main() -> None:
                 rows[f"{mine} {SS0}"] = ours(w / f"ours-{mine}-ss0", "--gguf-type", mine, "--gguf-scale-search", "0")
         for kind in OURS_PURE:
             rows[f"{kind} dflash-quant GPTQ on grid"] = ours(w / f"ours-{kind}", "--gguf-type", kind)
+        if args.kl:
+            calib = kl_calibration(w)
+            for mine in KL_TYPES:
+                for method in ("gptq", "gptq-kl"):
+                    rows[kl_label(mine, method)] = ours(
+                        w / f"ours-{method}640-{mine}", "--gguf-type", mine, "--method", method, *calib
+                    )
         if args.gptq_v1:
             for bits, group in V1_POINTS:
                 rows[v1_label(bits, group)] = gptq_v1_f32(w, bits, group)
@@ -620,8 +652,8 @@ def write(out: Path, results: dict, meta: dict, max_new: int, pairs: dict | None
 
 
 def paired(results: dict, draws: int = 4000) -> dict:
-    """Our GPTQ vs llama-quantize (without / with our imatrix) of the same per-tensor types, and vs our GPTQ
-    without the in-loop scale search: the tau-ratio difference and its 95 % paired bootstrap interval over
+    """Our GPTQ vs llama-quantize (without / with our imatrix) of the same per-tensor types, vs our GPTQ
+    without the in-loop scale search, and (--kl) gptq-kl vs GPTQ on the same 640 calibration prompts: the tau-ratio difference and its 95 % paired bootstrap interval over
     prompts (each draw resamples prompts once for both drafters and the f32 reference)."""
     import random
 
@@ -637,6 +669,8 @@ def paired(results: dict, draws: int = 4000) -> dict:
             ),
             (f"{mine} dflash-quant GPTQ on grid", f"{mine} {SS0}", "vs_scale_search_0"),
             (f"{mine} {SS0}", f"{kind} (llama-quantize)", "scale_search_0_vs_llama_quantize"),
+            (kl_label(mine, "gptq-kl"), kl_label(mine, "gptq"), "kl_vs_gptq_same_calibration"),
+            (kl_label(mine, "gptq-kl"), f"{kind} (llama-quantize)", "kl_vs_llama_quantize"),
         )
         for la, lb, key in comparisons:
             a, b = results.get(la), results.get(lb)

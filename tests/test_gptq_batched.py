@@ -131,3 +131,56 @@ def test_triton_kernel_equals_textbook_on_cuda(bits, group, sym, desc_act, stati
     got = gptq_quantize_many(problems, spec, kernel="triton", **kw)
     for (w, h, name), qw in zip(problems, got, strict=False):
         _same(qw, gptq_quantize(w, h, spec, name=name, **kw))
+
+
+def test_drafter_solve_in_memory_bounded_chunks_and_on_cpu_gives_the_same_codes():
+    """At the 27B scale every group's fp32 weights and Hessian copies at once do not fit beside the target: the
+    drafter's groups are solved in chunks within a byte budget, a group larger than the budget alone on the CPU,
+    with the same codes as one unbounded solve."""
+    import copy
+
+    from dflash_quant.calibration.capture import input_group
+    from dflash_quant.models.config import parse_draft_config
+    from dflash_quant.models.model2 import build_drafter
+    from dflash_quant.quantize.drafter import QuantOutcome, _apply, _group_bytes, solve_plan
+    from dflash_quant.quantize.settings import QuantSettings
+    from tests.tiny import drafter_raw_config
+
+    torch.manual_seed(0)
+    model = build_drafter(parse_draft_config(drafter_raw_config())).eval()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    accs: dict[str, HessianAccumulator] = {}
+    groups = {}
+    for name in names:
+        g = input_group(name, "block")
+        module = model.get_submodule(name)
+        if g not in accs:
+            accs[g] = HessianAccumulator(module.in_features, name=g)
+            accs[g].add(torch.randn(64, module.in_features))
+        groups.setdefault(g, ([], [], accs[g]))
+        groups[g][0].append(name)
+        groups[g][1].append(module)
+    pending = list(groups.values())
+    sizes = [_group_bytes(m) for _, m, _ in pending]
+    budget = max(sizes) - 1  # the largest groups exceed it: solved on the CPU; the rest in several chunks
+    plan = solve_plan(pending, budget)
+    assert sum(on_cpu for _, on_cpu in plan) == sum(s > budget for s in sizes) >= 1
+    assert sum(1 for _, on_cpu in plan if not on_cpu) >= 2
+    assert all(sum(_group_bytes(g[1]) for g in chunk) <= budget for chunk, on_cpu in plan if not on_cpu)
+    assert sorted(n for chunk, _ in plan for g in chunk for n in g[0]) == sorted(names)
+    assert solve_plan(pending, None) == [(pending, False)]
+
+    settings = QuantSettings(bits=3, group_size=32, min_rows=16)
+    results = {}
+    for limit in (None, budget):
+        m2 = copy.deepcopy(model)
+        own = [(ns, [m2.get_submodule(n) for n in ns], acc) for ns, _, acc in pending]
+        out = QuantOutcome(weights={}, kept=[])
+        _apply(own, settings, out, None, budget=limit)
+        results[limit] = (out, m2)
+    (a, ma), (b, mb) = results[None], results[budget]
+    assert [x["name"] for x in a.layers] == [x["name"] for x in b.layers]  # written back in the same order
+    for name in names:
+        qa, qb = a.weights[name], b.weights[name]
+        assert torch.equal(qa.codes, qb.codes) and torch.equal(qa.scales, qb.scales)
+        assert torch.equal(ma.get_submodule(name).weight, mb.get_submodule(name).weight)

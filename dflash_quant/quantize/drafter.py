@@ -119,10 +119,13 @@ def _quantize_group(
 
 
 def _quantize_groups(
-    groups: list[tuple[list[str], list[nn.Linear], HessianAccumulator | None]], settings: QuantSettings
+    groups: list[tuple[list[str], list[nn.Linear], HessianAccumulator | None]],
+    settings: QuantSettings,
+    device: torch.device | None = None,
 ) -> list[list[tuple[QuantizedWeight, dict[str, Any]]]]:
     """Quantize several shared-input groups; GPTQ solves the groups of one shape as one batch
-    (gptq_batched: the textbook's result per group, in far fewer launches)."""
+    (gptq_batched: the textbook's result per group, in far fewer launches). device: solve there instead of on
+    the weights' device (the CPU, for a group the GPU has no room for)."""
     spec = settings.spec()
     prepared = []
     for names, modules, acc in groups:
@@ -133,8 +136,11 @@ def _quantize_groups(
                     f"only {acc.rows} calibration rows reached {names[0]} (need at least {settings.min_rows}); "
                     "raise --num-prompts or --max-new-tokens"
                 )
-            hessian = acc.hessian()
-        prepared.append((names, [m.weight.detach().float() for m in modules], acc, hessian))
+            hessian = acc.hessian() if device is None else acc.hessian().to(device)
+        weights = [
+            m.weight.detach().float() if device is None else m.weight.detach().to(device).float() for m in modules
+        ]
+        prepared.append((names, weights, acc, hessian))
     if settings.calibrated:
         if hessian is None:
             raise DFlashQuantError(f"no calibration rows reached {names[0]}; check the calibration prompts")
@@ -261,13 +267,61 @@ def _by_setting(
     ]
 
 
-def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None, solve=None) -> None:
-    """Quantize `groups` and write the dequantized weights back into their modules, in order."""
+def _group_bytes(modules: list[nn.Linear]) -> int:
+    """What solving one shared-input group holds at once on its device: its fp32 weights about four times (the
+    copy, the stacked problem, codes, scratch) and four [in, in] fp32 matrices (H, its damped copy, the inverse
+    factor, the batch's stacked copy)."""
+    n = modules[0].in_features
+    return 4 * (4 * sum(m.weight.numel() for m in modules) + 4 * n * n)
+
+
+def solve_plan(groups: list, budget: int | None) -> list[tuple[list, bool]]:
+    """Chunks of `groups` to solve one after another, each within `budget` bytes (None: all at once), and
+    whether the chunk goes to the CPU: a group larger than the budget alone is solved there. At the 27B scale the
+    drafter's fp32 weights and Hessian copies for every group at once (~25 GB) do not fit beside the target."""
+    if budget is None:
+        return [(groups, False)] if groups else []
+    plan: list[tuple[list, bool]] = []
+    chunk: list = []
+    used = 0
+    for group in groups:
+        size = _group_bytes(group[1])
+        if size > budget:
+            plan.append(([group], True))
+            continue
+        if chunk and used + size > budget:
+            plan.append((chunk, False))
+            chunk, used = [], 0
+        chunk.append(group)
+        used += size
+    if chunk:
+        plan.append((chunk, False))
+    return plan
+
+
+def _solve_budget(groups: list) -> int | None:
+    """Bytes the batched solve may take on the weights' device: most of the free memory on CUDA, no limit on CPU
+    (where the GPTQ solver batches within its own cap)."""
+    device = groups[0][1][0].weight.device
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * 0.8)
+
+
+def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None, solve=None, budget=-1) -> None:
+    """Quantize `groups` and write the dequantized weights back into their modules, in order. budget: bytes per
+    solve chunk (-1: from the device's free memory; None: no limit)."""
     if not groups:
         return
+    if budget == -1:
+        budget = _solve_budget(groups)
     solved = []
+    cpu = torch.device("cpu")
     for each, part in _by_setting(groups, settings, picks, solve):
-        solved += list(zip(part, _quantize_groups(part, each), strict=True))
+        for chunk, on_cpu in solve_plan(part, budget):
+            solved += list(zip(chunk, _quantize_groups(chunk, each, cpu if on_cpu else None), strict=True))
     order = {name: i for i, (names, _, _) in enumerate(groups) for name in names}
     solved.sort(key=lambda item: order[item[0][0][0]])
     for (names, modules, _), results in solved:

@@ -160,4 +160,4 @@ class QuantizedWeight:
 def columns_in_order(qw: QuantizedWeight) -> bool:
     """True when every input column's group is column // group width (no act-order permutation)."""
     width = qw.in_features // qw.n_groups
-    return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features) // width))
+    return bool(torch.equal(qw.g_idx.long(), torch.arange(qw.in_features, device=qw.g_idx.device) // width))
