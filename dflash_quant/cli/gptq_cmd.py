@@ -24,7 +24,13 @@ from dflash_quant.cli.common import (
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
 from dflash_quant.memory.gpus import parse_bytes
-from dflash_quant.quantize.settings import TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR, TUNE_MIN_PROMPTS
+from dflash_quant.quantize.settings import (
+    TUNE_CODE_TRAVEL,
+    TUNE_EPOCHS,
+    TUNE_LR,
+    TUNE_LR_KQUANT,
+    TUNE_MIN_PROMPTS,
+)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -128,10 +134,14 @@ def gptq(
     method: str = typer.Option(
         "gptq",
         help="gptq; gptq-kl (GPTQ codes, then each group's scale tuned on the drafter's KL to its bf16 self over "
-        "the calibration inputs: better below 4 bits); or rtn (round-to-nearest baseline).",
+        "the calibration inputs: better below 4 bits; with --gguf-type each super-block's d/dmin); or rtn "
+        "(round-to-nearest baseline).",
     ),
     tune_epochs: int = typer.Option(TUNE_EPOCHS, help="gptq-kl: passes over the recorded calibration inputs."),
-    tune_lr: float = typer.Option(TUNE_LR, help="gptq-kl: Adam step size on each group's log scale."),
+    tune_lr: float | None = typer.Option(
+        None,
+        help=f"gptq-kl: Adam step size on each group's log scale [default: {TUNE_LR}; {TUNE_LR_KQUANT} with --gguf-type].",
+    ),
     tune_codes: bool = typer.Option(
         True, "--tune-codes/--no-tune-codes", help="gptq-kl: let each code move one step (signed-gradient offsets)."
     ),
@@ -385,7 +395,7 @@ def gptq(
             quantize_conv=quantize_conv,
             quantize_selector=quantize_selector,
             tune_epochs=tune_epochs,
-            tune_lr=tune_lr,
+            tune_lr=tune_lr if tune_lr is not None else (TUNE_LR_KQUANT if gguf_type else TUNE_LR),
             tune_codes=tune_codes,
             tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,

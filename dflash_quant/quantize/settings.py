@@ -27,6 +27,9 @@ METHODS = ("gptq", "gptq-kl", "rtn")
 # Chosen on the development split (benchmarks/studies/kl_tuning.py); the held-out prompts only measure them.
 TUNE_EPOCHS = 2
 TUNE_LR = 2e-3
+# on llama.cpp's k-quant grids (one multiplier per 256-weight super-block): 1e-3 beat 2e-3 on the file-disjoint dev
+# split at Q3_K_S and the Q2_K mix (benchmarks/results/kl_tuning_devfiles_kquant.json)
+TUNE_LR_KQUANT = 1e-3
 # how far (in code steps) each code offset may travel over the whole tuning: every signed step is this / the number
 # of steps (AutoRound's lr = 1 / iterations), at most TUNE_CODE_STEP_MAX, so more calibration prompts do not move
 # codes further and a short tuning does not flip them in a few steps; 2.0 x 1/192 is about the 0.01 per step the
