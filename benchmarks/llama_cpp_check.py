@@ -542,7 +542,8 @@ def main() -> None:
     ap.add_argument(
         "--kl",
         action="store_true",
-        help="with --kquant: our GPTQ and gptq-kl on Q3_K_S and the Q2_K mix, 640 calibration prompts each",
+        help="with --kquant: gptq-kl on Q3_K_S and the Q2_K mix (the default 128 calibration prompts), and GPTQ "
+        "and gptq-kl on 640",
     )
     ap.add_argument("--plot-with", type=Path, nargs="*", default=[], help="more result JSONs to draw (same prompts)")
     ap.add_argument("--out", type=Path, required=True)
@@ -588,6 +589,9 @@ def main() -> None:
         if args.kl:
             calib = kl_calibration(w)
             for mine in KL_TYPES:
+                rows[f"{mine} dflash-quant GPTQ-KL on grid"] = ours(
+                    w / f"ours-gptq-kl-{mine}", "--gguf-type", mine, "--method", "gptq-kl"
+                )
                 for method in ("gptq", "gptq-kl"):
                     rows[kl_label(mine, method)] = ours(
                         w / f"ours-{method}640-{mine}", "--gguf-type", mine, "--method", method, *calib
@@ -669,6 +673,7 @@ def paired(results: dict, draws: int = 4000) -> dict:
             ),
             (f"{mine} dflash-quant GPTQ on grid", f"{mine} {SS0}", "vs_scale_search_0"),
             (f"{mine} {SS0}", f"{kind} (llama-quantize)", "scale_search_0_vs_llama_quantize"),
+            (f"{mine} dflash-quant GPTQ-KL on grid", f"{mine} dflash-quant GPTQ on grid", "kl_vs_gptq_128_prompts"),
             (kl_label(mine, "gptq-kl"), kl_label(mine, "gptq"), "kl_vs_gptq_same_calibration"),
             (kl_label(mine, "gptq-kl"), f"{kind} (llama-quantize)", "kl_vs_llama_quantize"),
         )
