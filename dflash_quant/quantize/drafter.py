@@ -137,9 +137,7 @@ def _quantize_groups(
                     "raise --num-prompts or --max-new-tokens"
                 )
             hessian = acc.hessian() if device is None else acc.hessian().to(device)
-        weights = [
-            m.weight.detach().float() if device is None else m.weight.detach().to(device).float() for m in modules
-        ]
+        weights = [m.weight.detach().to(device or m.weight.device).float() for m in modules]
         prepared.append((names, weights, acc, hessian))
     if settings.calibrated:
         if hessian is None:

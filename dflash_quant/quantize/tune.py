@@ -12,6 +12,7 @@ loads it unchanged.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -69,26 +70,23 @@ class TuneReport:
         }
 
 
-class _ScaledCodes(nn.Module):
-    """A Linear whose weight is scale[g] * exp(a[g]) * (round(code + v) - zero[g]): `a` and, when codes are tuned,
-    the offset `v` (one per weight, in [-1, 1], so a code moves by at most one step) are trained; the rounding
-    passes its gradient straight through."""
+class _Tunable(nn.Module, ABC):
+    """A Linear whose weight is rebuilt from trained grid parameters once per optimizer step: integer codes with
+    an offset `v` per weight (in [-1, 1], so a code moves by at most one step; the rounding passes its gradient
+    straight through) and a log multiplier `log_mult` on the grid's scales."""
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, codes: bool):
+    codes: torch.Tensor
+    maxq: float
+    log_mult: nn.Parameter
+
+    def __init__(self, codes: torch.Tensor, maxq: float, movable: bool, bias: torch.Tensor | None):
         super().__init__()
         # plain attributes, not buffers: this module lives only while tuning runs, and mypy sees Tensors
-        self.g_idx = qw.g_idx.long().to(device)
-        self.zero = qw.zeros.to(device).float()[self.g_idx].T
-        self.codes = qw.codes.to(device).float()
-        self.maxq = float(qw.spec.maxq)
-        self.scales = qw.scales.to(device).float()
-        self.log_mult = nn.Parameter(torch.zeros_like(self.scales))
-        self.offset = nn.Parameter(torch.zeros_like(self.codes)) if codes else None
+        self.codes = codes.float()
+        self.maxq = maxq
+        self.offset = nn.Parameter(torch.zeros_like(self.codes)) if movable else None
         self.bias = bias
         self.step_weight: torch.Tensor | None = None  # built once per optimizer step, read by every forward
-
-    def tuned_scales(self) -> torch.Tensor:
-        return self.scales * self.log_mult.exp()
 
     def tuned_codes(self) -> torch.Tensor:
         if self.offset is None:
@@ -96,8 +94,9 @@ class _ScaledCodes(nn.Module):
         c = self.codes + self.offset
         return (c + (torch.round(c) - c).detach()).clamp(0, self.maxq)
 
+    @abstractmethod
     def build(self, dtype: torch.dtype) -> None:
-        self.step_weight = (self.tuned_scales()[self.g_idx].T * (self.tuned_codes() - self.zero)).to(dtype)
+        """Set step_weight from the current parameters (once per optimizer step)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.step_weight is None:
@@ -106,7 +105,24 @@ class _ScaledCodes(nn.Module):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
 
-class _KScaledCodes(nn.Module):
+class _ScaledCodes(_Tunable):
+    """GPTQ v1: weight = scale[g] * exp(a[g]) * (round(code + v) - zero[g])."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, codes: bool):
+        super().__init__(qw.codes.to(device), float(qw.spec.maxq), codes, bias)
+        self.g_idx = qw.g_idx.long().to(device)
+        self.zero = qw.zeros.to(device).float()[self.g_idx].T
+        self.scales = qw.scales.to(device).float()
+        self.log_mult = nn.Parameter(torch.zeros_like(self.scales))
+
+    def tuned_scales(self) -> torch.Tensor:
+        return self.scales * self.log_mult.exp()
+
+    def build(self, dtype: torch.dtype) -> None:
+        self.step_weight = (self.tuned_scales()[self.g_idx].T * (self.tuned_codes() - self.zero)).to(dtype)
+
+
+class _KScaledCodes(_Tunable):
     """The same tuning on a llama.cpp k-quant grid: each row's super-block gets a learned multiplier on its fp16
     `d` and, for the grids with mins, on `dmin` alike, so the block scales around zero as a GPTQ v1 group does (a
     multiplier on d alone would pivot around the block's minimum); the integer sub-block scales and mins stay,
@@ -114,19 +130,13 @@ class _KScaledCodes(nn.Module):
     tuned). Every tuned value is stored as the GGUF stores it (fp16 d/dmin, integer codes)."""
 
     def __init__(self, qw: KQuantWeight, bias: torch.Tensor | None, device: torch.device, codes: bool):
-        super().__init__()
+        super().__init__(qw.codes.to(device), float(qw.grid.levels - 1), codes and qw.grid.name != "IQ4_NL", bias)
         self.grid = qw.grid
         self.d = qw.d.to(device).float()
         self.dmin = qw.dmin.to(device).float()
         self.sc = qw.sc.to(device)
         self.m = qw.m.to(device)
-        self.codes = qw.codes.to(device).float()
-        self.maxq = float(qw.grid.levels - 1)
         self.log_mult = nn.Parameter(torch.zeros_like(self.d))
-        movable = codes and qw.grid.name != "IQ4_NL"
-        self.offset = nn.Parameter(torch.zeros_like(self.codes)) if movable else None
-        self.bias = bias
-        self.step_weight: torch.Tensor | None = None
         self.stored_min: torch.Tensor | None = None  # set once tuning ends: dmin as the file stores it
 
     def tuned_scales(self) -> torch.Tensor:
@@ -137,28 +147,9 @@ class _KScaledCodes(nn.Module):
             return self.stored_min
         return self.dmin * self.log_mult.exp() if self.grid.has_min else self.dmin
 
-    def tuned_codes(self) -> torch.Tensor:
-        if self.offset is None:
-            return self.codes
-        c = self.codes + self.offset
-        return (c + (torch.round(c) - c).detach()).clamp(0, self.maxq)
-
     def build(self, dtype: torch.dtype) -> None:
         step, off = column_grid(self.grid, self.tuned_scales(), self.tuned_mins(), self.sc, self.m)
-        codes = self.tuned_codes()
-        if self.grid.name == "IQ4_NL":
-            weight = decode(self.grid, codes.long(), step, off)
-        elif self.grid.signed:
-            weight = step * (codes - self.grid.levels // 2)
-        else:
-            weight = step * codes - off
-        self.step_weight = weight.to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.step_weight is None:
-            self.build(x.dtype)
-        weight = cast(torch.Tensor, self.step_weight)
-        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        self.step_weight = decode(self.grid, self.tuned_codes(), step, off).to(dtype)
 
     def round_to_stored(self) -> None:
         """d and dmin exactly as the GGUF will hold them, fp16 each (zero blocks stay zero)."""
