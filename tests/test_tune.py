@@ -270,6 +270,7 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
     assert methods == ({"gptq"} if tuning["kept_gptq_scales"] else {"gptq-kl"})
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["quantization"]["method"] == "gptq-kl" and prov["quantization"]["tune_epochs"] == 1
+    assert prov["quantization"]["tune_lr"] == 0.002  # the v1 grids' default, recorded as used
     card = (out / "README.md").read_text()
     assert "| method | gptq-kl |" in card and "scale tuning (gptq-kl)" in card
     # the artifact is a plain GPTQ v1 checkpoint: verify reloads it and measures it lossless
@@ -295,6 +296,8 @@ def test_gptq_kl_on_a_kquant_mix_writes_the_tuned_gguf(tmp_path):
     report = json.loads((out / "quant_report.json").read_text())
     assert {layer["method"] for layer in report["layers"]} == ({"gptq"} if tuning["kept_gptq_scales"] else {"gptq-kl"})
     assert {layer["gguf_type"] for layer in report["layers"]} == {"Q2_K", "Q3_K"}  # llama.cpp's per-tensor mix
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["quantization"]["tune_lr"] == 0.001  # the k-quant grids' default, recorded as used
     ggufs = [p for p in out.glob("*.gguf") if not p.name.endswith(".imatrix.gguf")]
     assert len(ggufs) == 1
     check = _cli("verify", str(out), "--num-prompts", "3", "--max-new-tokens", "24", "--json")

@@ -395,7 +395,7 @@ def gptq(
             quantize_conv=quantize_conv,
             quantize_selector=quantize_selector,
             tune_epochs=tune_epochs,
-            tune_lr=tune_lr if tune_lr is not None else (TUNE_LR_KQUANT if gguf_type else TUNE_LR),
+            tune_lr=tune_lr,
             tune_codes=tune_codes,
             tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,

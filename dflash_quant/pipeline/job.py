@@ -117,6 +117,8 @@ def check_job(job: GptqJob) -> GptqJob:
         raise UsageError("--full-baseline decodes the target in the loop; drop --teacher-forced or --full-baseline")
     quant = job.quant.normalized()
     quant.check()
+    if quant.tuned:  # the step size this run tunes with, recorded as such in provenance
+        quant = replace(quant, tune_lr=quant.tune_lr_for(job.gguf_type is not None))
     if job.gguf_type is not None:
         from dflash_quant.quantize.kquant import grid_for  # torch: only a --gguf-type job loads it here
 

@@ -97,7 +97,16 @@ def plan_mix(
         "per_prompt": True,  # maps cached before tokens/steps per prompt were kept are remeasured
         # gptq-kl: the map also holds tuned uniform drafters, tuned as this run will tune its mix
         **(
-            {"kl": [q.tune_epochs, q.tune_lr, q.tune_codes, q.tune_code_travel, q.tune_anchor, "after-dev-prompts"]}
+            {
+                "kl": [
+                    q.tune_epochs,
+                    q.tune_lr_for(False),
+                    q.tune_codes,
+                    q.tune_code_travel,
+                    q.tune_anchor,
+                    "after-dev-prompts",
+                ]
+            }
             if q.tuned
             else {}
         ),
@@ -236,7 +245,7 @@ def _kl_tuner(job, target, stats, reference, n_dev: int):
     def tune(model, weights) -> None:
         anchors = {n: (reference.weights[n], stats.for_linear(n).xtx) for n in weights} if q.tune_anchor > 0 else {}
         tune_scales(
-            model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr, codes=q.tune_codes,
+            model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr_for(False), codes=q.tune_codes,
             code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor, seed=job.seed,
         )  # fmt: skip
 

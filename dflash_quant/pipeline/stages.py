@@ -232,7 +232,7 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
         rows,
         loaded.target.model.get_output_embeddings(),  # type: ignore[operator]
         epochs=quant.tune_epochs,
-        lr=quant.tune_lr,
+        lr=quant.tune_lr_for(job.gguf_type is not None),
         codes=quant.tune_codes,
         code_travel=quant.tune_code_travel,
         anchors=anchors,

@@ -60,10 +60,17 @@ class QuantSettings:
     quantize_conv: bool = False  # the convolutions' kernel_projection Linears (base_kernel always stays bf16)
     quantize_selector: bool = False  # the selector's hidden_projection Linear (the codebooks always stay bf16)
     tune_epochs: int = TUNE_EPOCHS  # gptq-kl: passes over the recorded calibration inputs
-    tune_lr: float = TUNE_LR  # gptq-kl: Adam step on each group's log scale multiplier
+    # gptq-kl: Adam step on each group's log scale multiplier; None: the grid's default (tune_lr_for)
+    tune_lr: float | None = None
     tune_codes: bool = True  # gptq-kl: codes may also move one step (signed-gradient offsets, as AutoRound)
     tune_code_travel: float = TUNE_CODE_TRAVEL
     tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
+
+    def tune_lr_for(self, kquant: bool) -> float:
+        """The step size tuning uses: the one given, else TUNE_LR, or TUNE_LR_KQUANT on a llama.cpp k-quant grid."""
+        if self.tune_lr is not None:
+            return self.tune_lr
+        return TUNE_LR_KQUANT if kquant else TUNE_LR
 
     @property
     def calibrated(self) -> bool:
@@ -93,7 +100,7 @@ class QuantSettings:
             raise UsageError(f"--method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.tune_epochs < 1:
             raise UsageError(f"--tune-epochs must be >= 1, got {self.tune_epochs}")
-        if not 0 < self.tune_lr < 1:
+        if self.tune_lr is not None and not 0 < self.tune_lr < 1:
             raise UsageError(f"--tune-lr must be in (0, 1), got {self.tune_lr}")
         if not 0 < self.tune_code_travel <= 100:
             raise UsageError(
