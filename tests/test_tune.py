@@ -12,7 +12,15 @@ from dflash_quant.calibration.capture import capture
 from dflash_quant.loading.runtime import encode_prompts, load_pair
 from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.settings import QuantSettings
-from dflash_quant.quantize.tune import _kl, pack, packed_rows, replay_rows, teacher_rows, tune_scales
+from dflash_quant.quantize.tune import (
+    _kl,
+    pack,
+    packed_rows,
+    position_weights,
+    replay_rows,
+    teacher_rows,
+    tune_scales,
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +137,43 @@ def test_code_offsets_travel_at_most_their_budget_however_many_steps_run(calibra
             and 0 <= int(qw.codes.min())
             and int(qw.codes.max()) <= 7
         )
+
+
+def _kl_by_position(model, replay, teacher, head) -> torch.Tensor:
+    """Mean KL at each block position (index 0: the first row after the anchor), the decode loop's way."""
+    total, count = torch.zeros(16), torch.zeros(16)
+    with torch.no_grad():
+        for calls, t in zip(replay, teacher, strict=True):
+            rows = [r[0] for r in replay_rows(model, calls)]
+            t_logp = torch.log_softmax(model.compute_logits(t, head), -1)
+            logq = torch.log_softmax(model.compute_logits(torch.cat(rows), head), -1)
+            per_row = (t_logp.exp() * (t_logp - logq)).sum(-1)
+            pos = torch.cat([torch.arange(r.shape[0]) for r in rows])
+            total.index_add_(0, pos, per_row)
+            count.index_add_(0, pos, torch.ones_like(per_row))
+    return total[count > 0] / count[count > 0]
+
+
+def test_position_decay_weighs_each_block_row_by_its_position(calibrated):
+    """The loss reads the rows as acceptance does: position k weighs exp(-(k-1)/decay), so the report's KL, before
+    and after, is that weighted mean of what the decode loop's forwards give."""
+    assert torch.allclose(position_weights([4, 2], 2.0), torch.tensor([1.0, 0.6065307, 0.3678794, 1.0]))
+    assert torch.equal(position_weights([3], 0.0), torch.ones(2))
+    _, _, stats = calibrated
+    for decay in (0.0, 0.5):
+        model, teacher, outcome, head = _quantized(calibrated)
+        by_pos = _kl_by_position(model, stats.replay, teacher, head)
+        sizes = [c.noise.shape[1] for calls in stats.replay for c in calls]
+        n = torch.zeros(len(by_pos))
+        for size in sizes:
+            n[: size - 1] += 1
+        w = torch.exp(-torch.arange(len(by_pos)) / decay) if decay else torch.ones(len(by_pos))
+        report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=5e-3,
+                             position_decay=decay)  # fmt: skip
+        assert report.kl_before == pytest.approx(float((by_pos * n * w).sum() / (n * w).sum()), rel=1e-4)
+        after = _kl_by_position(model, stats.replay, teacher, head)
+        assert report.kl_after == pytest.approx(float((after * n * w).sum() / (n * w).sum()), rel=1e-4)
+        assert report.position_decay == decay and not report.kept_gptq_scales
 
 
 def _hessian_error(weights, originals, stats) -> float:
@@ -314,6 +359,7 @@ def test_gptq_kl_on_a_kquant_mix_writes_the_tuned_gguf(tmp_path):
         (["--method", "gptq-kl", "--tune-epochs", "0"], "--tune-epochs must be >= 1"),
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
         (["--method", "gptq-kl", "--tune-code-travel", "0"], "--tune-code-travel must be in (0, 100]"),
+        (["--method", "gptq-kl", "--tune-position-decay", "-1"], "--tune-position-decay must be in [0, 1000]"),
         (
             ["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q3_K", "--desc-act"],
             "drop --sequential/--desc-act",

@@ -153,6 +153,11 @@ def gptq(
         help="gptq-kl: add this times each Linear's Hessian-weighted error to its bf16 weights (relative, mean over "
         "Linears) to the KL: the calibration statistics of every prompt hold the tuning near GPTQ's objective.",
     ),
+    tune_position_decay: float = typer.Option(
+        0.0,
+        help="gptq-kl: weigh block position k's KL by exp(-(k-1)/D), since a later position counts only when the "
+        "earlier ones were accepted (0: every position weighs 1).",
+    ),
     sequential: bool = typer.Option(
         False,
         "--sequential/--no-sequential",
@@ -399,6 +404,7 @@ def gptq(
             tune_codes=tune_codes,
             tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,
+            tune_position_decay=tune_position_decay,
         ),
         overwrite=overwrite,
         calib_prompts=calib_prompts,

@@ -105,6 +105,7 @@ def plan_mix(
                     q.tune_code_travel,
                     q.tune_anchor,
                     "after-dev-prompts",
+                    *([q.tune_position_decay] if q.tune_position_decay else []),
                 ]
             }
             if q.tuned
@@ -246,7 +247,8 @@ def _kl_tuner(job, target, stats, reference, n_dev: int):
         anchors = {n: (reference.weights[n], stats.for_linear(n).xtx) for n in weights} if q.tune_anchor > 0 else {}
         tune_scales(
             model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr_for(False), codes=q.tune_codes,
-            code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor, seed=job.seed,
+            code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor,
+            position_decay=q.tune_position_decay, seed=job.seed,
         )  # fmt: skip
 
     return tune

@@ -237,6 +237,7 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
         code_travel=quant.tune_code_travel,
         anchors=anchors,
         anchor_weight=quant.tune_anchor,
+        position_decay=quant.tune_position_decay,
         seed=job.seed,
         progress=step,
     )

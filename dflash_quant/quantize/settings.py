@@ -65,6 +65,7 @@ class QuantSettings:
     tune_codes: bool = True  # gptq-kl: codes may also move one step (signed-gradient offsets, as AutoRound)
     tune_code_travel: float = TUNE_CODE_TRAVEL
     tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
+    tune_position_decay: float = 0.0  # gptq-kl: block row k's KL weighs exp(-(k-1)/decay); 0: uniform
 
     def tune_lr_for(self, kquant: bool) -> float:
         """The step size tuning uses: the one given, else TUNE_LR, or TUNE_LR_KQUANT on a llama.cpp k-quant grid."""
@@ -108,6 +109,11 @@ class QuantSettings:
             )
         if not 0 <= self.tune_anchor <= 1000:
             raise UsageError(f"--tune-anchor must be in [0, 1000] (0: KL alone), got {self.tune_anchor}")
+        if not 0 <= self.tune_position_decay <= 1000:
+            raise UsageError(
+                f"--tune-position-decay must be in [0, 1000] (0: every block position weighs 1), "
+                f"got {self.tune_position_decay}"
+            )
         if self.profile not in PROFILES:
             raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if not 0 < self.damp < 1:

@@ -41,6 +41,7 @@ class TuneReport:
 
     epochs: int
     prompts: int  # calibration prompts whose recorded drafter inputs the tuning ran on
+    position_decay: float  # each row's KL weighs exp(-(k-1)/decay) at block position k; 0: uniform
     lr: float
     code_travel: float | None  # None: codes were not tuned
     code_step: float | None  # each signed step: min(code_travel / steps, TUNE_CODE_STEP_MAX)
@@ -57,6 +58,7 @@ class TuneReport:
             "method": "kl-scales+codes" if self.code_travel is not None else "kl-scales",
             "epochs": self.epochs,
             "prompts": self.prompts,
+            "position_decay": self.position_decay,
             "lr": self.lr,
             "code_travel": self.code_travel,
             "code_step": None if self.code_step is None else round(self.code_step, 8),
@@ -185,10 +187,19 @@ def _store_kquant(qw: KQuantWeight, tuned: _KScaledCodes) -> float:
     return change
 
 
-def _kl(student: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """Summed KL(teacher || student) over rows, in fp32."""
+def _kl(student: torch.Tensor, teacher_logp: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(teacher || student) summed over rows (each times its weight, if given), in fp32."""
     logq = F.log_softmax(student.float(), dim=-1)
-    return (teacher_logp.exp() * (teacher_logp - logq)).sum()
+    per_row = (teacher_logp.exp() * (teacher_logp - logq)).sum(-1)
+    return per_row.sum() if row_weight is None else (per_row * row_weight).sum()
+
+
+def position_weights(sizes: Sequence[int], decay: float) -> torch.Tensor:
+    """One weight per scored row of packed blocks of these sizes: exp(-(k-1)/decay) for block position k (1: the
+    first row after the anchor). A block's position k is accepted only when 1..k-1 were, so its error costs tau
+    less the later it sits; decay 0: every row weighs 1."""
+    pos = torch.cat([torch.arange(size - 1, dtype=torch.float32) for size in sizes])
+    return torch.ones_like(pos) if decay <= 0 else torch.exp(-pos / decay)
 
 
 def replay_rows(drafter: DFlashDrafter, calls: Sequence[DraftCall]) -> list[torch.Tensor]:
@@ -280,6 +291,7 @@ def tune_scales(
     code_travel: float = TUNE_CODE_TRAVEL,
     anchors: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     anchor_weight: float = 0.0,
+    position_decay: float = 0.0,
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
@@ -290,7 +302,10 @@ def tune_scales(
 
     anchors: per Linear (its bf16 weight W, its calibration Hessian H); with anchor_weight > 0 the loss adds
     anchor_weight x the mean over Linears of tr(E H E^T) / tr(W H W^T), E = tuned weight - W: GPTQ's own
-    objective, which sums every calibration row, holds the few-prompt KL from overfitting."""
+    objective, which sums every calibration row, holds the few-prompt KL from overfitting.
+
+    position_decay > 0 weighs each block row's KL by exp(-(k-1)/position_decay), k its block position: the loss
+    (and the guard) then reads the rows as acceptance does, early positions first."""
     if not replay or len(replay) != len(teacher):
         raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
     p = next(drafter.parameters())
@@ -317,7 +332,8 @@ def tune_scales(
         params = [t.log_mult for *_, t in swapped.values()]
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
-        total_rows = sum(t.shape[0] for t in teacher)
+        row_w = [position_weights(pk.sizes, position_decay).to(device) for pk in packs]
+        total_w = sum(float(w.sum()) for w in row_w)
 
         anchored = []
         if anchor_weight > 0 and anchors:
@@ -341,11 +357,11 @@ def tune_scales(
             student = packed_rows(drafter, packs[i])
             with torch.no_grad():
                 t_logp = F.log_softmax(drafter.compute_logits(teacher[i].to(device, dtype), head).float(), dim=-1)
-            return _kl(drafter.compute_logits(student, head), t_logp)
+            return _kl(drafter.compute_logits(student, head), t_logp, row_w[i] if position_decay > 0 else None)
 
         def mean_kl() -> float:
             with torch.no_grad():
-                return sum(float(loss_of(i)) for i in range(len(replay))) / max(total_rows, 1)
+                return sum(float(loss_of(i)) for i in range(len(replay))) / max(total_w, 1e-12)
 
         before = mean_kl()
         code_step = min(TUNE_CODE_STEP_MAX, code_travel / max(1, epochs * len(replay)))
@@ -355,7 +371,7 @@ def tune_scales(
             for _ in range(epochs):
                 for i in torch.randperm(len(replay), generator=gen).tolist():
                     opt.zero_grad(set_to_none=True)
-                    loss = loss_of(i) / max(teacher[i].shape[0], 1)
+                    loss = loss_of(i) / max(float(row_w[i].sum()), 1e-12)
                     if anchored:
                         loss = loss + anchor_weight * anchor_of()
                     loss.backward()
@@ -405,6 +421,7 @@ def tune_scales(
     return TuneReport(
         epochs=epochs,
         prompts=len(replay),
+        position_decay=position_decay,
         lr=lr,
         code_travel=code_travel if codes else None,
         code_step=code_step if codes else None,
