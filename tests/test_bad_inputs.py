@@ -1191,6 +1191,20 @@ ROWS = [
         r"--hessian-device 'gpu' is not a device",
     ),
     R(
+        "gpu-memory-limit-on-cpu",
+        "arguments",
+        lambda c: c.gptq("--gpu-memory-limit", "20GiB", "--device", "cpu"),
+        2,
+        r"--gpu-memory-limit caps a GPU; use it with --device cuda\[:N\], not 'cpu'",
+    ),
+    R(
+        "gpu-memory-limit-word",
+        "arguments",
+        lambda c: c.gptq("--gpu-memory-limit", "lots"),
+        2,
+        r"--gpu-memory-limit",
+    ),
+    R(
         "mix-two-goals",
         "arguments",
         lambda c: c.gptq("--max-tau-loss", "0.01", "--max-bytes", "1MB"),

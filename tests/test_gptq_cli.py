@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,14 @@ def test_default_run_writes_a_complete_verified_artifact(setup):
     res = gptq(setup, "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
+    # stderr is a pipe here, as in a log: every stage says when it starts and when it is done, in order
+    stages = [line.split("] ", 1)[1] for line in res.stderr.splitlines() if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+    assert stages[0] == "loading the drafter and its target", res.stderr
+    started = [s for s in stages if not re.search(r": \d+(/\d+)? \(\d+ s\)$", s)]
+    assert any(s.startswith("calibrating") for s in started) and any(s.startswith("quantizing") for s in started)
+    for label in started[1:]:  # each counted stage ends with its full count, after it starts
+        tail = stages[stages.index(label) + 1 :]
+        assert any(re.fullmatch(re.escape(label) + r": (\d+)/\1 \(\d+ s\)", s) for s in tail), (label, stages)
     art = setup["root"] / "art"
     for name in (
         "config.json",

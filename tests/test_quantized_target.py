@@ -77,6 +77,27 @@ def test_tinygemm_operands_decode_to_the_grid():
     assert (y - want).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_the_repacked_tinygemm_copy_is_held_where_byte_counters_see_it(monkeypatch):
+    """The CUDA path's repacked codes and scales are (unsaved) buffers: the calibration prediction, resident_bytes
+    and .to() see them (as a plain attribute a 27B int4 target's prediction missed its ~12 GB of codes)."""
+    from dflash_quant.calibration.peak import _param_bytes
+
+    monkeypatch.setattr(
+        target_quant, "tinygemm_pack", lambda u: torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 2)
+    )
+    module, _ = _packed_from(torch.randn(64, 256), QuantSpec(bits=4, group_size=128, sym=True))
+    saved = set(module.state_dict())
+    module._prepare_tinygemm()
+    assert module.weight_packed.numel() == 0 and module.kernel == "tinygemm-int4"
+    assert module.tinygemm_packed is not None and module.tinygemm_sz is not None
+    held = module.tinygemm_packed.untyped_storage().nbytes() + module.tinygemm_sz.numel() * 2
+    assert module.tinygemm_packed.untyped_storage().nbytes() >= 64 * 256 // 2  # 4 bits a weight, at least
+    scales = module.weight_scale.numel() * 2
+    assert _param_bytes(module, 2, resident=True) == held + scales
+    assert target_quant.resident_bytes(module) == held + scales
+    assert set(module.state_dict()) == saved  # never written to a checkpoint
+
+
 def test_packed_target_logits_equal_transformers_decompressed(int4_target):
     from transformers import AutoModelForCausalLM
 
@@ -110,6 +131,21 @@ def test_resident_bytes_by_hand(int4_target):
     assert t.quantization.bits == 4 and t.quantization.group_size == 32 and t.quantization.symmetric is True
     dense = load_target("reference:target")
     assert dense.quantization.format is None and dense.quantization.resident_bytes > 1.5 * want
+
+
+def test_calibration_budget_prices_the_target_as_held_packed(int4_target):
+    """gptq keeps a pack-quantized target packed, so `budget --calibration` counts its files' bytes, not bf16."""
+    from dflash_quant.memory.budget import resolve_target
+    from dflash_quant.memory.calibration import calibration_budget
+    from dflash_quant.memory.weights import weights_from_files
+
+    files = weights_from_files(int4_target)
+    t = resolve_target(str(int4_target), None, engine="reference")
+    assert t.weight_bytes == files.total_bytes < 0.6 * files.dequantized_bf16_bytes
+    packed = calibration_budget(str(int4_target), "reference", "h100", 64, 64)
+    dense = calibration_budget(str(resolve("reference:target").path), "reference", "h100", 64, 64)
+    assert packed.predicted["target_weights"] == files.total_bytes
+    assert dense.peak_bytes - packed.peak_bytes == dense.predicted["target_weights"] - files.total_bytes
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -5,8 +5,10 @@ tokenizer is the reference pair's, whose ids all lie inside the 248k vocabulary)
 end as a user would and measures each run:
 
   gpu     the target whole on cuda:0 (bf16)
-  capped  the target spread by --device-map under the plan `budget --calibration --gpu 24GB` prints
-          (--hessian-device cpu --device-map auto --max-memory 0=...,cpu=...): what a 24 GB card allows
+  capped  the target spread by --device-map under the plan `budget --calibration --gpu 22GiB` prints
+          (--hessian-device cpu --device-map auto --max-memory 0=...,cpu=...): the 22 GiB a 24 GB card leaves a
+          run; on a larger card --gpu-memory-limit caps the allocator 1 GiB below it (the plan's reserve for the
+          CUDA context), so the whole process, GPTQ's solve included, stays inside the emulated card
   int4    a compressed-tensors W4A16 target (RTN, group 128) kept packed on cuda:0
 
 Each run: `gptq --bits 4 --group-size 32 --teacher-forced` (16 calibration prompts x 64 tokens, parity check on
@@ -292,6 +294,10 @@ def fresh_build(work: Path, args: argparse.Namespace) -> dict | None:
     return json.loads((work / "build.json").read_text())
 
 
+CAPPED_CARD = "22GiB"  # what a 24 GB card leaves a run (issue #40)
+CAPPED_LIMIT = "21GiB"  # the allocator's cap: the card less the plan's 1 GiB reserve for the CUDA context
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="gpu,int4", help="comma list of gpu, capped, int4")
@@ -374,15 +380,17 @@ def main() -> None:
         art.mkdir()
         target = paths["int4"] if name == "int4" else paths["target"]
         extra: list[str] = []
-        plan_gpu = "24GB" if name == "capped" else ("h100" if not args.tiny else "24GB")
+        plan_gpu = CAPPED_CARD if name == "capped" else ("h100" if not args.tiny else "24GB")
         plan = budget_plan(target, paths["drafter"], plan_gpu, args.out, args.prompts)
         row: dict = {"budget": {k: plan.get(k) for k in ("gpu", "peak_bytes", "fits", "fix", "predicted")}}
-        if name == "capped":  # the flags `budget --calibration --gpu 24GB` prints for this calibration
+        if name == "capped":  # the flags `budget --calibration --gpu 22GiB` prints for this calibration
             row["plan_flags"] = (plan.get("fix") or {}).get("flags")
             if args.capped_memory:
                 extra = ["--hessian-device", "cpu", "--device-map", "auto", "--max-memory", args.capped_memory]
             else:
                 extra = " ".join(row["plan_flags"] or []).split()
+            if args.device.startswith("cuda"):
+                extra += ["--gpu-memory-limit", CAPPED_LIMIT]
         left = int(deadline - time.perf_counter())
         if left < 60:
             result["runs"][name] = {"skipped": f"{left} s left of --deadline"}

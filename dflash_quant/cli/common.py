@@ -6,6 +6,7 @@ import functools
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,33 @@ from dflash_quant.io.atomic import Terminated, stop_signal
 # Diagnostics and progress go to stderr so that `--json` stdout stays parseable.
 err_console = Console(stderr=True)
 out_console = Console()
+
+
+LOG_EVERY_S = 30.0
+
+
+def log_stage(label: str, total: int | None, every_s: float = LOG_EVERY_S) -> Callable[[], None]:
+    """Progress as plain stderr lines, for a stderr that is not a terminal (a log file, a pipe), where a live bar
+    draws nothing: the stage when it starts, then its count every `every_s` seconds and when it completes."""
+    t0 = last = time.monotonic()
+    done = 0
+    err_console.print(f"[{time.strftime('%H:%M:%S')}] {label}", markup=False, highlight=False, soft_wrap=True)
+
+    def advance() -> None:
+        nonlocal done, last
+        done += 1
+        now = time.monotonic()
+        if now - last >= every_s or (total is not None and done == total):
+            last = now
+            of = f"/{total}" if total is not None else ""
+            err_console.print(
+                f"[{time.strftime('%H:%M:%S')}] {label}: {done}{of} ({now - t0:.0f} s)",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    return advance
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -17,6 +17,7 @@ from dflash_quant.cli.common import (
     fail,
     handle_errors,
     int4_kernel_option,
+    log_stage,
     max_memory_option,
     out_console,
     print_json,
@@ -217,6 +218,12 @@ def gptq(
     max_memory: str | None = max_memory_option(),
     hessian_device: str | None = typer.Option(
         None, "--hessian-device", help="cpu | cuda[:N]: where the fp32 Hessians accumulate (default: --device)."
+    ),
+    gpu_memory_limit: str | None = typer.Option(
+        None,
+        "--gpu-memory-limit",
+        help="The most GPU memory this run may hold, e.g. 20GiB (a card shared with a server, or a smaller card "
+        "emulated): the allocator is capped there and the GPTQ solve budgets within it.",
     ),
     calib_checkpoint_every: int = typer.Option(
         16,
@@ -436,6 +443,7 @@ def gptq(
         gguf_scale_search=gguf_scale_search,
         placement=placement,
         hessian_device=hessian_device,
+        gpu_memory_limit=parse_bytes(gpu_memory_limit, what="--gpu-memory-limit") if gpu_memory_limit else None,
         calib_checkpoint_every=calib_checkpoint_every,
         int4_kernel=int4_kernel,
         mixed=goal,
@@ -446,6 +454,8 @@ def gptq(
     )  # fmt: skip
 
     def stage(label: str, total: int | None):
+        if not err_console.is_terminal:  # a log or a pipe: a live bar would print nothing until the end
+            return log_stage(label, total)
         bar.start()  # at the first stage: nothing is drawn for a refused job
         task = bar.add_task(label, total=total)
         return lambda: bar.advance(task)

@@ -15,6 +15,7 @@ from dflash_quant.cli.common import (
     err_console,
     handle_errors,
     int4_kernel_option,
+    log_stage,
     max_memory_option,
     out_console,
     print_json,
@@ -277,6 +278,8 @@ def verify(
         warm_up(drafters[0].model, tgt.model, encoded[0], settings)
 
         def bar_task(label):
+            if not err_console.is_terminal:  # a log or a pipe: plain lines instead of a bar that draws nothing
+                return log_stage(label, len(encoded))
             task = bar.add_task(label, total=len(encoded))
             return lambda: bar.advance(task)
 

@@ -81,6 +81,8 @@ class PackedLinear(nn.Module):
     weight_scale: torch.Tensor
     weight_zero_point: torch.Tensor | None
     weight_g_idx: torch.Tensor | None
+    tinygemm_packed: torch.Tensor | None
+    tinygemm_sz: torch.Tensor | None
 
     def __init__(
         self,
@@ -105,7 +107,10 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight_g_idx", weight_g_idx)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.kernel = "dequant-chunked"
-        self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
+        # tinygemm's repacked codes and scales_and_zeros, once prepared: buffers (not saved), so whatever counts
+        # or moves the model's tensors sees them
+        self.register_buffer("tinygemm_packed", None, persistent=False)
+        self.register_buffer("tinygemm_sz", None, persistent=False)
 
     def extra_repr(self) -> str:
         s = self.scheme
@@ -180,16 +185,16 @@ class PackedLinear(nn.Module):
     def _prepare_tinygemm(self) -> None:
         unsigned, sz = self.tinygemm_operands()
         packed = tinygemm_pack(unsigned)
-        self._tinygemm = (packed, sz.to(packed.device))
+        self.tinygemm_packed, self.tinygemm_sz = packed, sz.to(packed.device)
         self.weight_packed = torch.empty(0, dtype=torch.int32, device=packed.device)  # the repacked copy replaces it
         self.kernel = "tinygemm-int4"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.bfloat16 and (self._tinygemm is not None or self.tinygemm_ok()):
-            if self._tinygemm is None:
+        if x.is_cuda and x.dtype == torch.bfloat16 and (self.tinygemm_packed is not None or self.tinygemm_ok()):
+            if self.tinygemm_packed is None:
                 self._prepare_tinygemm()
-            assert self._tinygemm is not None
-            packed, sz = self._tinygemm
+            packed, sz = self.tinygemm_packed, self.tinygemm_sz
+            assert packed is not None and sz is not None
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.aten._weight_int4pack_mm(flat, packed, self.scheme.group_size, sz)
             y = y.reshape(*x.shape[:-1], self.out_features)
@@ -209,9 +214,6 @@ def resident_bytes(model: nn.Module) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
-    for m in model.modules():
-        if isinstance(m, PackedLinear) and m._tinygemm is not None:
-            tensors += list(m._tinygemm)
     for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) if t.device.type != "meta" else (id(t), 0)
         if key in seen:

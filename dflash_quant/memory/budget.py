@@ -246,8 +246,6 @@ def resolve_target(spec: str | Path | dict, weights: str | None = None, *, engin
         return ModelSpec(label, shape, given, "given", "given")
     if root is not None and weight_files(root, required=False):
         rep = weights_from_files(root)
-        if rep.quantized_linears and engine == "reference":
-            return ModelSpec(label, shape, rep.dequantized_bf16_bytes, "bf16", "files (dequantized on load)")
         fmt = "quantized" if rep.quantized_linears else "files"
         return ModelSpec(label, shape, rep.total_bytes, fmt, "safetensors headers")
     q = shape.quantization or {}

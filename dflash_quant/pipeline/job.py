@@ -67,6 +67,9 @@ class GptqJob:
     gguf_scale_search: int = 2  # with gguf_type: +- radius of the in-loop sub-block scale/min search (0: off)
     placement: Placement | None = None  # the target split by --device-map / --max-memory (models.placement)
     hessian_device: str | None = None  # where the fp32 Hessians accumulate (default: the drafter's device)
+    # bytes this run may hold on its GPU (a card shared with a server, a smaller card emulated): the allocator is
+    # capped there and the GPTQ solve budgets within it
+    gpu_memory_limit: int | None = None
     calib_checkpoint_every: int = 16  # prompts between calibration checkpoints (0: none)
     mixed: MixedGoal | None = None  # per-Linear bits chosen by a search (--max-tau-loss, --max-bytes, --fit)
 
@@ -103,6 +106,8 @@ def check_job(job: GptqJob) -> GptqJob:
     check_count(job.calib_batch, "--calib-batch")
     check_int4_kernel(job.int4_kernel)
     check_hessian_device(job.hessian_device)
+    if job.gpu_memory_limit is not None and not str(job.device).startswith("cuda"):
+        raise UsageError(f"--gpu-memory-limit caps a GPU; use it with --device cuda[:N], not {job.device!r}")
     if job.mixed is not None:
         job.mixed.check()
         if job.mixed.fit_gpu is not None:

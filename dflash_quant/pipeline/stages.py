@@ -81,10 +81,23 @@ class Quantized:
     report: QuantReport  # its byte counts are filled in by export
 
 
+def cap_gpu_memory(device: torch.device, limit: int) -> None:
+    """Cap the allocator at `limit` bytes of `device` (an allocation beyond it fails as out of memory)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit > total:
+        raise UsageError(
+            f"--gpu-memory-limit {limit / 2**30:.2f} GiB is more than {device} has ({total / 2**30:.2f} GiB); "
+            "give a smaller limit or drop it"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+
+
 def load(job: GptqJob) -> Loaded:
     """The pair (config and weight headers checked before the target loads), and the checks that need it."""
     device = resolve_device(job.device)
     dtype = resolve_dtype(job.dtype, device)
+    if job.gpu_memory_limit is not None:
+        cap_gpu_memory(device, job.gpu_memory_limit)
     drafter, target = load_pair(job.drafter, job.target, device, dtype, job.placement)
     if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
         if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
@@ -399,6 +412,7 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
     """The stages of a checked job whose output `final` is guarded by the caller (pipeline.run.run_gptq)."""
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    progress("loading the drafter and its target", None)  # minutes at the 27B scale: say so before it starts
     loaded = load(job)
     timings["load_s"] = time.perf_counter() - t0
     ins = inputs(job, loaded)

@@ -297,15 +297,24 @@ def solve_plan(groups: list, budget: int | None) -> list[tuple[list, bool]]:
     return plan
 
 
+def solve_budget(free: int, total: int, fraction: float, reserved: int) -> int:
+    """80 % of what the process may still take on a GPU: the device's free memory, or less where the allocator
+    is capped at `fraction` of `total` (torch.cuda.set_per_process_memory_fraction, --gpu-memory-limit)."""
+    room = free if fraction >= 1 else min(free, int(fraction * total) - reserved)
+    return int(max(room, 0) * 0.8)
+
+
 def _solve_budget(groups: list) -> int | None:
-    """Bytes the batched solve may take on the weights' device: most of the free memory on CUDA, no limit on CPU
-    (where the GPTQ solver batches within its own cap)."""
+    """Bytes the batched solve may take on the weights' device (solve_budget); no limit on CPU, where the GPTQ
+    solver batches within its own cap."""
     device = groups[0][1][0].weight.device
     if device.type != "cuda":
         return None
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * 0.8)
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
+    return solve_budget(free, total, fraction, torch.cuda.memory_reserved(device))
 
 
 def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None, solve=None, budget=-1) -> None:
