@@ -177,6 +177,30 @@ def test_position_decay_weighs_each_block_row_by_its_position(calibrated):
         assert report.position_decay == decay and not report.kept_gptq_scales
 
 
+def test_tuned_norms_are_plain_parameters_that_lower_the_kl_further(calibrated):
+    """--tune-norms: each RMSNorm's weight gets a per-channel multiplier; the result is a plain Parameter again
+    (what the export writes), and the KL ends below the Linears-only tuning's on the same steps."""
+    from dflash_quant.quantize.tune import norm_modules
+
+    _, _, stats = calibrated
+    after = {}
+    for norms in (False, True):
+        model, teacher, outcome, head = _quantized(calibrated)
+        before = {n: m.weight.detach().clone() for n, m in norm_modules(model)}
+        grads = {n: m.weight.requires_grad for n, m in norm_modules(model)}
+        assert before
+        report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=1e-3, norms=norms)
+        assert not report.kept_gptq_scales
+        after[norms] = _replay_kl(model, stats.replay, teacher, head)
+        assert report.kl_after == pytest.approx(after[norms], rel=1e-4)  # measured on what the modules now hold
+        for n, m in norm_modules(model):
+            assert isinstance(m.weight, torch.nn.Parameter) and m.weight.requires_grad == grads[n]
+            assert torch.equal(m.weight, before[n]) != norms  # moved only when tuned
+            assert torch.equal(model.state_dict()[f"{n}.weight"], m.weight)  # what the export writes
+        assert report.norms == norms and bool(report.norm_change) == norms
+    assert after[True] < after[False]
+
+
 def _hessian_error(weights, originals, stats) -> float:
     """Mean over Linears of tr(E H E^T) / tr(W H W^T), E = quantized - bf16 weight (GPTQ's objective)."""
     errs = []

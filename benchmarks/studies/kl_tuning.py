@@ -90,6 +90,8 @@ def run_one(
     for k, v in opts.items():
         if k == "codes":  # codes=no: scales only
             cmd += ["--tune-codes" if v == "yes" else "--no-tune-codes"]
+        elif k == "norms":  # norms=yes: the RMSNorm weights tuned too
+            cmd += ["--tune-norms" if v == "yes" else "--no-tune-norms"]
         elif k == "tokens":  # tokens=256: longer calibration rollouts (more drafter inputs per prompt)
             cmd += ["--max-new-tokens", v]
         elif k == "tf":  # tf=yes: --teacher-forced calibration and check

@@ -140,6 +140,7 @@ class Quantization(Record):
     tune_anchor: float | None = doc(
         "gptq-kl: weight of the Hessian-weighted error to the bf16 weights in the loss (0: KL alone)", omit_none=True
     )
+    tune_norms: bool | None = doc("gptq-kl: the RMSNorm weights were tuned too", omit_none=True)
     tune_position_decay: float | None = doc(
         "gptq-kl: block position k's KL weighs exp(-(k-1)/decay) (0: every position weighs 1)", omit_none=True
     )

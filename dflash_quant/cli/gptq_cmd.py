@@ -154,6 +154,11 @@ def gptq(
         help="gptq-kl: add this times each Linear's Hessian-weighted error to its bf16 weights (relative, mean over "
         "Linears) to the KL: the calibration statistics of every prompt hold the tuning near GPTQ's objective.",
     ),
+    tune_norms: bool = typer.Option(
+        False,
+        "--tune-norms/--no-tune-norms",
+        help="gptq-kl: tune the drafter's RMSNorm weights too (one multiplier per channel; they stay unquantized).",
+    ),
     tune_position_decay: float = typer.Option(
         0.0,
         help="gptq-kl: weigh block position k's KL by exp(-(k-1)/D), since a later position counts only when the "
@@ -412,6 +417,7 @@ def gptq(
             tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,
             tune_position_decay=tune_position_decay,
+            tune_norms=tune_norms,
         ),
         overwrite=overwrite,
         calib_prompts=calib_prompts,

@@ -106,6 +106,7 @@ def plan_mix(
                     q.tune_anchor,
                     "after-dev-prompts",
                     *([q.tune_position_decay] if q.tune_position_decay else []),
+                    *(["norms"] if q.tune_norms else []),
                 ]
             }
             if q.tuned
@@ -248,7 +249,7 @@ def _kl_tuner(job, target, stats, reference, n_dev: int):
         tune_scales(
             model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr_for(False), codes=q.tune_codes,
             code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor,
-            position_decay=q.tune_position_decay, seed=job.seed,
+            position_decay=q.tune_position_decay, norms=q.tune_norms, seed=job.seed,
         )  # fmt: skip
 
     return tune

@@ -251,6 +251,7 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
         anchors=anchors,
         anchor_weight=quant.tune_anchor,
         position_decay=quant.tune_position_decay,
+        norms=quant.tune_norms,
         seed=job.seed,
         progress=step,
     )

@@ -66,6 +66,7 @@ class QuantSettings:
     tune_code_travel: float = TUNE_CODE_TRAVEL
     tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
     tune_position_decay: float = 0.0  # gptq-kl: block row k's KL weighs exp(-(k-1)/decay); 0: uniform
+    tune_norms: bool = False  # gptq-kl: the RMSNorm weights are tuned too (not quantized; every format keeps them)
 
     def tune_lr_for(self, kquant: bool) -> float:
         """The step size tuning uses: the one given, else TUNE_LR, or TUNE_LR_KQUANT on a llama.cpp k-quant grid."""

@@ -52,6 +52,8 @@ class TuneReport:
     kept_gptq_scales: bool  # tuning did not lower the loss, so GPTQ's scales and codes were kept
     scale_change: dict[str, float] = field(default_factory=dict)  # per Linear: mean |log(new / old)|
     codes_changed: dict[str, float] = field(default_factory=dict)  # per Linear: share of codes moved one step
+    norms: bool = False  # the RMSNorm weights were tuned too (one multiplier per channel)
+    norm_change: dict[str, float] = field(default_factory=dict)  # per RMSNorm (norms): mean |log(new / old)|
 
     def to_dict(self) -> dict:
         return {
@@ -69,6 +71,11 @@ class TuneReport:
             "kept_gptq_scales": self.kept_gptq_scales,
             "mean_abs_log_scale_change": {k: round(v, 6) for k, v in self.scale_change.items()},
             "codes_changed": {k: round(v, 6) for k, v in self.codes_changed.items()},
+            **(
+                {"norms": True, "mean_abs_log_norm_change": {k: round(v, 6) for k, v in self.norm_change.items()}}
+                if self.norms
+                else {}
+            ),
         }
 
 
@@ -187,6 +194,39 @@ def _store_kquant(qw: KQuantWeight, tuned: _KScaledCodes) -> float:
     return change
 
 
+class _NormScale:
+    """An RMSNorm whose weight is w0 x exp(b) during tuning (b per channel, 0 at the start): its Parameter is
+    swapped for the tensor rebuilt each step, and put back as a Parameter at the end."""
+
+    def __init__(self, module: nn.Module, requires_grad: bool):
+        self.module, self.requires_grad = module, requires_grad
+        self.w0 = cast(nn.Parameter, module.weight)
+        self.log_mult = nn.Parameter(torch.zeros(self.w0.shape, dtype=torch.float32, device=self.w0.device))
+        del module.weight
+
+    def build(self) -> None:
+        self.module.weight = (self.w0.detach().float() * self.log_mult.exp()).to(self.w0.dtype)
+
+    def restore(self, keep_tuned: bool) -> float:
+        """Put the Parameter back (tuned, or w0); returns the mean |log(new / old)| of what it now holds."""
+        if keep_tuned:
+            with torch.no_grad():
+                new = (self.w0.float() * self.log_mult.exp()).to(self.w0.dtype)
+            self.module.weight = nn.Parameter(new, requires_grad=self.requires_grad)
+            return float(self.log_mult.detach().abs().mean())
+        self.module.weight = self.w0
+        return 0.0
+
+
+def norm_modules(drafter: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The drafter's RMSNorms with a weight (every engine loads them as stored, in bf16 or f32)."""
+    return [
+        (n, m)
+        for n, m in drafter.named_modules()
+        if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)
+    ]
+
+
 def _kl(student: torch.Tensor, teacher_logp: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """KL(teacher || student) summed over rows (each times its weight, if given), in fp32."""
     logq = F.log_softmax(student.float(), dim=-1)
@@ -292,6 +332,7 @@ def tune_scales(
     anchors: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     anchor_weight: float = 0.0,
     position_decay: float = 0.0,
+    norms: bool = False,
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
@@ -305,7 +346,10 @@ def tune_scales(
     objective, which sums every calibration row, holds the few-prompt KL from overfitting.
 
     position_decay > 0 weighs each block row's KL by exp(-(k-1)/position_decay), k its block position: the loss
-    (and the guard) then reads the rows as acceptance does, early positions first."""
+    (and the guard) then reads the rows as acceptance does, early positions first.
+
+    norms: the drafter's RMSNorm weights are tuned too (one multiplier per channel, Adam at `lr`); they are not
+    quantized, so every format carries the tuned values as it carries the bf16 ones."""
     if not replay or len(replay) != len(teacher):
         raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
     p = next(drafter.parameters())
@@ -314,6 +358,8 @@ def tune_scales(
     frozen = [(q, q.requires_grad) for q in drafter.parameters()]
     head_frozen = [(q, q.requires_grad) for q in head.parameters()]
     swapped: dict[str, tuple[nn.Module, str, nn.Linear, Tuned]] = {}
+    scaled_norms: dict[str, _NormScale] = {}
+    keep = True
     try:
         for q, _ in frozen + head_frozen:
             q.requires_grad_(False)
@@ -328,8 +374,11 @@ def tune_scales(
             )
             setattr(parent, leaf, tuned)
             swapped[name] = (parent, leaf, module, tuned)
+        if norms:
+            flags = {id(q): flag for q, flag in frozen}
+            scaled_norms = {n: _NormScale(m, flags[id(m.weight)]) for n, m in norm_modules(drafter)}
         # the code offsets take signed steps, not Adam's
-        params = [t.log_mult for *_, t in swapped.values()]
+        params = [t.log_mult for *_, t in swapped.values()] + [s.log_mult for s in scaled_norms.values()]
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
         row_w = [position_weights(pk.sizes, position_decay).to(device) for pk in packs]
@@ -354,6 +403,8 @@ def tune_scales(
         def loss_of(i: int) -> torch.Tensor:
             for *_, t in swapped.values():
                 t.build(dtype)  # one weight per step, shared by every row of the prompt (and its backward)
+            for s in scaled_norms.values():
+                s.build()
             student = packed_rows(drafter, packs[i])
             with torch.no_grad():
                 t_logp = F.log_softmax(drafter.compute_logits(teacher[i].to(device, dtype), head).float(), dim=-1)
@@ -414,6 +465,7 @@ def tune_scales(
             with torch.no_grad():
                 module.weight.copy_(qw.dequantize().to(module.weight.device, module.weight.dtype))
     finally:
+        norm_change = {n: s.restore(keep_tuned=not keep) for n, s in scaled_norms.items()}
         for parent, leaf, module, _ in swapped.values():
             setattr(parent, leaf, module)
         for q, flag in frozen + head_frozen:
@@ -432,4 +484,6 @@ def tune_scales(
         kept_gptq_scales=keep,
         scale_change=change,
         codes_changed=flipped,
+        norms=norms,
+        norm_change=norm_change,
     )
