@@ -50,7 +50,9 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
     return method, dict(o.split("=", 1) for o in opts)
 
 
-def split_prompts(pair: str, split: str, n_extra: int = 0) -> tuple[list[str], list[str] | None]:
+def split_prompts(
+    pair: str, split: str, n_extra: int = 0, devfiles_n: int = DEVFILES_N
+) -> tuple[list[str], list[str] | None]:
     """The split's calibration and parity prompts (JSONL lines); parity None: the pair's held-out file (the CLI's
     default). n_extra adds the first n_extra prompts of `benchmarks/prompts/*_calib_extra.jsonl` to calibration."""
     lines = [x for x in (PAIRS[pair] / "calibration_prompts.jsonl").read_text().splitlines() if x.strip()]
@@ -65,7 +67,7 @@ def split_prompts(pair: str, split: str, n_extra: int = 0) -> tuple[list[str], l
         # dev prompts from training files no calibration prompt is cut from (the extra prompts from 512 on are)
         if n_extra > DEVFILES_FROM:
             raise SystemExit(f"calib={n_extra}: the devfiles split measures on extra prompts from {DEVFILES_FROM} on")
-        evals = extra[DEVFILES_FROM : DEVFILES_FROM + DEVFILES_N]
+        evals = extra[DEVFILES_FROM : DEVFILES_FROM + devfiles_n]
     if len(extra) < n_extra:
         raise SystemExit(f"calib={n_extra}: only {len(extra)} extra calibration prompts")
     lines = lines + extra[:n_extra]
@@ -77,7 +79,15 @@ def split_prompts(pair: str, split: str, n_extra: int = 0) -> tuple[list[str], l
 
 
 def run_one(
-    pair: str, split: str, bits: int, group: int, method: str, opts: dict[str, str], work: Path, device: str = "cpu"
+    pair: str,
+    split: str,
+    bits: int,
+    group: int,
+    method: str,
+    opts: dict[str, str],
+    work: Path,
+    device: str = "cpu",
+    devfiles_n: int = DEVFILES_N,
 ) -> dict:
     cmd = [sys.executable, "-m", "dflash_quant.cli.app", "gptq", pair, "--bits", str(bits), "--group-size", str(group)]
     label = method
@@ -103,7 +113,7 @@ def run_one(
         else:
             cmd += [f"--tune-{k.replace('_', '-')}", v]
     n_extra = int(opts.get("calib", 0))
-    lines, evals = split_prompts(pair, split, n_extra)
+    lines, evals = split_prompts(pair, split, n_extra, devfiles_n)
     if evals is not None:
         ev = work / f"{pair}-{split}-eval.jsonl"
         ev.write_text("\n".join(evals) + "\n")
@@ -189,6 +199,12 @@ def main() -> None:
     ap.add_argument("--configs", default="gptq,gptq-kl:codes=no,gptq-kl:code_travel=2,gptq-kl:code_travel=4")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each one CPU thread)")
     ap.add_argument("--device", default="cpu", help="--device of every run (cpu: the fp32 numbers of docs/quality.md)")
+    ap.add_argument(
+        "--devfiles-n",
+        type=int,
+        default=DEVFILES_N,
+        help="devfiles split: how many of the extra prompts from 512 on to measure on (up to 512, all file-disjoint)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     runs = [
@@ -220,7 +236,7 @@ def main() -> None:
 
         def one(run) -> dict:
             pair, bits, group, method, opts, config = run
-            row = run_one(pair, args.split, bits, group, method, opts, work, args.device)
+            row = run_one(pair, args.split, bits, group, method, opts, work, args.device, args.devfiles_n)
             print(
                 f"{pair} {bits}-bit g{group} {config}: tau {row['tau']:.3f} / {row['tau_bf16']:.3f} = "
                 f"{row['tau_ratio']:.4f} lossless={row['lossless']} quantize {row['quantize_s']:.1f}s "
