@@ -187,12 +187,12 @@ def test_drafter_solve_in_memory_bounded_chunks_and_on_cpu_gives_the_same_codes(
 
 
 def test_the_gpu_solve_budget_stays_within_a_per_process_cap():
-    """On an 80 GB card capped at 22 GB (--gpu-memory-limit) with 19 GB held, GPTQ's solve may take 80 % of the
-    3 GB left, not of the card's free 60 GB: the capped 27B run otherwise grew past its 24 GB card's size."""
-    from dflash_quant.quantize.drafter import solve_budget
+    """On an 80 GB card capped at 22 GB (--gpu-memory-limit) with 19 GB held, GPTQ's solve (80 % of it) and the
+    batch sizes see the 3 GB left, not the card's free 60 GB, which would grow the run past the card it emulates."""
+    from dflash_quant.models.gpu import room
 
     gb = 10**9
-    assert solve_budget(60 * gb, 80 * gb, 1.0, 19 * gb) == int(0.8 * 60 * gb)
-    assert solve_budget(60 * gb, 80 * gb, 22 / 80, 19 * gb) == int(0.8 * 3 * gb)
-    assert solve_budget(2 * gb, 80 * gb, 22 / 80, 19 * gb) == int(0.8 * 2 * gb)  # the device's free, if less
-    assert solve_budget(60 * gb, 80 * gb, 22 / 80, 23 * gb) == 0  # over the cap already: every group on the CPU
+    assert room(60 * gb, 80 * gb, 1.0, 19 * gb) == 60 * gb
+    assert room(60 * gb, 80 * gb, 22 / 80, 19 * gb) == 3 * gb
+    assert room(2 * gb, 80 * gb, 22 / 80, 19 * gb) == 2 * gb  # the device's free, if less
+    assert room(60 * gb, 80 * gb, 22 / 80, 23 * gb) == 0  # over the cap already: every group on the CPU

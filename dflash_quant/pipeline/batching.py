@@ -11,6 +11,7 @@ from dflash_quant.loading.drafter import LoadedDrafter
 from dflash_quant.loading.target import LoadedTarget
 from dflash_quant.memory.calibration import predict_calibration
 from dflash_quant.memory.kv import parse_shape
+from dflash_quant.models.gpu import gpu_room
 from dflash_quant.pipeline.job import GptqJob
 
 # Default rows per batch (check and capture) on CPU, where per-call overhead dominates: measured on the
@@ -51,8 +52,7 @@ def default_batch(requested: int | None, device: torch.device, per_row_bytes: Ca
         return CPU_BATCH
     if device.type != "cuda" or per_row_bytes is None:
         return 1
-    free, _ = torch.cuda.mem_get_info(device)
-    return rows_that_fit(GPU_BATCH, per_row_bytes(), free)
+    return rows_that_fit(GPU_BATCH, per_row_bytes(), gpu_room(device))  # under --gpu-memory-limit: within its cap
 
 
 def check_rows(

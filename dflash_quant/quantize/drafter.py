@@ -16,6 +16,7 @@ from torch import nn
 from dflash_quant.calibration.capture import CalibrationStats, input_group, replay_capture
 from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import DFlashQuantError, UsageError
+from dflash_quant.models.gpu import gpu_room
 from dflash_quant.models.model import DFlashDrafter
 from dflash_quant.quantize.gptq import GPTQFallbackWarning, relative_output_error
 from dflash_quant.quantize.gptq_batched import gptq_quantize_groups
@@ -297,24 +298,15 @@ def solve_plan(groups: list, budget: int | None) -> list[tuple[list, bool]]:
     return plan
 
 
-def solve_budget(free: int, total: int, fraction: float, reserved: int) -> int:
-    """80 % of what the process may still take on a GPU: the device's free memory, or less where the allocator
-    is capped at `fraction` of `total` (torch.cuda.set_per_process_memory_fraction, --gpu-memory-limit)."""
-    room = free if fraction >= 1 else min(free, int(fraction * total) - reserved)
-    return int(max(room, 0) * 0.8)
-
-
 def _solve_budget(groups: list) -> int | None:
-    """Bytes the batched solve may take on the weights' device (solve_budget); no limit on CPU, where the GPTQ
-    solver batches within its own cap."""
+    """Bytes the batched solve may take on the weights' device: 80 % of what the process may still allocate there
+    (models.gpu: under --gpu-memory-limit, of what the cap leaves); no limit on CPU, where the GPTQ solver
+    batches within its own cap."""
     device = groups[0][1][0].weight.device
     if device.type != "cuda":
         return None
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
-    return solve_budget(free, total, fraction, torch.cuda.memory_reserved(device))
+    return int(gpu_room(device) * 0.8)
 
 
 def _apply(groups, settings: QuantSettings, outcome: QuantOutcome, progress, picks=None, solve=None, budget=-1) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import UsageError
+from dflash_quant.models.gpu import gpu_room
 from dflash_quant.quantize.gptq import DAMP_TRIES, checked_inputs, damped_inverse_factor, rtn_fallback, split_rows
 from dflash_quant.quantize.grid import QuantizedWeight, dequantize_codes, find_params, group_params, quantize_codes
 from dflash_quant.quantize.spec import QuantSpec
@@ -149,8 +150,7 @@ def _cap(device: torch.device, max_bytes: int | None) -> int:
     if max_bytes is not None:
         return max_bytes
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 3
+        return gpu_room(device) // 3  # under --gpu-memory-limit: of what its cap leaves
     return 2 << 30
 
 
