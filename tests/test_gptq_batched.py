@@ -196,3 +196,12 @@ def test_the_gpu_solve_budget_stays_within_a_per_process_cap():
     assert room(60 * gb, 80 * gb, 22 / 80, 19 * gb) == 3 * gb
     assert room(2 * gb, 80 * gb, 22 / 80, 19 * gb) == 2 * gb  # the device's free, if less
     assert room(60 * gb, 80 * gb, 22 / 80, 23 * gb) == 0  # over the cap already: every group on the CPU
+
+
+def test_a_gpu_memory_limit_on_a_run_that_found_no_gpu_is_refused():
+    """--device auto on a machine without CUDA resolves to the CPU: the cap is refused, not silently ignored."""
+    from dflash_quant.errors import UsageError
+    from dflash_quant.pipeline.stages import cap_gpu_memory
+
+    with pytest.raises(UsageError, match=r"--gpu-memory-limit caps a GPU, and this run is on cpu"):
+        cap_gpu_memory(torch.device("cpu"), 20 << 30)

@@ -106,7 +106,7 @@ def check_job(job: GptqJob) -> GptqJob:
     check_count(job.calib_batch, "--calib-batch")
     check_int4_kernel(job.int4_kernel)
     check_hessian_device(job.hessian_device)
-    if job.gpu_memory_limit is not None and not str(job.device).startswith("cuda"):
+    if job.gpu_memory_limit is not None and str(job.device) in ("cpu", "mps"):
         raise UsageError(f"--gpu-memory-limit caps a GPU; use it with --device cuda[:N], not {job.device!r}")
     if job.mixed is not None:
         job.mixed.check()

@@ -83,6 +83,8 @@ class Quantized:
 
 def cap_gpu_memory(device: torch.device, limit: int) -> None:
     """Cap the allocator at `limit` bytes of `device` (an allocation beyond it fails as out of memory)."""
+    if device.type != "cuda":  # --device auto found no GPU
+        raise UsageError(f"--gpu-memory-limit caps a GPU, and this run is on {device}; drop it or run on CUDA")
     total = torch.cuda.get_device_properties(device).total_memory
     if limit > total:
         raise UsageError(
