@@ -420,6 +420,8 @@ def test_check_rows_on_cuda(monkeypatch):
     gib = 1 << 30
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # no cap
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     small, huge = (lambda: gib // 100), (lambda: 100 * gib)
     assert check_rows(None, cpu, torch.float32, small) == CPU_BATCH
     # bf16/fp16 on CUDA: one by one (batched half-precision numerics widen the tau ratio's spread) unless asked
@@ -428,3 +430,9 @@ def test_check_rows_on_cuda(monkeypatch):
     # fp32 on CUDA: GPU_BATCH rows, fewer when they would not fit in half the free memory
     assert check_rows(None, cuda, torch.float32, small) == GPU_BATCH
     assert check_rows(None, cuda, torch.float32, huge) == 1
+    # under --gpu-memory-limit (22 of 141 GiB, 20 held): rows fit half of the 2 GiB the cap leaves, not of 80
+    tenth = lambda: gib // 10  # noqa: E731
+    assert check_rows(None, cuda, torch.float32, tenth) == GPU_BATCH
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 22 / 141)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * gib)
+    assert check_rows(None, cuda, torch.float32, tenth) == 8
