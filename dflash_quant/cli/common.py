@@ -13,6 +13,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 from typer.core import TyperGroup
 
 try:  # typer >= 0.24 ships its own copy of click; older ones use click itself
@@ -53,6 +54,16 @@ def log_stage(label: str, total: int | None, every_s: float = LOG_EVERY_S) -> Ca
             )
 
     return advance
+
+
+def stage_progress(bar: Progress, label: str, total: int | None) -> Callable[[], None]:
+    """One stage's advance: a task of the live `bar` on a terminal (started here, so a refused job draws
+    nothing), plain lines (log_stage) on a log or a pipe, where the bar would print nothing until the end."""
+    if not err_console.is_terminal:
+        return log_stage(label, total)
+    bar.start()
+    task = bar.add_task(label, total=total)
+    return lambda: bar.advance(task)
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -17,10 +17,10 @@ from dflash_quant.cli.common import (
     fail,
     handle_errors,
     int4_kernel_option,
-    log_stage,
     max_memory_option,
     out_console,
     print_json,
+    stage_progress,
     stop_message,
 )
 from dflash_quant.io.cache_dirs import calib_store_dir, check_cache_dir
@@ -460,11 +460,7 @@ def gptq(
     )  # fmt: skip
 
     def stage(label: str, total: int | None):
-        if not err_console.is_terminal:  # a log or a pipe: a live bar would print nothing until the end
-            return log_stage(label, total)
-        bar.start()  # at the first stage: nothing is drawn for a refused job
-        task = bar.add_task(label, total=total)
-        return lambda: bar.advance(task)
+        return stage_progress(bar, label, total)
 
     state = RunState()
     try:

@@ -15,10 +15,10 @@ from dflash_quant.cli.common import (
     err_console,
     handle_errors,
     int4_kernel_option,
-    log_stage,
     max_memory_option,
     out_console,
     print_json,
+    stage_progress,
 )
 from dflash_quant.errors import UsageError, check_count, check_temperature, check_tolerance
 from dflash_quant.kernels.int4_choice import check_int4_kernel
@@ -278,10 +278,7 @@ def verify(
         warm_up(drafters[0].model, tgt.model, encoded[0], settings)
 
         def bar_task(label):
-            if not err_console.is_terminal:  # a log or a pipe: plain lines instead of a bar that draws nothing
-                return log_stage(label, len(encoded))
-            task = bar.add_task(label, total=len(encoded))
-            return lambda: bar.advance(task)
+            return stage_progress(bar, label, len(encoded))
 
         base = cached_runs(
             cache,

@@ -381,8 +381,8 @@ def tune_scales(
         params = [t.log_mult for *_, t in swapped.values()] + [s.log_mult for s in scaled_norms.values()]
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
-        row_w = [position_weights(pk.sizes, position_decay).to(device) for pk in packs]
-        total_w = sum(float(w.sum()) for w in row_w)
+        row_w = [position_weights(pk.sizes, position_decay).to(device) for pk in packs]  # all 1 at decay 0
+        w_sum = [float(w.sum()) for w in row_w]  # once, not a device sync per step
 
         anchored = []
         if anchor_weight > 0 and anchors:
@@ -408,11 +408,11 @@ def tune_scales(
             student = packed_rows(drafter, packs[i])
             with torch.no_grad():
                 t_logp = F.log_softmax(drafter.compute_logits(teacher[i].to(device, dtype), head).float(), dim=-1)
-            return _kl(drafter.compute_logits(student, head), t_logp, row_w[i] if position_decay > 0 else None)
+            return _kl(drafter.compute_logits(student, head), t_logp, row_w[i])
 
         def mean_kl() -> float:
             with torch.no_grad():
-                return sum(float(loss_of(i)) for i in range(len(replay))) / max(total_w, 1e-12)
+                return sum(float(loss_of(i)) for i in range(len(replay))) / max(sum(w_sum), 1e-12)
 
         before = mean_kl()
         code_step = min(TUNE_CODE_STEP_MAX, code_travel / max(1, epochs * len(replay)))
@@ -422,7 +422,7 @@ def tune_scales(
             for _ in range(epochs):
                 for i in torch.randperm(len(replay), generator=gen).tolist():
                     opt.zero_grad(set_to_none=True)
-                    loss = loss_of(i) / max(float(row_w[i].sum()), 1e-12)
+                    loss = loss_of(i) / max(w_sum[i], 1e-12)
                     if anchored:
                         loss = loss + anchor_weight * anchor_of()
                     loss.backward()
