@@ -8,12 +8,11 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 from typer.core import TyperGroup
 
 try:  # typer >= 0.24 ships its own copy of click; older ones use click itself
@@ -23,6 +22,9 @@ except ImportError:  # pragma: no cover
 
 from dflash_quant.errors import DFlashQuantError
 from dflash_quant.io.atomic import Terminated, stop_signal
+
+if TYPE_CHECKING:  # every command imports this module; only gptq and verify draw bars
+    from rich.progress import Progress
 
 # Diagnostics and progress go to stderr so that `--json` stdout stays parseable.
 err_console = Console(stderr=True)
