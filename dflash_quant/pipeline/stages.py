@@ -85,13 +85,14 @@ def cap_gpu_memory(device: torch.device, limit: int) -> None:
     """Cap the allocator at `limit` bytes of `device` (an allocation beyond it fails as out of memory)."""
     if device.type != "cuda":  # --device auto found no GPU
         raise UsageError(f"--gpu-memory-limit caps a GPU, and this run is on {device}; drop it or run on CUDA")
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit > total:
         raise UsageError(
             f"--gpu-memory-limit {limit / 2**30:.2f} GiB is more than {device} has ({total / 2**30:.2f} GiB); "
             "give a smaller limit or drop it"
         )
-    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
 
 
 def load(job: GptqJob) -> Loaded:
