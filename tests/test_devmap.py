@@ -25,7 +25,7 @@ from dflash_quant.calibration.capture import capture
 from dflash_quant.calibration.peak import predict_run
 from dflash_quant.errors import UsageError
 from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
-from dflash_quant.memory.calibration import calibration_budget, hessian_widths
+from dflash_quant.memory.calibration import calibration_budget, hessian_widths, mean_layer_bytes
 from dflash_quant.memory.kv import parse_shape
 from dflash_quant.memory.presets import preset_path
 from dflash_quant.models.placement import Placement, make_placement
@@ -254,7 +254,48 @@ def test_budget_calibration_hand_checked():
     gib = f"{int(limit // ((1 << 30) / 100)) / 100:.2f}GiB"
     assert any(f.startswith(f"--max-memory 0={gib},cpu=") for f in small.fix.flags), (small.fix.flags, gib)
     assert small.fix.gpu_bytes is not None and small.fix.gpu_bytes <= small.usable_bytes
-    assert small.fix.cpu_bytes == p["target_weights"] - small.fix.target_on_gpu_bytes + hess
+    # the GPU keeps its largest module free (the 248k x 5120 head), the host takes the rest plus one layer
+    head = 248320 * 5120 * 2
+    assert small.fix.target_on_gpu_bytes == int(limit) - head
+    layer = mean_layer_bytes(parse_shape(preset_path("qwen3.5-27b")), p["target_weights"])
+    assert small.fix.cpu_bytes == p["target_weights"] - small.fix.target_on_gpu_bytes + layer + hess
+
+
+def _meta_27b() -> torch.nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tc = dict(json.loads(preset_path("qwen3.5-27b").read_text())["text_config"])
+    interval = tc.pop("full_attention_interval")
+    tc["layer_types"] = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(tc["num_hidden_layers"])
+    ]
+    config = AutoConfig.for_model(tc.pop("model_type"), **tc)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("gpu", ["21.5GiB", "rtx4090"])
+def test_the_offload_plan_puts_nothing_on_disk_when_accelerate_places_it(gpu):
+    """The plan's --max-memory, given to accelerate's own placement (what from_pretrained does with
+    --device-map auto), keeps every module on the GPU or in host RAM: a module left to "disk" is read back from
+    files on every forward (the 27B capped run's greedy decode stalled on it), and the GPU part stays within
+    the plan's limit."""
+    from accelerate import infer_auto_device_map
+
+    rep = calibration_budget("qwen3.5-27b", "qwen3.8-27b-dflash2", gpu, 96, 64, rows=16, teacher=True)
+    assert rep.fix is not None and rep.fix.flags is not None
+    mem = next(f for f in rep.fix.flags if f.startswith("--max-memory "))
+    limits = {(0 if k == "0" else k): v for k, v in (kv.split("=") for kv in mem.split()[1].split(","))}
+    model = _meta_27b()
+    dmap = infer_auto_device_map(
+        model, max_memory=limits, no_split_module_classes=model._no_split_modules, dtype=torch.bfloat16
+    )
+    assert "disk" not in dmap.values(), sorted(k for k, v in dmap.items() if v == "disk")
+    on_gpu = sum(
+        p.numel() * 2 for name, dev in dmap.items() if dev == 0 for p in model.get_submodule(name).parameters()
+    )
+    assert 0 < on_gpu <= rep.fix.target_on_gpu_bytes + 2**30  # the embedding rides on the GPU besides the layers
 
 
 def test_budget_calibration_cli_json(tmp_path):

@@ -205,3 +205,19 @@ def test_a_gpu_memory_limit_on_a_run_that_found_no_gpu_is_refused():
 
     with pytest.raises(UsageError, match=r"--gpu-memory-limit caps a GPU, and this run is on cpu"):
         cap_gpu_memory(torch.device("cpu"), 20 << 30)
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 1), ("cuda:0", 0)])
+def test_a_gpu_memory_limit_on_a_bare_cuda_device_caps_the_current_gpu(monkeypatch, device, index):
+    """`--device cuda` resolves to a device without an index, which torch's set_per_process_memory_fraction
+    refuses with a traceback (the 27B capped run died on it): the cap goes to the current GPU's index."""
+    from dflash_quant.pipeline.stages import cap_gpu_memory
+
+    calls = []
+    props = type("Props", (), {"total_memory": 80 << 30})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: calls.append(("props", i)) or props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append(("cap", f, i)))
+    cap_gpu_memory(torch.device(device), 20 << 30)
+    assert calls == [("props", index), ("cap", 0.25, index)]
+    assert all(isinstance(c[-1], int) for c in calls)

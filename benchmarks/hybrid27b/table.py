@@ -19,15 +19,16 @@ def main() -> None:
     r = json.loads(open(sys.argv[1]).read())
     print(
         f"GPU: {r.get('gpu')}; torch {r.get('torch')}, transformers {r.get('transformers')}; commit {r.get('commit')}"
+        " (a run measured again later names its own commit)"
     )
     print()
-    print("| run | exit | wall s | load / calibrate / quantize / verify s | calibration GPU peak GiB: measured / predicted "
+    print("| run | commit | exit | wall s | load / calibrate / quantize / verify s | calibration GPU peak GiB: measured / predicted "
           "(ratio) | GPU peak GiB (nvidia-smi) | host peak GiB (anon / RSS; predicted) | tau bf16 -> int4 |")  # fmt: skip
-    print("|---|---:|---:|---|---|---:|---|---|")
+    print("|---|---|---:|---:|---|---|---:|---|---|")
     for name, row in r["runs"].items():
         s = row.get("summary")
         if s is None:
-            print(f"| {name} | skipped: {row.get('skipped')} | | | | | | |")
+            print(f"| {name} | | skipped: {row.get('skipped')} | | | | | | |")
             continue
         t = s.get("timings") or {}
         stages = " / ".join(
@@ -40,15 +41,16 @@ def main() -> None:
         if name == "capped" and fix.get("cpu_bytes"):  # the plan's host share: offloaded layers + Hessians
             host += f"; {gib(fix['cpu_bytes'])}"
         tau = f"{s.get('tau_bf16')} -> {s.get('tau_int4')}"
+        commit = (row.get("measured") or {}).get("commit", r.get("commit"))
         print(
-            f"| {name} | {s['exit']} | {s['seconds']} | {stages} | {calib} | {gib(s['gpu_peak_smi_bytes'])} | {host} | {tau} |"
+            f"| {name} | {commit} | {s['exit']} | {s['seconds']} | {stages} | {calib} | {gib(s['gpu_peak_smi_bytes'])} | {host} | {tau} |"
         )
         exports = {
             k[len("export_") :]: v.get("exit", v.get("skipped")) for k, v in row.items() if k.startswith("export_")
         }
         if exports:
             print(
-                f"|  | exports: {exports}; memory report exit {row.get('memory', {}).get('exit')}; card {row.get('card')} | | | | | | |"
+                f"|  | | exports: {exports}; memory report exit {row.get('memory', {}).get('exit')}; card {row.get('card')} | | | | | | |"
             )
 
 

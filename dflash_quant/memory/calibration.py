@@ -159,6 +159,16 @@ def mean_layer_bytes(shape: ModelShape, weight_bytes: int) -> int:
     return int((pc.total_params - outside) * per_param / shape.num_layers)
 
 
+def largest_module_bytes(shape: ModelShape, weight_bytes: int) -> int:
+    """The largest module accelerate places whole: a decoder layer, the embedding or the head. Its
+    `device_map="auto"` keeps that much of the GPU's --max-memory free for streaming offloaded modules, and
+    with a 248k vocabulary the head (2.5 GB at 27B) is larger than a layer."""
+    pc = count_params(shape)
+    per_param = weight_bytes / max(pc.total_params, 1)
+    ends = max(pc.other.get("embed_tokens", 0), pc.other.get("lm_head", 0))
+    return max(mean_layer_bytes(shape, weight_bytes), int(ends * per_param))
+
+
 def calibration_budget(
     target: str,
     drafter: str,
@@ -221,10 +231,13 @@ def calibration_budget(
         )
         return rep
     layer = mean_layer_bytes(t.shape, t.weight_bytes)
+    stream = largest_module_bytes(t.shape, t.weight_bytes)
     others = pred.peak - hess - t.weight_bytes  # activations, drafter, transients: never offloaded
-    limit = usable - others  # --max-memory for GPU 0; accelerate keeps one layer of it free for streaming
-    on_gpu = max(0, limit - layer)
-    off = t.weight_bytes - on_gpu
+    limit = usable - others  # --max-memory for GPU 0; accelerate keeps its largest module free for streaming
+    on_gpu = max(0, limit - stream)
+    # Host room for the rest plus one layer: accelerate fills the GPU whole layers at a time, and whatever
+    # the cpu limit cannot take goes to disk, read back from files on every forward.
+    off = t.weight_bytes - on_gpu + layer
     flags = [
         "--hessian-device cpu",
         "--device-map auto",
@@ -233,7 +246,7 @@ def calibration_budget(
     rep.fix = CalibrationFix(
         fits=on_gpu > 0,
         flags=flags,
-        gpu_bytes=on_gpu + layer + others,
+        gpu_bytes=on_gpu + stream + others,
         cpu_bytes=off + hess,
         target_on_gpu_bytes=on_gpu,
     )

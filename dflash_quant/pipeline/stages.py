@@ -440,14 +440,20 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
     provenance = record(job, loaded, ins, cal, q)
     parity = None
     with staging(final, job.overwrite) as tmp:
+        t = time.perf_counter()
+        progress("writing the quantized drafter", None)  # tens of seconds at the 27B scale: no silent gap
         export(tmp, final, job, loaded, cal, q, provenance)
+        timings["export_s"] = time.perf_counter() - t
         if job.verify:
             t = time.perf_counter()
             assert provenance.source_drafter is not None  # record() always sets it
             parity = verify(job, loaded, ins, provenance.source_drafter, tmp, progress)
             timings["verify_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        progress("memory report and model card", None)
         report(tmp, parity)
         card(job, tmp)
+        timings["report_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t0
     tq = loaded.target.quantization
     return GptqResult(
