@@ -6,6 +6,7 @@ import functools
 import json
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,26 +35,76 @@ out_console = Console()
 LOG_EVERY_S = 30.0
 
 
+class _Beat:
+    """The stage now running on a log. A daemon thread prints its count every `every_s` seconds in which no
+    line was printed, so a step that advances rarely (at 27B: loading, a batched greedy decode of every
+    calibration prompt) still shows it is alive. A new stage, a completed count or `end_stages` stops it."""
+
+    lock = threading.Lock()
+    current: dict[str, Any] | None = None
+    thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, stage: dict[str, Any]) -> None:
+        with cls.lock:
+            cls.current = stage
+            if cls.thread is None:
+                cls.thread = threading.Thread(target=cls._run, name="dflash-quant-progress", daemon=True)
+                cls.thread.start()
+
+    @classmethod
+    def stop(cls, stage: dict[str, Any] | None = None) -> None:
+        with cls.lock:
+            if stage is None or cls.current is stage:
+                cls.current = None
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(0.1)
+            with cls.lock:
+                stage = cls.current
+                if stage is None or time.monotonic() - stage["last"] < stage["every_s"]:
+                    continue
+                stage["last"] = time.monotonic()
+                _stage_line(stage)
+
+
+def _stage_line(stage: dict[str, Any]) -> None:
+    count = str(stage["done"]) if stage["total"] is None else f"{stage['done']}/{stage['total']}"
+    if stage["total"] is None and not stage["done"]:
+        count = "running"  # a step with nothing to count (loading, writing)
+    err_console.print(
+        f"[{time.strftime('%H:%M:%S')}] {stage['label']}: {count} ({time.monotonic() - stage['t0']:.0f} s)",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def end_stages() -> None:
+    """No stage is running any more: the heartbeat prints nothing after the command's result."""
+    _Beat.stop()
+
+
 def log_stage(label: str, total: int | None, every_s: float = LOG_EVERY_S) -> Callable[[], None]:
     """Progress as plain stderr lines, for a stderr that is not a terminal (a log file, a pipe), where a live bar
-    draws nothing: the stage when it starts, then its count every `every_s` seconds and when it completes."""
-    t0 = last = time.monotonic()
-    done = 0
+    draws nothing: the stage when it starts, its count when it completes, and every `every_s` seconds between
+    (from a heartbeat thread, so a stage that has not advanced yet still prints)."""
+    now = time.monotonic()
+    stage: dict[str, Any] = {"label": label, "total": total, "every_s": every_s, "t0": now, "last": now, "done": 0}
     err_console.print(f"[{time.strftime('%H:%M:%S')}] {label}", markup=False, highlight=False, soft_wrap=True)
+    _Beat.start(stage)
 
     def advance() -> None:
-        nonlocal done, last
-        done += 1
-        now = time.monotonic()
-        if now - last >= every_s or (total is not None and done == total):
-            last = now
-            of = f"/{total}" if total is not None else ""
-            err_console.print(
-                f"[{time.strftime('%H:%M:%S')}] {label}: {done}{of} ({now - t0:.0f} s)",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
+        with _Beat.lock:
+            stage["done"] += 1
+            finished = total is not None and stage["done"] == total
+            if finished or time.monotonic() - stage["last"] >= every_s:
+                stage["last"] = time.monotonic()
+                _stage_line(stage)
+        if finished:
+            _Beat.stop(stage)
 
     return advance
 
@@ -79,7 +130,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end_stages()  # no progress line after the result or the error
         except (typer.Exit, click_exc.ClickException):
             raise  # already reported (a refusal or a stop): one line only
         except Exception as exc:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import typer
@@ -312,8 +311,9 @@ def verify(
                 summaries[-1]["by_category"] = cats
             if look is not None:
                 with_lookup = CheckSettings(max_new_tokens, temperature, block, seed, settings.stop_token_ids, look)
-                task = bar.add_task(f"speculative + lookup: {d.source.id}", total=len(encoded))
-                looked = spec_runs(d.model, tgt.model, encoded, with_lookup, partial(bar.advance, task))
+                looked = spec_runs(
+                    d.model, tgt.model, encoded, with_lookup, bar_task(f"speculative + lookup: {d.source.id}")
+                )
                 summaries[-1]["lookup"] = lookup_summary(
                     summaries[-1], runs, looked, base, with_lookup, block, categories
                 )
