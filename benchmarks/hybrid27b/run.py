@@ -372,6 +372,7 @@ def main() -> None:
         "--bits", "4", "--group-size", "32", "--teacher-forced", "--num-prompts", str(args.prompts),
         "--max-new-tokens", str(args.new_tokens), "--eval-num-prompts", str(args.prompts),
         "--no-check-cache", "--json", "--device", args.device, "--tolerance", "0.5",
+        "--calib-batch", str(args.prompts),  # the rows budget_plan prices; the teacher-forced check takes them too
     ]  # fmt: skip
     for name in runs:
         if name == "int4" and "int4" not in paths:

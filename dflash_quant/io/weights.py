@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -208,6 +209,31 @@ def sha256_file(path: Path) -> str:
 def weights_sha256(root: Path) -> str:
     """sha256 of a model's weight files (any format), concatenated in index order."""
     return sha256_files(existing(weight_files(root)))
+
+
+class BackgroundSha256:
+    """weights_sha256(root) computed in a thread while the caller goes on (a 27B target's 54 GB take tens of
+    seconds; hashlib releases the GIL on large blocks, so it overlaps loading). A daemon thread: Ctrl-C or an
+    error exits without waiting for it. `result()` waits, and raises what the hashing raised."""
+
+    def __init__(self, root: Path):
+        self._value: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(root,), name="dflash-quant-sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self, root: Path) -> None:
+        try:
+            self._value = weights_sha256(root)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
+            self._error = exc
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -24,10 +24,17 @@ from dflash_quant.export.convert import convert_artifact
 from dflash_quant.export.gguf import pairing_problem, write_kquant_gguf
 from dflash_quant.export.writer import export_gptq
 from dflash_quant.io.atomic import staging
-from dflash_quant.io.source import Source
-from dflash_quant.io.weights import weights_sha256
+from dflash_quant.io.source import Source, resolve
+from dflash_quant.io.weights import BackgroundSha256
 from dflash_quant.loading.drafter import LoadedDrafter, measure_resident
-from dflash_quant.loading.runtime import default_prompt_spec, encode_prompts, load_pair, resolve_device, resolve_dtype
+from dflash_quant.loading.runtime import (
+    default_prompt_spec,
+    default_target,
+    encode_prompts,
+    load_pair,
+    resolve_device,
+    resolve_dtype,
+)
 from dflash_quant.loading.target import LoadedTarget
 from dflash_quant.memory.plan import embedded_budget
 from dflash_quant.memory.report import build_memory_report, write_memory_json
@@ -52,6 +59,8 @@ class Loaded:
     target: LoadedTarget
     device: torch.device
     dtype: torch.dtype
+    drafter_sha: BackgroundSha256  # the weights' hashes, computed while the pair loads
+    target_sha: BackgroundSha256
 
 
 @dataclass
@@ -101,21 +110,22 @@ def load(job: GptqJob) -> Loaded:
     dtype = resolve_dtype(job.dtype, device)
     if job.gpu_memory_limit is not None:
         cap_gpu_memory(device, job.gpu_memory_limit)
+    # Hashing starts first: a 27B target's tens of seconds of it then overlap its loading.
+    hashes = [BackgroundSha256(resolve(src).path) for src in (job.drafter, job.target or default_target(job.drafter))]
     drafter, target = load_pair(job.drafter, job.target, device, dtype, job.placement)
     if job.format == "gguf":  # before calibrating: llama.cpp cannot run a drafter that taps the last layer
         if problem := pairing_problem(read_config_json(drafter.source.path), target.source.path):
             raise UsageError(problem)
     if job.lookup is not None:  # its row length against the drafter's block, before any compute
         job.lookup.check(drafter.config.block_size)
-    return Loaded(drafter, target, device, dtype)
+    return Loaded(drafter, target, device, dtype, *hashes)
 
 
 def inputs(job: GptqJob, loaded: Loaded) -> Inputs:
     """Linears, hashes and prompts; every prompt problem (length, overlap) is refused before the target runs."""
     drafter, target = loaded.drafter, loaded.target
     candidates = candidate_linears(drafter.model, job.quant)  # refuses DFlash2-only flags on a v1 drafter
-    drafter_sha = weights_sha256(drafter.source.path)
-    target_sha = weights_sha256(target.source.path)
+    drafter_sha, target_sha = loaded.drafter_sha.result(), loaded.target_sha.result()
     calib_spec = job.calib_prompts or default_prompt_spec(target, "calib")
     eval_spec, eval_ids = _eval_prompts(job, target, calib_spec) if job.verify else (None, [])
     calib_ids: list[list[int]] = []
@@ -419,7 +429,9 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
     progress("loading the drafter and its target", None)  # minutes at the 27B scale: say so before it starts
     loaded = load(job)
     timings["load_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
     ins = inputs(job, loaded)
+    timings["inputs_s"] = time.perf_counter() - t  # mostly what is left of hashing the weights after loading
     t = time.perf_counter()
     cal = calibrated(job, loaded, ins, progress, state)
     if cal.stats is not None:
