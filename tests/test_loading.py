@@ -192,3 +192,29 @@ def test_hf_cache_snapshot_symlinks_still_load(tmp_path):
     (snap / "model.safetensors").symlink_to(other / "w.safetensors")
     with pytest.raises(DFlashQuantError, match="outside the model directory"):
         load_drafter(snap)
+
+
+def test_a_gptq_artifact_loads_in_the_asked_dtype_with_the_exact_decoded_weights(reference_artifact):
+    """The loader decodes a GPTQ artifact Linear by Linear straight into the asked dtype and hands the decoded
+    tensors to the model as its parameters (to keep host memory near one copy of the drafter); the values must
+    stay the exact fp32 decode, rounded once to bf16, and the rotary buffers must not be left on meta."""
+    from dflash_quant.io.gptq_v1 import unpack_gptq_v1
+    from dflash_quant.io.weights import read_safetensors
+    from dflash_quant.export.gptq_dynamic import layer_setting
+
+    raw = json.loads((reference_artifact / "config.json").read_text())
+    packed = read_safetensors(reference_artifact)
+    full = load_drafter(reference_artifact, dtype=torch.float32).model.state_dict()
+    half = load_drafter(reference_artifact, dtype=torch.bfloat16).model
+    weights = dict(half.named_parameters())
+    bases = sorted(k[: -len(".qweight")] for k in packed if k.endswith(".qweight"))
+    assert bases
+    for base in bases:
+        parts = {s: packed[f"{base}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
+        bits, group = layer_setting(raw["quantization_config"], base)
+        exact = unpack_gptq_v1(parts, bits=bits, group_size=group)
+        name = base.removeprefix("model.") + ".weight"
+        assert torch.equal(full[name], exact)
+        assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], exact.to(torch.bfloat16))
+    assert all(p.device.type == "cpu" for p in half.parameters())
+    assert half.rotary_emb.inv_freq.abs().sum() > 0  # rebuilt: not a meta buffer left from the empty build

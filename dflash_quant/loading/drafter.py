@@ -59,7 +59,11 @@ def read_draft_config(source: Source) -> tuple[dict[str, Any], DFlashDraftConfig
     return raw, parse_draft_config(raw, source=str(file))
 
 
-def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _dequantize_gptq(
+    tensors: dict[str, torch.Tensor], qcfg: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Dense weights of GPTQ v1 tensors, each Linear decoded exactly in fp32 and cast to `dtype` at once, and its
+    packed tensors dropped: a 27B-class drafter held whole in fp32 took ~18 GB of host memory to load."""
 
     out: dict[str, torch.Tensor] = {}
     bases = {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
@@ -77,21 +81,24 @@ def _dequantize_gptq(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> 
                 f"quantized layer {base} lacks {sorted({'qweight', 'qzeros', 'scales', 'g_idx'} - set(parts))}; re-export"
             )
         bits, group = layer_setting(qcfg, base)
-        out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=bits, group_size=group)
+        out[f"{base}.weight"] = unpack_gptq_v1(parts, bits=bits, group_size=group).to(dtype)
+        for name in parts:
+            del tensors[f"{base}.{name}"]
         if f"{base}.bias" in tensors:
             out[f"{base}.bias"] = tensors[f"{base}.bias"]
     return out
 
 
-def _read_weights(source: Source, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Dense weights of a drafter dir, each quantized format dequantized through its own reader."""
+def _read_weights(source: Source, raw: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Dense weights of a drafter dir, each quantized format dequantized through its own reader (GPTQ straight
+    to `dtype`; the caller casts the rest)."""
     qcfg = raw.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     if method == GGUF:
         return read_gguf(source.path)
     tensors = read_safetensors(source.path)
     if method == "gptq":
-        return _dequantize_gptq(tensors, qcfg)
+        return _dequantize_gptq(tensors, qcfg, dtype)
     if method == "compressed-tensors":
         return read_compressed_tensors(tensors, qcfg)
     if method is not None:
@@ -110,11 +117,12 @@ def load_drafter(
     source = resolve(src, revision)
     raw, config = read_draft_config(source)
     qcfg = raw.get("quantization_config") or raw.get("quantization")
-    tensors = _read_weights(source, raw)
+    tensors = _read_weights(source, raw, dtype)
     tensors = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in tensors.items()}
     for key, value in tensors.items():
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise DFlashQuantError(f"{source.id}: tensor {key} contains NaN or inf; the checkpoint is damaged")
+        tensors[key] = value.to(dtype)  # one tensor at a time (a no-op where it already is), not a second dict
 
     with torch.device("meta"):
         model = build_drafter(config)
@@ -128,9 +136,8 @@ def load_drafter(
         if unexpected:
             parts.append(f"unexpected {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}")
         raise DFlashQuantError(f"{source.id}: weights do not match the DFlash layout ({'; '.join(parts)})")
-    model = model.to_empty(device=device)
-    try:
-        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    try:  # the read tensors become the parameters (assign): no second copy of the drafter on the host
+        model.load_state_dict(tensors, strict=True, assign=True)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[-1].strip()
         raise DFlashQuantError(
