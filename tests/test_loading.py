@@ -198,9 +198,9 @@ def test_a_gptq_artifact_loads_in_the_asked_dtype_with_the_exact_decoded_weights
     """The loader decodes a GPTQ artifact Linear by Linear straight into the asked dtype and hands the decoded
     tensors to the model as its parameters (to keep host memory near one copy of the drafter); the values must
     stay the exact fp32 decode, rounded once to bf16, and the rotary buffers must not be left on meta."""
+    from dflash_quant.export.gptq_dynamic import layer_setting
     from dflash_quant.io.gptq_v1 import unpack_gptq_v1
     from dflash_quant.io.weights import read_safetensors
-    from dflash_quant.export.gptq_dynamic import layer_setting
 
     raw = json.loads((reference_artifact / "config.json").read_text())
     packed = read_safetensors(reference_artifact)
