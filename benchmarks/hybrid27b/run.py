@@ -185,21 +185,36 @@ class GpuPeak:
             self._thread.join()
 
 
-def _rss(pid: int) -> dict[str, int]:
+def _rss(pid: int, checkpoints: tuple[str, ...] = ()) -> dict[str, int]:
     """The process's resident memory by kind (bytes): anonymous (what it allocated), file-backed (mmapped
-    checkpoint pages, which the kernel can drop) and shared memory (/dev/shm files it maps)."""
+    checkpoint pages, which the kernel can drop) and shared memory (/dev/shm files it maps, and page-locked
+    buffers). With `checkpoints` (model folders), also `Checkpoint`: the resident pages of files mapped from
+    under them, and `Held`: every other resident page, which is what the process holds apart from the models'
+    own files, the number `budget --calibration` predicts for a split target (offloaded layers + Hessians)."""
     out = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, value = line.partition(":")
             if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(value.split()[0]) * 1024
+        if checkpoints:
+            total = ckpt = 0
+            inside = False
+            for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+                head = line.split(None, 5)
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping: address range, perms, offset, dev, inode[, path]
+                    inside = len(head) == 6 and head[5].startswith(checkpoints)
+                elif head and head[0] == "Rss:":
+                    kb = int(head[1]) * 1024
+                    total += kb
+                    ckpt += kb if inside else 0
+            out["Checkpoint"], out["Held"] = ckpt, total - ckpt
     except (OSError, ValueError, IndexError):
         pass
     return out
 
 
-def cli(args: list[str], out: Path, name: str, timeout: int) -> dict:
+def cli(args: list[str], out: Path, name: str, timeout: int, checkpoints: tuple[str, ...] = ()) -> dict:
     """Run `dflash-quant ARGS` as a user would; wall time, exit code, host peaks (polled /proc) and GPU peak."""
     cmd = [sys.executable, "-m", "dflash_quant.cli.app", *args]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -209,7 +224,7 @@ def cli(args: list[str], out: Path, name: str, timeout: int) -> dict:
     with GpuPeak() as gpu, open(out / f"{name}.log", "w") as err, open(out / f"{name}.json", "wb") as stdout:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=err, env=env, cwd=ROOT)
         while proc.poll() is None:
-            for key, value in _rss(proc.pid).items():
+            for key, value in _rss(proc.pid, checkpoints).items():
                 host[key] = max(host.get(key, 0), value)
             if time.perf_counter() - t0 > timeout:
                 proc.kill()
@@ -258,6 +273,7 @@ def summarize(name: str, gptq: dict) -> dict:
         "gpu_peak_smi_bytes": gptq["gpu_peak_smi_bytes"],
         "host_peak_anon_bytes": gptq["host_peak_bytes"].get("RssAnon"),
         "host_peak_rss_bytes": gptq["host_peak_bytes"].get("VmRSS"),
+        "host_peak_held_bytes": gptq["host_peak_bytes"].get("Held"),  # apart from the models' mapped files
         "calib_tau_bf16": cal.get("mean_tau_bf16"),
         "calib_cached": cal.get("cached"),
         "calib_resumed_prompts": cal.get("resumed_prompts"),
@@ -406,7 +422,7 @@ def main() -> None:
         extra += ["--calib-cache", str(cache), "--eval-max-new-tokens", str(tokens)]
         row["eval_max_new_tokens"] = tokens
         gptq = cli(["gptq", str(paths["drafter"]), "--target", str(target), *common, *extra, "-o", str(art / "gptq")],
-                   args.out, f"gptq_{name}", min(args.timeout, left))  # fmt: skip
+                   args.out, f"gptq_{name}", min(args.timeout, left), (f"{target}/", f"{paths['drafter']}/"))  # fmt: skip
         row["gptq"] = {k: v for k, v in gptq.items() if k != "result"}
         row["summary"] = summarize(name, gptq)
         result["runs"][name] = row

@@ -23,7 +23,7 @@ def main() -> None:
     )
     print()
     print("| run | commit | exit | wall s | load / calibrate / quantize / verify s | calibration GPU peak GiB: measured / predicted "
-          "(ratio) | GPU peak GiB (nvidia-smi) | host peak GiB (anon / RSS; predicted) | tau bf16 -> int4 |")  # fmt: skip
+          "(ratio) | GPU peak GiB (nvidia-smi) | host peak GiB (anon / RSS / held apart from the models' files; predicted) | tau bf16 -> int4 |")  # fmt: skip
     print("|---|---|---:|---:|---|---|---:|---|---|")
     for name, row in r["runs"].items():
         s = row.get("summary")
@@ -36,7 +36,7 @@ def main() -> None:
         )
         ratio = s.get("calib_peak_ratio")
         calib = f"{gib(s['calib_peak_measured_bytes'])} / {gib(s['calib_peak_predicted_bytes'])} ({ratio})"
-        host = f"{gib(s.get('host_peak_anon_bytes'))} / {gib(s.get('host_peak_rss_bytes'))}"
+        host = f"{gib(s.get('host_peak_anon_bytes'))} / {gib(s.get('host_peak_rss_bytes'))} / {gib(s.get('host_peak_held_bytes'))}"
         fix = (row.get("budget") or {}).get("fix") or {}
         if name == "capped" and fix.get("cpu_bytes"):  # the plan's host share: offloaded layers + Hessians
             host += f"; {gib(fix['cpu_bytes'])}"
