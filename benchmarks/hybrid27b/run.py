@@ -202,7 +202,9 @@ def _rss(pid: int, checkpoints: tuple[str, ...] = ()) -> dict[str, int]:
             inside = False
             for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
                 head = line.split(None, 5)
-                if head and "-" in head[0] and len(head) >= 5:  # a mapping: address range, perms, offset, dev, inode[, path]
+                if (
+                    head and "-" in head[0] and len(head) >= 5
+                ):  # a mapping: address range, perms, offset, dev, inode[, path]
                     inside = len(head) == 6 and head[5].startswith(checkpoints)
                 elif head and head[0] == "Rss:":
                     kb = int(head[1]) * 1024
