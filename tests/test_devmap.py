@@ -205,6 +205,22 @@ def test_killed_gptq_resumes_with_the_same_codes(tmp_path):
     assert not list(tmp_path.glob(".*.calib-checkpoint"))  # nor anything beside its output
 
 
+def test_gptq_with_a_max_memory_strategy_records_the_sizes_as_given(tmp_path):
+    """`--device-map auto --max-memory cpu=1MiB` on the shipped pair: the target spills to disk, the run finishes,
+    and provenance records the limit as typed. accelerate rewrites the sizes of the dict it is handed into byte
+    counts; handed ours, it broke the provenance record after calibration and GPTQ had run (the 27B capped run's
+    plan goes through this path)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    out = tmp_path / "a"
+    cmd = _gptq(out, "--device-map", "auto", "--max-memory", "cpu=1MiB", "--calib-checkpoint-every", "0")
+    cmd[cmd.index("--num-prompts") + 1], cmd[cmd.index("--max-new-tokens") + 1] = "4", "16"
+    res = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    placement = json.loads((out / "provenance.json").read_text())["calibration"]["target_placement"]
+    assert placement["max_memory"] == {"cpu": "1MiB"} and placement["device_map"] == "auto"
+    assert "disk" in placement["resolved"].values(), placement
+
+
 # ------------------------------------------------------------------------------------------ memory
 
 CPU_TOLERANCE = 0.05  # measured cpu_tracked_tensors within 5 % of the formula's resident bytes

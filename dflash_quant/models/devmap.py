@@ -71,8 +71,8 @@ def load_kwargs(placement: Placement) -> dict[str, Any]:
     # accelerate warns that offloaded weights sit on the meta device: that is what was asked for
     logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)
     kw: dict[str, Any] = {"device_map": placement.device_map, "offload_folder": placement.offload_folder()}
-    if placement.max_memory is not None:
-        kw["max_memory"] = placement.max_memory
+    if placement.max_memory is not None:  # a copy: accelerate rewrites the sizes it is given as byte counts
+        kw["max_memory"] = dict(placement.max_memory)
     return kw
 
 
