@@ -223,3 +223,48 @@ def test_offloaded_weights_are_pinned_and_give_the_same_output():
     assert pin_offloaded(split.model) == 0  # the loader pinned every offloaded tensor already
     ids = torch.tensor([[5, 9, 11, 30, 7]], device="cuda")
     torch.testing.assert_close(split.model(ids).logits, one.model(ids).logits)
+
+
+def test_the_teacher_check_holds_one_drafter_at_a_time_after_the_targets_record(tmp_path, monkeypatch):
+    """Under a GPU cap with a split 27B target, the greedy record's batch and two drafters do not fit at once: the
+    check records the target's continuation before any drafter is loaded, holds each drafter for its own pass only,
+    and starts after gptq has released the calibrated drafter (weights on meta: the check reads files)."""
+    import gc
+    import weakref
+
+    from dflash_quant.pipeline import parity, stages
+    from dflash_quant.pipeline.job import GptqJob
+    from dflash_quant.pipeline.run import run_gptq
+
+    events: list[str] = []
+    held: list[weakref.ref] = []
+    real_greedy, real_load, real_verify = parity.greedy_rows_batched, parity.load_drafter, stages.verify
+
+    def greedy(*a, **k):
+        events.append("record")
+        return real_greedy(*a, **k)
+
+    def load(src, *a, **k):
+        gc.collect()
+        events.append(f"load ({sum(r() is not None for r in held)} held)")
+        loaded = real_load(src, *a, **k)
+        held.append(weakref.ref(loaded.model))
+        return loaded
+
+    def verify(job, loaded, *a, **k):
+        events.append(
+            "calibrated drafter on " + ",".join(sorted({p.device.type for p in loaded.drafter.model.parameters()}))
+        )
+        return real_verify(job, loaded, *a, **k)
+
+    monkeypatch.setattr(parity, "greedy_rows_batched", greedy)
+    monkeypatch.setattr(parity, "load_drafter", load)
+    monkeypatch.setattr(stages, "verify", verify)
+    job = GptqJob(
+        output=tmp_path / "tf", drafter="reference-dflash2", calib_num_prompts=4, calib_max_new_tokens=16,
+        eval_num_prompts=4, eval_max_new_tokens=16, device="cpu", teacher_forced=True, tolerance=0.5,
+        command=["dflash-quant", "gptq"],
+    )  # fmt: skip
+    result = run_gptq(job)
+    assert result.parity is not None and result.parity["teacher_forced"] is True
+    assert events == ["calibrated drafter on meta", "record", "load (0 held)", "load (0 held)"], events

@@ -34,12 +34,19 @@ def rows_that_fit(rows: int, per_row_bytes: int, free_bytes: int, share: float =
 
 def row_bytes(target, drafter, prompts: list[list[int]], max_new_tokens: int) -> int:
     """Predicted bytes one more row of a batched decode adds (activations, caches, logits) at its peak."""
-    dtype = str(next(drafter.model.parameters()).dtype).replace("torch.", "")
-    t_shape, d_shape = parse_shape(target.source.path), parse_shape(drafter.raw_config)
+    return config_row_bytes(target, drafter.raw_config, next(drafter.model.parameters()).dtype, prompts, max_new_tokens)
+
+
+def config_row_bytes(
+    target, raw_config: dict, dtype: torch.dtype, prompts: list[list[int]], max_new_tokens: int
+) -> int:
+    """row_bytes from the drafter's config.json alone (no weights loaded)."""
+    dtype_name = str(dtype).replace("torch.", "")
+    t_shape, d_shape = parse_shape(target.source.path), parse_shape(raw_config)
     longest = max((len(p) for p in prompts), default=1)
 
     def peak(rows: int) -> int:
-        return predict_calibration(t_shape, 0, d_shape, 0, longest, max_new_tokens, dtype=dtype, rows=rows).peak
+        return predict_calibration(t_shape, 0, d_shape, 0, longest, max_new_tokens, dtype=dtype_name, rows=rows).peak
 
     return peak(2) - peak(1)
 

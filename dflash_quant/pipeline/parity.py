@@ -9,12 +9,13 @@ import torch
 
 from dflash_quant.artifact.reports import Parity
 from dflash_quant.artifact.sources import portable_path, prompt_label
+from dflash_quant.io.source import resolve
 from dflash_quant.io.weights import weights_sha256
 from dflash_quant.kernels.int4_linear import use_int4_kernel
-from dflash_quant.loading.drafter import load_drafter
+from dflash_quant.loading.drafter import LoadedDrafter, load_drafter, read_draft_config
 from dflash_quant.loading.runtime import prompt_categories, stop_tokens
 from dflash_quant.loading.target import LoadedTarget
-from dflash_quant.pipeline.batching import check_rows, default_batch, row_bytes
+from dflash_quant.pipeline.batching import check_rows, config_row_bytes, default_batch, row_bytes
 from dflash_quant.pipeline.job import GptqJob, Progress
 from dflash_quant.speculative.check_cache import CheckCache, cached_runs, check_key, model_identity
 from dflash_quant.speculative.decode import GreedyResult, SpecResult
@@ -46,22 +47,13 @@ def check_parity(
     progress: Progress,
 ) -> Parity:
     """bf16 source vs the exported (dequantized) drafter on held-out prompts, same target runs."""
+    if job.teacher_forced:
+        return _teacher_parity(job, source_id, artifact, target, spec, eval_ids, device, dtype, progress)
     base = load_drafter(job.drafter, device=device, dtype=dtype)
     quant = load_drafter(artifact, device=device, dtype=dtype)
     kernel = use_int4_kernel(quant.model, artifact, quant.quantization, job.int4_kernel)
     block = base.config.block_size
-    settings = CheckSettings(
-        job.eval_max_new_tokens,
-        0.0,
-        block,
-        job.seed,
-        stop_tokens(target),
-        batch=check_rows(
-            job.check_batch, device, dtype, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens)
-        ),
-    )
-    if job.teacher_forced:
-        return _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids, settings, progress)
+    settings = _settings(job, target, base, eval_ids, device, dtype)
     warm_up(base.model, target.model, eval_ids[0], settings)
     # The target-only and bf16 runs depend on neither the recipe nor the output: reused across runs.
     cache = CheckCache(job.check_cache)
@@ -136,28 +128,46 @@ def check_parity(
     return Parity.from_dict(record)
 
 
-def _teacher_parity(job, source_id, base, quant, kernel, target, spec, eval_ids, settings, progress) -> Parity:
+def _settings(job: GptqJob, target: LoadedTarget, base: LoadedDrafter, eval_ids, device, dtype) -> CheckSettings:
+    rows = check_rows(
+        job.check_batch, device, dtype, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens)
+    )
+    return CheckSettings(
+        job.eval_max_new_tokens, 0.0, base.config.block_size, job.seed, stop_tokens(target), batch=rows
+    )
+
+
+def _teacher_parity(job, source_id, artifact, target, spec, eval_ids, device, dtype, progress) -> Parity:
     """Both drafters against the target's greedy continuation of each prompt, decoded once in batches: tau and
-    per-position acceptance only (the target verifies no block, so losslessness and speed are not measured)."""
-    device = next(base.model.parameters()).device
-    dtype = next(base.model.parameters()).dtype
-    block = base.config.block_size
-    rows = default_batch(job.calib_batch, device, lambda: row_bytes(target, base, eval_ids, job.eval_max_new_tokens))
+    per-position acceptance only (the target verifies no block, so losslessness and speed are not measured).
+
+    The greedy record is made before either drafter is loaded, and each drafter is loaded for its own pass only:
+    under a GPU cap with a split 27B target, the record's batch and two drafters do not fit at once."""
+    raw, config = read_draft_config(resolve(job.drafter))  # the config only: no weights held yet
+    n_new = job.eval_max_new_tokens
+    rows = default_batch(job.calib_batch, device, lambda: config_row_bytes(target, raw, dtype, eval_ids, n_new))
     adv = progress("parity: target's greedy continuation", len(eval_ids))
-    layers = base.model.target_layer_ids
+    layers = config.target_layer_ids
     teachers = greedy_rows_batched(target.model, eval_ids, job.eval_max_new_tokens, layers, device, rows, adv)
-    checks = []
+    checks, kernel = [], None
     categories = prompt_categories(spec, job.eval_num_prompts)
-    drafters = ((source_id, "bf16", base.model), (portable_path(job.output), "quantized", quant.model))
-    for name, label, model in drafters:
+    for name, label, src in ((source_id, "bf16", job.drafter), (portable_path(job.output), "quantized", artifact)):
+        drafter = load_drafter(src, device=device, dtype=dtype)
+        if label == "quantized":
+            kernel = use_int4_kernel(drafter.model, artifact, drafter.quantization, job.int4_kernel)
+        settings = _settings(job, target, drafter, eval_ids, device, dtype)
         runs = spec_runs(
-            model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)),
+            drafter.model, target.model, eval_ids, settings, progress(f"parity: {label} drafter", len(eval_ids)),
             teachers=teachers,
         )  # fmt: skip
-        check = untimed(summarize(name, runs, None, settings, block))
+        check = untimed(summarize(name, runs, None, settings, drafter.config.block_size))
         if cats := by_category(runs, categories):
             check["by_category"] = cats
         checks.append(check)
+        del drafter, runs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    block = config.block_size
     s_base, s_quant = checks
     verdict = parity(s_base, s_quant, job.tolerance, greedy=False)
     verdict["notes"].append(

@@ -393,6 +393,19 @@ def _memory(
     write_memory_json(report, artifact)
 
 
+def release(loaded: Loaded, q: Quantized) -> None:
+    """Once the artifact is written, free the GPU memory the check does not need: the calibrated drafter (the
+    check reads both drafters back from files) and the codes (moved to the host). Under a GPU cap with a split
+    27B target, these ~6 GB are what the check's batched greedy decode needs."""
+    loaded.drafter.model.to("meta")  # type: ignore[arg-type]  # transformers wraps .to(): mypy sees it unbound
+    for qw in q.outcome.weights.values():
+        for name, value in vars(qw).items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                setattr(qw, name, value.cpu())
+    if loaded.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def verify(job: GptqJob, loaded: Loaded, ins: Inputs, source: SourceRef, artifact: Path, progress: Progress) -> Parity:
     """The parity gate: the bf16 source against the exported files (pipeline.parity)."""
     assert ins.eval_spec is not None  # verify runs only with --verify, which encodes the parity prompts
@@ -457,6 +470,7 @@ def run_stages(job: GptqJob, final: Path, progress: Progress, state: RunState) -
         export(tmp, final, job, loaded, cal, q, provenance)
         timings["export_s"] = time.perf_counter() - t
         if job.verify:
+            release(loaded, q)
             t = time.perf_counter()
             assert provenance.source_drafter is not None  # record() always sets it
             parity = verify(job, loaded, ins, provenance.source_drafter, tmp, progress)
