@@ -268,3 +268,34 @@ def test_the_teacher_check_holds_one_drafter_at_a_time_after_the_targets_record(
     result = run_gptq(job)
     assert result.parity is not None and result.parity["teacher_forced"] is True
     assert events == ["calibrated drafter on meta", "record", "load (0 held)", "load (0 held)"], events
+
+
+@pytest.mark.parametrize("name", ["reference", "reference-dflash2"])
+def test_a_teacher_drafts_with_resident_copies_of_an_offloaded_head_and_embedding(name):
+    """A split target whose head and input embedding accelerate offloads streams them in on every call: for a
+    27B head, 2.5 GB per drafter step. Against a teacher (no target forward meanwhile) the drafter gets resident
+    copies instead: the same runs, token for token and step for step, and the offloaded head is not called."""
+    from dflash_quant.models.placement import Placement
+    from dflash_quant.speculative.verify import CheckSettings, spec_runs
+
+    one_d, one_t = load_pair(name, None, CPU, torch.float32)
+    n_layers = one_t.model.config.num_hidden_layers
+    dmap = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "disk"}
+    dmap.update({f"model.layers.{i}": "cpu" for i in range(n_layers)})
+    _, split_t = load_pair(name, None, CPU, torch.float32, Placement(dmap))
+    head = split_t.model.get_output_embeddings()
+    assert getattr(head._hf_hook, "offload", False), "the head was not offloaded"
+    prompts = encode_prompts(one_t, f"{name}:heldout", 3, True)
+    layers = one_d.model.target_layer_ids
+    settings = CheckSettings(24, 0.0, None, 0, stop_tokens(one_t))
+    want = spec_runs(
+        one_d.model, one_t.model, prompts, settings, teachers=greedy_rows(one_t.model, prompts, 24, layers, CPU)
+    )
+    record = greedy_rows(split_t.model, prompts, 24, layers, CPU)
+    calls = []
+    real = head._hf_hook.pre_forward
+    head._hf_hook.pre_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    got = spec_runs(one_d.model, split_t.model, prompts, settings, teachers=record)
+    assert calls == []  # drafting never streamed the offloaded head
+    for a, b in zip(want, got, strict=True):
+        assert a.tokens == b.tokens and a.accepted == b.accepted and a.acceptance_lengths == b.acceptance_lengths

@@ -24,7 +24,7 @@ from dflash_quant.errors import UsageError
 from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.speculative.decode import SpecResult, speculative_generate
-from dflash_quant.speculative.teacher import TeacherTarget, greedy_rows
+from dflash_quant.speculative.teacher import TeacherTarget, greedy_rows, resident_ends
 
 KV_MODES = ("block", "block+context")
 
@@ -234,19 +234,20 @@ def capture(
             if teacher:
                 rows = greedy_rows(target, prompts[i:end], max_new_tokens, drafter.target_layer_ids, device)
                 runs: list[SpecResult] = []
-                for ids, row in zip(prompts[i:end], rows, strict=True):
-                    if keep_replay and runs:
-                        replay.append(record)
-                        record = []
-                    runs.append(
-                        speculative_generate(
-                            drafter,
-                            TeacherTarget(target, row),
-                            torch.tensor([ids], device=device),
-                            max_new_tokens,
-                            stop_token_ids=stop_token_ids,
+                with resident_ends(target, device) as ends:  # after the record: not beside its streamed head
+                    for ids, row in zip(prompts[i:end], rows, strict=True):
+                        if keep_replay and runs:
+                            replay.append(record)
+                            record = []
+                        runs.append(
+                            speculative_generate(
+                                drafter,
+                                TeacherTarget(target, row, ends),
+                                torch.tensor([ids], device=device),
+                                max_new_tokens,
+                                stop_token_ids=stop_token_ids,
+                            )
                         )
-                    )
                 del rows
             elif batched:
                 runs = batched_speculative_generate(

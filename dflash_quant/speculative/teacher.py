@@ -19,14 +19,15 @@ zero the pad rows before their projections, so their conv and recurrent states s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from dflash_quant.errors import UsageError
-from dflash_quant.models.devmap import input_device
+from dflash_quant.models.devmap import input_device, resident_copy
 from dflash_quant.speculative.target_cache import cache_kw, make_cache
 
 
@@ -184,19 +185,24 @@ class TeacherTarget(torch.nn.Module):
     from the row right after them.
     """
 
-    def __init__(self, target: torch.nn.Module, row: TeacherRow):
+    def __init__(
+        self, target: torch.nn.Module, row: TeacherRow, ends: tuple[torch.nn.Module, torch.nn.Module] | None = None
+    ):
         super().__init__()
         self.row = row
         self.config = target.config
         # kept outside the module tree: the target's weights are not this module's parameters
         self.__dict__["_target"] = target
+        self.__dict__["_ends"] = ends  # (input embedding, head) to draft with: see resident_ends
         self._vocab = int(target.get_output_embeddings().weight.shape[0])  # type: ignore[operator]
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.__dict__["_target"].get_input_embeddings()
+        ends = self.__dict__["_ends"]
+        return ends[0] if ends is not None else self.__dict__["_target"].get_input_embeddings()
 
     def get_output_embeddings(self) -> torch.nn.Module:
-        return self.__dict__["_target"].get_output_embeddings()
+        ends = self.__dict__["_ends"]
+        return ends[1] if ends is not None else self.__dict__["_target"].get_output_embeddings()
 
     def state(self) -> _NoState:
         return _NoState()
@@ -215,3 +221,19 @@ class TeacherTarget(torch.nn.Module):
         logits = torch.zeros((1, keep, self._vocab), device=input_ids.device)
         logits[0, torch.arange(keep, device=input_ids.device), nxt] = 1.0
         return SimpleNamespace(logits=logits, hidden_states=_Taps(self.row, start, end))
+
+
+@contextmanager
+def resident_ends(target: torch.nn.Module, device: torch.device) -> Iterator[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(input embedding, head) the drafter calls on every step against a teacher: the target's own, or, for one
+    that accelerate offloads, a copy held on `device` for the duration. Offloaded, a 27B target's head (2.5 GB)
+    would cross PCIe on every drafter step; a teacher runs no target forward meanwhile, so the copy takes the
+    place the streamed head would. Same weights, same call: the same logits."""
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()  # type: ignore[operator]
+    copies = (resident_copy(embed, device), resident_copy(head, device))
+    try:
+        yield (copies[0] or embed, copies[1] or head)
+    finally:
+        del copies
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from dflash_quant.speculative.decode import (
     target_generate,
 )
 from dflash_quant.speculative.lookup import LookupSettings
-from dflash_quant.speculative.teacher import TeacherRow, TeacherTarget
+from dflash_quant.speculative.teacher import TeacherRow, TeacherTarget, resident_ends
 
 
 @dataclass
@@ -108,19 +108,20 @@ def spec_runs(
             raise ValueError("teacher-forced runs are greedy and without lookup")
         device = next(drafter.parameters()).device
         runs = []
-        for ids, row in zip(prompts, teachers, strict=True):
-            runs.append(
-                speculative_generate(
-                    drafter,
-                    TeacherTarget(target, row),
-                    torch.tensor([ids], device=device),
-                    settings.max_new_tokens,
-                    stop_token_ids=settings.stop_token_ids,
-                    block_size=settings.block_size,
+        with resident_ends(target, device) as ends:
+            for ids, row in zip(prompts, teachers, strict=True):
+                runs.append(
+                    speculative_generate(
+                        drafter,
+                        TeacherTarget(target, row, ends),
+                        torch.tensor([ids], device=device),
+                        settings.max_new_tokens,
+                        stop_token_ids=settings.stop_token_ids,
+                        block_size=settings.block_size,
+                    )
                 )
-            )
-            if progress:
-                progress()
+                if progress:
+                    progress()
         return runs
     batched = settings.batch > 1 and unbatchable(drafter, target, settings.temperature, settings.lookup) is None
     alone = prompts[:timed] if batched else prompts
