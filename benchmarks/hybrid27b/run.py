@@ -332,7 +332,7 @@ def main() -> None:
         default=32,
         help="tokens per parity prompt of the capped run (each offloaded step moves the CPU layers over PCIe)",
     )
-    ap.add_argument("--timeout", type=int, default=480, help="seconds per gptq command")
+    ap.add_argument("--timeout", type=int, default=560, help="seconds per gptq command (the device allows 600 a call)")
     ap.add_argument(
         "--deadline",
         type=int,
