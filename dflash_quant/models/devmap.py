@@ -138,30 +138,6 @@ def pin_offloaded(model: torch.nn.Module) -> int:
     return pinned
 
 
-class _Linear(torch.nn.Module):
-    """A hook-free Linear over given tensors (a resident copy of an offloaded head)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.device), self.weight, self.bias)
-
-
-class _Embedding(torch.nn.Module):
-    """A hook-free Embedding over a given table (a resident copy of an offloaded input embedding)."""
-
-    def __init__(self, weight: torch.Tensor, padding_idx: int | None):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-        self.padding_idx = padding_idx
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids.to(self.weight.device), self.weight, self.padding_idx)
-
-
 def resident_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:
     """A copy on `device`, without accelerate's hook, of a Linear or Embedding that accelerate offloads (its
     weights streamed onto the execution device on every call); None when the module is not offloaded or of
@@ -170,13 +146,20 @@ def resident_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Mod
     store = getattr(hook, "weights_map", None)
     if hook is None or not getattr(hook, "offload", False) or store is None:
         return None
-    if not isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+    if type(module) is torch.nn.Linear:  # exact types: a subclass may compute more than its weights
+        copy: torch.nn.Module = torch.nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
+    elif type(module) is torch.nn.Embedding:
+        copy = torch.nn.Embedding(
+            module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm, module.norm_type,
+            module.scale_grad_by_freq, module.sparse, device="meta",
+        )  # fmt: skip
+    else:
         return None
     try:  # (a tied head keeps its weight under the embedding's name: not ours to copy, it streams as before)
-        weight = store["weight"].to(device)
-        bias = store["bias"].to(device) if isinstance(module, torch.nn.Linear) and module.bias is not None else None
+        tensors = {name: store[name].to(device) for name, _ in copy.named_parameters()}
     except KeyError:
         return None
-    if isinstance(module, torch.nn.Embedding):
-        return _Embedding(weight, module.padding_idx)
-    return _Linear(weight, bias)
+    copy.load_state_dict(tensors, assign=True)
+    return copy.requires_grad_(False)
