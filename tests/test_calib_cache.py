@@ -9,12 +9,19 @@ from dflash_quant.calibration.capture import CalibrationStats, DraftCall
 from dflash_quant.calibration.hessian import HessianAccumulator
 
 
-def _stats(n_prompts: int, seed: int, replay: bool) -> CalibrationStats:
+def _stats(n_prompts: int, seed: int, replay: bool, labels: bool = True) -> CalibrationStats:
     gen = torch.Generator().manual_seed(seed)
     acc = HessianAccumulator(8, name="fc")
     acc.add(torch.randn(16, 8, generator=gen))
     calls = [
-        [DraftCall(torch.randn(1, 4, 8, generator=gen), torch.randn(1, 3, 8), torch.arange(7)[None])]
+        [
+            DraftCall(
+                torch.randn(1, 4, 8, generator=gen),
+                torch.randn(1, 3, 8),
+                torch.arange(7)[None],
+                torch.randint(0, 50, (4,), generator=gen) if labels else None,
+            )
+        ]
         for _ in range(n_prompts)
     ]
     return CalibrationStats({"fc": acc}, "block", prompts=n_prompts, steps=n_prompts, replay=calls if replay else None)
@@ -36,6 +43,15 @@ def test_a_plain_entry_does_not_inherit_the_replay_of_an_earlier_calibration(tmp
     back = cache.load(tmp_path, {"prompts": "B"}, need_replay=True, device=torch.device("cpu"))
     assert back is not None and back.replay is not None and len(back.replay) == 3
     assert torch.equal(back.replay[2][0].noise, kl.replay[2][0].noise)  # type: ignore[index]
+    assert torch.equal(back.replay[2][0].labels, kl.replay[2][0].labels)  # type: ignore[index,arg-type]
+
+
+def test_a_replay_without_target_tokens_is_recaptured(tmp_path):
+    """Entries from before the target's tokens were recorded beside each call cannot serve the label-based
+    tuning losses: a run that needs the replay captures again; the Hessians still serve plain GPTQ."""
+    cache.save(tmp_path, _stats(2, 0, replay=True, labels=False), {"prompts": "A"})
+    assert cache.load(tmp_path, {"prompts": "A"}, need_replay=True, device=torch.device("cpu")) is None
+    assert cache.load(tmp_path, {"prompts": "A"}, need_replay=False, device=torch.device("cpu")) is not None
 
 
 def test_a_replay_changed_under_the_key_is_a_miss(tmp_path):

@@ -130,6 +130,8 @@ def test_checkpoint_roundtrip_and_key_mismatch(tmp_path):
         torch.testing.assert_close(resumed.hessians[name].xtx, acc.xtx, rtol=1e-6, atol=1e-5)
     assert resumed.replay is not None and full.replay is not None
     assert [len(c) for c in resumed.replay] == [len(c) for c in full.replay]
+    for a, b in zip(resumed.replay[0], full.replay[0], strict=True):  # the checkpointed prompt's target tokens
+        assert a.labels is not None and b.labels is not None and torch.equal(a.labels, b.labels)
     (tmp_path / ckpt.FILE).write_bytes(b"torn")
     with pytest.raises(Exception, match="damaged"):
         ckpt.load(tmp_path, key, CPU)

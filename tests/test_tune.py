@@ -10,18 +10,22 @@ import pytest
 import torch
 
 from dflash_quant.calibration.capture import capture
+from dflash_quant.errors import DFlashQuantError
 from dflash_quant.loading.runtime import encode_prompts, load_pair
 from dflash_quant.quantize.drafter import quantize_drafter
 from dflash_quant.quantize.settings import QuantSettings
 from dflash_quant.quantize.tune import (
     _kl,
     pack,
+    packed_labels,
     packed_rows,
     position_weights,
+    reached_rows,
     replay_rows,
     teacher_rows,
     tune_scales,
 )
+from dflash_quant.speculative.decode import target_generate
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +35,11 @@ def calibrated():
     drafter, target = load_pair("reference", None, torch.device("cpu"), torch.float32)
     prompts = encode_prompts(target, "reference:calib", 6, False, 24)
     stats = capture(drafter.model, target.model, prompts, 24, kv_hessian="block+context", keep_replay=True)
-    return drafter, target, stats
+    return drafter, target, stats, prompts
 
 
 def _quantized(calibrated, bits=3):
-    drafter, target, stats = calibrated
+    drafter, target, stats, _ = calibrated
     model = copy.deepcopy(drafter.model)
     teacher = teacher_rows(model, stats.replay)
     settings = QuantSettings(bits=bits, group_size=128, min_rows=16)
@@ -66,7 +70,7 @@ def test_one_packed_forward_equals_the_decode_loops_calls(calibrated, tmp_path, 
     from dflash_quant.loading.target import load_target
 
     if variant == "reference":
-        drafter, target, stats = calibrated
+        drafter, target, stats, _ = calibrated
         model, replay = drafter.model, stats.replay
     else:
         d = load_drafter(
@@ -88,7 +92,7 @@ def test_one_packed_forward_equals_the_decode_loops_calls(calibrated, tmp_path, 
 
 
 def test_tuning_lowers_the_drafters_kl_and_keeps_a_plain_grid(calibrated):
-    _, _, stats = calibrated
+    _, _, stats, _ = calibrated
     model, teacher, outcome, head = _quantized(calibrated)
     codes = {n: qw.codes.clone() for n, qw in outcome.weights.items()}
     zeros = {n: qw.zeros.clone() for n, qw in outcome.weights.items()}
@@ -117,7 +121,7 @@ def test_tuning_lowers_the_drafters_kl_and_keeps_a_plain_grid(calibrated):
 def test_code_offsets_travel_at_most_their_budget_however_many_steps_run(calibrated):
     """Each signed step is --tune-code-travel / steps (at most 0.01): more prompts or passes do not move codes
     further (with a fixed step, 6x the calibration prompts let codes drift and the tuning lost to GPTQ)."""
-    _, _, stats = calibrated
+    _, _, stats, _ = calibrated
     for epochs in (2, 12):
         model, teacher, outcome, head = _quantized(calibrated)
         codes = {n: qw.codes.clone() for n, qw in outcome.weights.items()}
@@ -160,7 +164,7 @@ def test_position_decay_weighs_each_block_row_by_its_position(calibrated):
     and after, is that weighted mean of what the decode loop's forwards give."""
     assert torch.allclose(position_weights([4, 2], 2.0), torch.tensor([1.0, 0.6065307, 0.3678794, 1.0]))
     assert torch.equal(position_weights([3], 0.0), torch.ones(2))
-    _, _, stats = calibrated
+    _, _, stats, _ = calibrated
     for decay in (0.0, 0.5):
         model, teacher, outcome, head = _quantized(calibrated)
         by_pos = _kl_by_position(model, stats.replay, teacher, head)
@@ -177,12 +181,80 @@ def test_position_decay_weighs_each_block_row_by_its_position(calibrated):
         assert report.position_decay == decay and not report.kept_gptq_scales
 
 
+def test_each_recorded_call_carries_the_targets_tokens_at_its_block_positions(calibrated):
+    """Labels are the target's own greedy output at every block position (accepted by the drafter or not),
+    -1 past the run's end: what the label-based tuning losses score against."""
+    _, target, stats, prompts = calibrated
+    checked = 0
+    for ids, calls in zip(prompts, stats.replay, strict=True):
+        greedy = target_generate(target.model, torch.tensor([ids]), 24).tokens
+        seq = [*ids, *greedy]
+        for call in calls:
+            pos = call.positions[0, -call.noise.shape[1] :].tolist()
+            want = [seq[p] if p < len(seq) else -1 for p in pos]
+            assert call.labels is not None and call.labels.tolist() == want
+            checked += sum(w >= 0 for w in want[1:])
+    assert checked > 100
+    assert packed_labels(stats.replay[0]).numel() == sum(c.noise.shape[1] - 1 for c in stats.replay[0])
+
+
+def test_reached_rows_are_those_after_a_run_of_target_tokens():
+    """Row k of a block counts only if rows 1..k-1 drafted the target's token; rows past the run's end never."""
+    teacher = torch.tensor([5, 6, 9, 8, 1, 2, 3])  # blocks of 4 and 4 rows: 3 + 3 scored rows, then 1 (size 2)
+    labels = torch.tensor([5, 7, 9, 1, 2, -1, 4])
+    got = reached_rows([4, 4, 2], teacher[:7], labels)
+    # block 1: 5=5 hit, 6!=7 miss -> rows 1, 2 reached, 3 not; block 2: 8!=1 -> only row 1; block 3: row 1 always
+    assert got.tolist() == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_reached_rows_and_the_target_term_are_the_loss_the_report_reads(calibrated):
+    """rows="reached" scores only the rows the bf16 drafter reaches, and target_weight adds the cross-entropy to
+    the target's token on them: the report's loss before tuning is that, computed the decode loop's way."""
+    _, _, stats, _ = calibrated
+    for rows, weight in (("reached", 0.0), ("all", 0.5), ("reached", 0.5)):
+        model, teacher, outcome, head = _quantized(calibrated)
+        total, count = 0.0, 0.0
+        with torch.no_grad():
+            for calls, t in zip(stats.replay, teacher, strict=True):
+                t_logits = model.compute_logits(t, head)
+                q_logits = model.compute_logits(torch.cat([r[0] for r in replay_rows(model, calls)]), head)
+                labels = packed_labels(calls)
+                sizes = [c.noise.shape[1] for c in calls]
+                w = reached_rows(sizes, t_logits.argmax(-1), labels) if rows == "reached" else torch.ones(len(labels))
+                t_logp = torch.log_softmax(t_logits, -1)
+                per_row = (t_logp.exp() * (t_logp - torch.log_softmax(q_logits, -1))).sum(-1)
+                ce = torch.nn.functional.cross_entropy(q_logits, labels.clamp(min=0), reduction="none")
+                total += float((w * (per_row + weight * ce * (labels >= 0))).sum())
+                count += float(w.sum())
+        report = tune_scales(model, outcome.weights, stats.replay, teacher, head, epochs=2, lr=5e-3, rows=rows,
+                             target_weight=weight)  # fmt: skip
+        assert report.kl_before == pytest.approx(total / count, rel=1e-4)
+        assert report.kl_after < report.kl_before
+    # the bf16 drafter misses some drafts, so "reached" scores a strict subset of the rows
+    model, teacher, _, head = _quantized(calibrated)
+    n_all = sum(len(packed_labels(c)) for c in stats.replay)
+    n_reached = sum(
+        float(reached_rows([c.noise.shape[1] for c in calls], model.compute_logits(t, head).argmax(-1),
+                           packed_labels(calls)).sum())
+        for calls, t in zip(stats.replay, teacher, strict=True)
+    )  # fmt: skip
+    assert 0 < n_reached < n_all
+
+
+def test_label_losses_need_recorded_target_tokens(calibrated):
+    _, _, stats, _ = calibrated
+    model, teacher, outcome, head = _quantized(calibrated)
+    bare = [[type(c)(c.noise, c.ctx, c.positions) for c in calls] for calls in stats.replay]
+    with pytest.raises(DFlashQuantError, match="no target tokens"):
+        tune_scales(model, outcome.weights, bare, teacher, head, epochs=1, rows="reached")
+
+
 def test_tuned_norms_are_plain_parameters_that_lower_the_kl_further(calibrated):
     """--tune-norms: each RMSNorm's weight gets a per-channel multiplier; the result is a plain Parameter again
     (what the export writes), and the KL ends below the Linears-only tuning's on the same steps."""
     from dflash_quant.quantize.tune import norm_modules
 
-    _, _, stats = calibrated
+    _, _, stats, _ = calibrated
     after = {}
     for norms in (False, True):
         model, teacher, outcome, head = _quantized(calibrated)
@@ -212,7 +284,7 @@ def _hessian_error(weights, originals, stats) -> float:
 
 
 def test_the_anchor_holds_the_tuning_near_gptqs_objective(calibrated):
-    drafter, _, stats = calibrated
+    drafter, _, stats, _ = calibrated
     originals = {n: drafter.model.get_submodule(n).weight.detach().clone() for n, _ in drafter.model.named_modules()
                  if isinstance(drafter.model.get_submodule(n), torch.nn.Linear)}  # fmt: skip
     errors = {}
@@ -228,7 +300,7 @@ def test_the_anchor_holds_the_tuning_near_gptqs_objective(calibrated):
 
 def test_a_drafter_already_at_its_teacher_keeps_the_gptq_scales(calibrated):
     """Never worse on the replay: with the quantized drafter as its own teacher the KL is 0 and stays the best."""
-    _, _, stats = calibrated
+    _, _, stats, _ = calibrated
     model, _, outcome, head = _quantized(calibrated)
     own = teacher_rows(model, stats.replay)
     scales = {n: qw.scales.clone() for n, qw in outcome.weights.items()}
@@ -240,7 +312,7 @@ def test_a_drafter_already_at_its_teacher_keeps_the_gptq_scales(calibrated):
 
 def test_a_mixed_precision_drafter_is_tuned_within_each_linears_grid(calibrated):
     """After a mix (per-Linear bits and groups) every Linear keeps its own grid: codes within its own range."""
-    drafter, target, stats = calibrated
+    drafter, target, stats, _ = calibrated
     model = copy.deepcopy(drafter.model)
     rows = teacher_rows(model, stats.replay)
     names = model.linear_names()
@@ -262,7 +334,7 @@ def test_a_kquant_grid_is_tuned_within_llama_cpps_layout(calibrated, gguf_type):
     move at most one step (IQ4_NL's codebook indices not at all), and the module holds what the GGUF will store."""
     from dflash_quant.quantize.kquant import quantize_drafter_kquant
 
-    drafter, target, stats = calibrated
+    drafter, target, stats, _ = calibrated
     model = copy.deepcopy(drafter.model)
     rows = teacher_rows(model, stats.replay)
     outcome = quantize_drafter_kquant(model, stats, QuantSettings(bits=4, min_rows=16), gguf_type, scale_search=0)
@@ -385,6 +457,8 @@ def test_gptq_kl_on_a_kquant_mix_writes_the_tuned_gguf(tmp_path):
         (["--method", "gptq-kl", "--tune-lr", "2"], "--tune-lr must be in (0, 1)"),
         (["--method", "gptq-kl", "--tune-code-travel", "0"], "--tune-code-travel must be in (0, 100]"),
         (["--method", "gptq-kl", "--tune-position-decay", "-1"], "--tune-position-decay must be in [0, 1000]"),
+        (["--method", "gptq-kl", "--tune-rows", "some"], "--tune-rows must be one of all, reached"),
+        (["--method", "gptq-kl", "--tune-target", "-1"], "--tune-target must be in [0, 100]"),
         (
             ["--method", "gptq-kl", "--format", "gguf", "--gguf-type", "Q3_K", "--desc-act"],
             "drop --sequential/--desc-act",

@@ -42,7 +42,7 @@ DEVFILES_FROM, DEVFILES_N = 512, 128
 
 def parse_config(text: str) -> tuple[str, dict[str, str]]:
     """`gptq`, `gptq-kl`, `gptq+clip` (with --clip-search), `gptq+act` (--desc-act --static-groups), or
-    `gptq-kl:lr=0.002:epochs=2:codes=no:code_travel=1:tokens=256:tf=yes:calib=512:gguf=Q3_K_S` -> (method, extra
+    `gptq-kl:lr=0.002:epochs=2:codes=no:code_travel=1:tokens=256:tf=yes:calib=512:gguf=Q3_K_S:sym=no` -> (method, extra
     options).
     calib=N adds the first N prompts of `benchmarks/prompts/*_calib_extra.jsonl` (cut from the pair's training
     files) to the split's calibration prompts."""
@@ -106,6 +106,8 @@ def run_one(
             cmd += ["--max-new-tokens", v]
         elif k == "tf":  # tf=yes: --teacher-forced calibration and check
             cmd += ["--teacher-forced"] if v == "yes" else []
+        elif k == "sym":  # sym=no: asymmetric grid (a zero point per group; same bytes in GPTQ v1)
+            cmd += ["--sym" if v == "yes" else "--asym"]
         elif k == "calib":
             pass  # below, with the split's calibration prompts
         elif k == "gguf":  # gguf=Q3_K_S: llama.cpp's grid (the bits:group of the row are not used)

@@ -144,6 +144,12 @@ class Quantization(Record):
     tune_position_decay: float | None = doc(
         "gptq-kl: block position k's KL weighs exp(-(k-1)/decay) (0: every position weighs 1)", omit_none=True
     )
+    tune_rows: str | None = doc(
+        "gptq-kl: the block rows scored (all, or those the bf16 drafter reaches)", omit_none=True
+    )
+    tune_target: float | None = doc(
+        "gptq-kl: weight of the cross-entropy to the target's token in the loss (0: KL alone)", omit_none=True
+    )
     extra: E = doc("", factory=dict)
 
 

@@ -44,6 +44,8 @@ def save(directory: Path, stats: CalibrationStats, key: dict[str, Any]) -> None:
                     call.ctx,
                     call.positions,
                 )
+                if call.labels is not None:
+                    rep[f"{p}.{c}.labels"] = call.labels
         _atomic_save({k: v.contiguous() for k, v in rep.items()}, directory / REPLAY)
     else:
         # a replay another calibration left here must not pass for this one's (plain GPTQ and gptq-kl can share
@@ -99,12 +101,19 @@ def load(directory: Path, key: dict[str, Any], need_replay: bool, device: torch.
         n_prompts = 1 + max(int(k.split(".")[0]) for k in rep) if rep else 0
         if n_prompts != meta["replay_prompts"]:
             return None  # the replay file changed under the key (another run saving here): capture again
+        if any(k.endswith(".noise") and k[: -len("noise")] + "labels" not in rep for k in rep):
+            return None  # recorded before the target's tokens were kept beside each call: capture again
         replay = []
         for p in range(n_prompts):
             n_calls = len([k for k in rep if k.startswith(f"{p}.") and k.endswith(".noise")])
             replay.append(
                 [
-                    DraftCall(rep[f"{p}.{c}.noise"], rep[f"{p}.{c}.ctx"], rep[f"{p}.{c}.positions"])
+                    DraftCall(
+                        rep[f"{p}.{c}.noise"],
+                        rep[f"{p}.{c}.ctx"],
+                        rep[f"{p}.{c}.positions"],
+                        rep.get(f"{p}.{c}.labels"),
+                    )
                     for c in range(n_calls)
                 ]
             )

@@ -45,11 +45,24 @@ def input_group(name: str, kv_hessian: str) -> str:
 
 @dataclass
 class DraftCall:
-    """One drafter forward's inputs, kept to replay the drafter alone (sequential GPTQ)."""
+    """One drafter forward's inputs, kept to replay the drafter alone (sequential GPTQ, gptq-kl), and the tokens
+    the target's greedy output has at its block positions (labels [q], -1 past the output's end; None: not
+    recorded)."""
 
     noise: torch.Tensor
     ctx: torch.Tensor
     positions: torch.Tensor
+    labels: torch.Tensor | None = None
+
+
+def label_calls(calls: Sequence[DraftCall], prompt: Sequence[int], new_tokens: Sequence[int]) -> None:
+    """Set each call's labels from the finished run: the loop's output is the target's greedy output, so every
+    block position the run covered has its target token, accepted by the drafter or not."""
+    seq = torch.tensor([*prompt, *new_tokens], dtype=torch.int64)
+    for call in calls:
+        pos = call.positions[0, -call.noise.shape[1] :].to(torch.int64)
+        inside = pos < seq.numel()
+        call.labels = torch.where(inside, seq[pos.clamp(max=seq.numel() - 1)], torch.full_like(pos, -1))
 
 
 @dataclass
@@ -270,6 +283,8 @@ def capture(
                     progress()
             if keep_replay:
                 replay.append(record)
+                for calls, ids, run in zip(replay[-len(runs) :], prompts[i:end], runs, strict=True):
+                    label_calls(calls, ids, run.tokens)
             i = end
             if checkpoint is not None and checkpoint_every > 0 and i % checkpoint_every == 0 and i < len(prompts):
                 # the Hessians are the live accumulators (no copy of a 2.6 GB fc Hessian): valid during the call

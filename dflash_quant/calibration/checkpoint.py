@@ -47,8 +47,9 @@ def _tensors(state: CaptureState) -> dict[str, torch.Tensor]:
             tensors[f"h.{name}.{part}"] = t.detach().cpu().contiguous()
     for p, calls in enumerate(state.replay or []):
         for c, call in enumerate(calls):
-            for part in ("noise", "ctx", "positions"):
-                tensors[f"r.{p}.{c}.{part}"] = getattr(call, part).contiguous()
+            for part in ("noise", "ctx", "positions", "labels"):
+                if getattr(call, part) is not None:
+                    tensors[f"r.{p}.{c}.{part}"] = getattr(call, part).contiguous()
     return tensors
 
 
@@ -56,7 +57,8 @@ def nbytes(state: CaptureState) -> int:
     """The checkpoint's tensor bytes (its file adds a small header), counted before anything is copied."""
     hessians = sum(4 * acc.in_features**2 + 8 for acc in state.hessians.values())  # fp32 xtx, int64 rows
     calls = [call for calls in state.replay or [] for call in calls]
-    replay = sum(t.numel() * t.element_size() for call in calls for t in (call.noise, call.ctx, call.positions))
+    parts = [t for call in calls for t in (call.noise, call.ctx, call.positions, call.labels) if t is not None]
+    replay = sum(t.numel() * t.element_size() for t in parts)
     return hessians + replay + 8 * len(state.lengths)
 
 
@@ -94,7 +96,10 @@ def load(directory: Path, key: dict[str, Any], device: torch.device) -> CaptureS
             n_calls = sum(1 for k in flat if k.startswith(f"r.{p}.") and k.endswith(".noise"))
             replay.append(
                 [
-                    DraftCall(*(flat[f"r.{p}.{c}.{part}"] for part in ("noise", "ctx", "positions")))
+                    DraftCall(
+                        *(flat[f"r.{p}.{c}.{part}"] for part in ("noise", "ctx", "positions")),
+                        flat.get(f"r.{p}.{c}.labels"),
+                    )
                     for c in range(n_calls)
                 ]
             )

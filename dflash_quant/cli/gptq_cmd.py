@@ -164,6 +164,15 @@ def gptq(
         help="gptq-kl: weigh block position k's KL by exp(-(k-1)/D), since a later position counts only when the "
         "earlier ones were accepted (0: every position weighs 1).",
     ),
+    tune_rows: str = typer.Option(
+        "all",
+        help="gptq-kl: all | reached (score only the block rows the bf16 drafter's own drafts reach: every earlier "
+        "row drafted the target's token).",
+    ),
+    tune_target: float = typer.Option(
+        0.0,
+        help="gptq-kl: add this weight x the cross-entropy to the target's own token on the scored rows (0: KL alone).",
+    ),
     sequential: bool = typer.Option(
         False,
         "--sequential/--no-sequential",
@@ -417,6 +426,8 @@ def gptq(
             tune_code_travel=tune_code_travel,
             tune_anchor=tune_anchor,
             tune_position_decay=tune_position_decay,
+            tune_rows=tune_rows,
+            tune_target=tune_target,
             tune_norms=tune_norms,
         ),
         overwrite=overwrite,

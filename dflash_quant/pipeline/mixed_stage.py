@@ -107,6 +107,8 @@ def plan_mix(
                     "after-dev-prompts",
                     *([q.tune_position_decay] if q.tune_position_decay else []),
                     *(["norms"] if q.tune_norms else []),
+                    *([q.tune_rows] if q.tune_rows != "all" else []),
+                    *([q.tune_target] if q.tune_target else []),
                 ]
             }
             if q.tuned
@@ -249,7 +251,8 @@ def _kl_tuner(job, target, stats, reference, n_dev: int):
         tune_scales(
             model, weights, replay, teacher, head, epochs=q.tune_epochs, lr=q.tune_lr_for(False), codes=q.tune_codes,
             code_travel=q.tune_code_travel, anchors=anchors, anchor_weight=q.tune_anchor,
-            position_decay=q.tune_position_decay, norms=q.tune_norms, seed=job.seed,
+            position_decay=q.tune_position_decay, norms=q.tune_norms, rows=q.tune_rows, target_weight=q.tune_target,
+            seed=job.seed,
         )  # fmt: skip
 
     return tune

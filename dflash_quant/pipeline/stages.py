@@ -265,6 +265,8 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
         anchor_weight=quant.tune_anchor,
         position_decay=quant.tune_position_decay,
         norms=quant.tune_norms,
+        rows=quant.tune_rows,
+        target_weight=quant.tune_target,
         seed=job.seed,
         progress=step,
     )

@@ -36,6 +36,7 @@ TUNE_LR_KQUANT = 1e-3
 # default was chosen with (96 dev prompts x 2 epochs)
 TUNE_CODE_TRAVEL = 2.0
 TUNE_CODE_STEP_MAX = 0.01  # a flip needs >= 50 agreeing steps
+TUNE_ROWS = ("all", "reached")  # gptq-kl: the block rows the loss scores
 # from 128 to 640 calibration prompts gptq-kl gained on prompts near the drafter's training files and never lost
 # beyond noise on held-out ones (3-bit, both shipped pairs; docs/quality.md), so a run tuned on fewer says so
 TUNE_MIN_PROMPTS = 512
@@ -67,6 +68,8 @@ class QuantSettings:
     tune_anchor: float = 0.0  # gptq-kl: weight of the Linears' Hessian-weighted error to their bf16 weights in the loss
     tune_position_decay: float = 0.0  # gptq-kl: block row k's KL weighs exp(-(k-1)/decay); 0: uniform
     tune_norms: bool = False  # gptq-kl: the RMSNorm weights are tuned too (not quantized; every format keeps them)
+    tune_rows: str = "all"  # gptq-kl: "reached": score only the rows the bf16 drafter's own drafts reach
+    tune_target: float = 0.0  # gptq-kl: weight of the cross-entropy to the target's token on the scored rows
 
     def tune_lr_for(self, kquant: bool) -> float:
         """The step size tuning uses: the one given, else TUNE_LR, or TUNE_LR_KQUANT on a llama.cpp k-quant grid."""
@@ -115,6 +118,10 @@ class QuantSettings:
                 f"--tune-position-decay must be in [0, 1000] (0: every block position weighs 1), "
                 f"got {self.tune_position_decay}"
             )
+        if self.tune_rows not in TUNE_ROWS:
+            raise UsageError(f"--tune-rows must be one of {', '.join(TUNE_ROWS)}, got {self.tune_rows!r}")
+        if not 0 <= self.tune_target <= 100:
+            raise UsageError(f"--tune-target must be in [0, 100] (0: KL alone), got {self.tune_target}")
         if self.profile not in PROFILES:
             raise UsageError(f"--profile must be one of {', '.join(PROFILES)}, got {self.profile!r}")
         if not 0 < self.damp < 1:

@@ -32,7 +32,7 @@ from dflash_quant.models.model import (
 )
 from dflash_quant.quantize.grid import FP16_MAX, FP16_TINY, QuantizedWeight
 from dflash_quant.quantize.kquant import KQuantWeight, column_grid, decode
-from dflash_quant.quantize.settings import TUNE_CODE_STEP_MAX, TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR
+from dflash_quant.quantize.settings import TUNE_CODE_STEP_MAX, TUNE_CODE_TRAVEL, TUNE_EPOCHS, TUNE_LR, TUNE_ROWS
 
 
 @dataclass
@@ -242,6 +242,31 @@ def position_weights(sizes: Sequence[int], decay: float) -> torch.Tensor:
     return torch.ones_like(pos) if decay <= 0 else torch.exp(-pos / decay)
 
 
+def packed_labels(calls: Sequence[DraftCall]) -> torch.Tensor:
+    """The target's token at each scored row of a packed prompt (rows after each anchor, as packed_rows orders
+    them); -1 where the run ended before that position."""
+    if any(c.labels is None for c in calls):
+        raise DFlashQuantError(
+            "the recorded calibration inputs carry no target tokens (recorded by an older dflash-quant); "
+            "delete the --calib-cache directory or its checkpoint and calibrate again"
+        )
+    return torch.cat([cast(torch.Tensor, c.labels)[1 : c.noise.shape[1]] for c in calls])
+
+
+def reached_rows(sizes: Sequence[int], teacher_tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1 for each scored row the bf16 drafter's own drafts reach (every earlier row of its block drafted the
+    target's token), else 0: only those rows count toward its acceptance. Rows past the run's end are 0."""
+    hit = (teacher_tokens == labels) & (labels >= 0)
+    out = []
+    start = 0
+    for size in sizes:
+        h = hit[start : start + size - 1].float()
+        before = torch.cat([h.new_ones(1), h[:-1]]).cumprod(0)  # row k: rows 1..k-1 all hit
+        out.append(before * (labels[start : start + size - 1] >= 0).float())
+        start += size - 1
+    return torch.cat(out) if out else hit.float()
+
+
 def replay_rows(drafter: DFlashDrafter, calls: Sequence[DraftCall]) -> list[torch.Tensor]:
     """The drafter's post-norm block rows after the anchor, one tensor per recorded forward of one prompt, as the
     decode loop computed them: one forward per call, the context K/V cached between calls."""
@@ -333,6 +358,8 @@ def tune_scales(
     anchor_weight: float = 0.0,
     position_decay: float = 0.0,
     norms: bool = False,
+    rows: str = "all",
+    target_weight: float = 0.0,
     seed: int = 0,
     progress: Callable[[], None] | None = None,
 ) -> TuneReport:
@@ -349,7 +376,14 @@ def tune_scales(
     (and the guard) then reads the rows as acceptance does, early positions first.
 
     norms: the drafter's RMSNorm weights are tuned too (one multiplier per channel, Adam at `lr`); they are not
-    quantized, so every format carries the tuned values as it carries the bf16 ones."""
+    quantized, so every format carries the tuned values as it carries the bf16 ones.
+
+    rows "reached": only the rows the bf16 drafter's own drafts reach (every earlier row of the block drafted the
+    target's token) are scored, the rows its acceptance reads. target_weight > 0 adds that weight x the
+    cross-entropy of the quantized drafter to the target's token on the scored rows (needs the target tokens
+    calibration records beside each call)."""
+    if rows not in TUNE_ROWS:
+        raise DFlashQuantError(f"tuning rows must be one of {', '.join(TUNE_ROWS)}, got {rows!r}")
     if not replay or len(replay) != len(teacher):
         raise DFlashQuantError("scale tuning needs the drafter inputs recorded during calibration (replay)")
     p = next(drafter.parameters())
@@ -382,6 +416,14 @@ def tune_scales(
         opt = torch.optim.Adam(params, lr=lr)
         packs = [pack(drafter, calls) for calls in replay]  # one forward per prompt instead of one per call
         row_w = [position_weights(pk.sizes, position_decay).to(device) for pk in packs]  # all 1 at decay 0
+        labels: list[torch.Tensor] = []
+        if rows == "reached" or target_weight > 0:
+            labels = [packed_labels(calls).to(device) for calls in replay]
+        if rows == "reached":
+            with torch.no_grad():
+                for i, pk in enumerate(packs):
+                    t_tok = drafter.compute_logits(teacher[i].to(device, dtype), head).argmax(-1)
+                    row_w[i] = row_w[i] * reached_rows(pk.sizes, t_tok, labels[i])
         w_sum = [float(w.sum()) for w in row_w]  # once, not a device sync per step
 
         anchored = []
@@ -408,7 +450,13 @@ def tune_scales(
             student = packed_rows(drafter, packs[i])
             with torch.no_grad():
                 t_logp = F.log_softmax(drafter.compute_logits(teacher[i].to(device, dtype), head).float(), dim=-1)
-            return _kl(drafter.compute_logits(student, head), t_logp, row_w[i])
+            logits = drafter.compute_logits(student, head)
+            loss = _kl(logits, t_logp, row_w[i])
+            if target_weight > 0:
+                known = labels[i] >= 0
+                ce = F.cross_entropy(logits[known].float(), labels[i][known], reduction="none")
+                loss = loss + target_weight * (ce * row_w[i][known]).sum()
+            return loss
 
         def mean_kl() -> float:
             with torch.no_grad():
