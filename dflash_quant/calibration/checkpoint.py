@@ -97,7 +97,9 @@ def load(directory: Path, key: dict[str, Any], device: torch.device) -> CaptureS
             replay.append(
                 [
                     DraftCall(
-                        *(flat[f"r.{p}.{c}.{part}"] for part in ("noise", "ctx", "positions")),
+                        flat[f"r.{p}.{c}.noise"],
+                        flat[f"r.{p}.{c}.ctx"],
+                        flat[f"r.{p}.{c}.positions"],
                         flat.get(f"r.{p}.{c}.labels"),
                     )
                     for c in range(n_calls)
