@@ -36,7 +36,8 @@ N_EXTRA = 512
 
 
 def command(pair: str, spec: str, work: Path) -> tuple[str, list[str]]:
-    """`gptq-kl:bpw=3.25` -> (tag, argv): a mix within 3.25 bits per weight; `gptq:bits=2:group=64` a uniform grid."""
+    """`gptq-kl:bpw=3.25` -> (tag, argv): a mix within 3.25 bits per weight; `gptq:bits=2:group=64` a uniform grid;
+    `...:rows=reached:target=1:tf=yes` adds --tune-rows reached --tune-target 1 --teacher-forced."""
     method, *opts = spec.split(":")
     o = dict(x.split("=", 1) for x in opts)
     tag = spec.replace(":", "-").replace("=", "")
@@ -57,6 +58,13 @@ def command(pair: str, spec: str, work: Path) -> tuple[str, list[str]]:
     else:
         cmd += ["--bits", o["bits"], "--group-size", o.get("group", "128")]
         cmd += ["--desc-act", "--static-groups", "--clip-search"] if o.get("act") == "clip" else []
+    for k, v in o.items():  # tf=yes: --teacher-forced; rows=reached, target=1, ...: --tune-rows reached, ...
+        if k == "tf":
+            cmd += ["--teacher-forced"] if v == "yes" else []
+        elif k == "sym":
+            cmd += ["--sym" if v == "yes" else "--asym"]
+        elif k not in ("bpw", "bits", "group", "act"):
+            cmd += [f"--tune-{k.replace('_', '-')}", v]
     return tag, cmd
 
 
