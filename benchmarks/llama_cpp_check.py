@@ -540,6 +540,11 @@ def main() -> None:
     )
     ap.add_argument("--gptq-v1", action="store_true", help="with --kquant: add GPTQ v1 points (f32 GGUF)")
     ap.add_argument(
+        "--kl-args",
+        default="",
+        help="with --kl: also gptq-kl on 640 prompts with these extra gptq options, e.g. '--tune-rows reached'",
+    )
+    ap.add_argument(
         "--kl",
         action="store_true",
         help="with --kquant: gptq-kl on Q3_K_S and the Q2_K mix (the default 128 calibration prompts), and GPTQ "
@@ -596,6 +601,12 @@ def main() -> None:
                     rows[kl_label(mine, method)] = ours(
                         w / f"ours-{method}640-{mine}", "--gguf-type", mine, "--method", method, *calib
                     )
+                if args.kl_args:  # gptq-kl with other tuning options, its own folder and label
+                    tag = "".join(c if c.isalnum() else "-" for c in args.kl_args).strip("-")
+                    rows[kl_label(mine, f"gptq-kl {args.kl_args}")] = ours(
+                        w / f"ours-gptq-kl640-{tag}-{mine}", "--gguf-type", mine, "--method", "gptq-kl", *calib,
+                        *args.kl_args.split(),
+                    )  # fmt: skip
         if args.gptq_v1:
             for bits, group in V1_POINTS:
                 rows[v1_label(bits, group)] = gptq_v1_f32(w, bits, group)

@@ -31,6 +31,8 @@ from dflash_quant.quantize.settings import (
     TUNE_LR,
     TUNE_LR_KQUANT,
     TUNE_MIN_PROMPTS,
+    TUNE_ROWS_DEFAULT,
+    TUNE_TARGET,
 )
 
 
@@ -134,8 +136,9 @@ def gptq(
     ),
     method: str = typer.Option(
         "gptq",
-        help="gptq; gptq-kl (GPTQ codes, then each group's scale tuned on the drafter's KL to its bf16 self over "
-        "the calibration inputs: better below 4 bits; with --gguf-type each super-block's d/dmin); or rtn "
+        help="gptq; gptq-kl (GPTQ codes, then each group's scale and code tuned on the calibration inputs against "
+        "the drafter's KL to its bf16 self and the target's own tokens, on the block rows acceptance reads: better "
+        "below 4 bits; with --gguf-type each super-block's d/dmin); or rtn "
         "(round-to-nearest baseline).",
     ),
     tune_epochs: int = typer.Option(TUNE_EPOCHS, help="gptq-kl: passes over the recorded calibration inputs."),
@@ -165,12 +168,12 @@ def gptq(
         "earlier ones were accepted (0: every position weighs 1).",
     ),
     tune_rows: str = typer.Option(
-        "all",
+        TUNE_ROWS_DEFAULT,
         help="gptq-kl: all | reached (score only the block rows the bf16 drafter's own drafts reach: every earlier "
         "row drafted the target's token).",
     ),
     tune_target: float = typer.Option(
-        0.0,
+        TUNE_TARGET,
         help="gptq-kl: add this weight x the cross-entropy to the target's own token on the scored rows (0: KL alone).",
     ),
     sequential: bool = typer.Option(

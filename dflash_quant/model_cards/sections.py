@@ -170,7 +170,8 @@ def section_recipe(ctx: dict) -> str:
         if isinstance(tuning, dict):
             kl = f"{fmt_float(tuning.get('kl_before'), 4)} -> {fmt_float(tuning.get('kl_after'), 4)}"
             kept = " (no gain: GPTQ scales kept)" if tuning.get("kept_gptq_scales") else ""
-            rows.append(["scale tuning (gptq-kl): KL to the bf16 drafter on the calibration inputs", kl + kept])
+            loss = tuning.get("loss") if isinstance(tuning.get("loss"), str) else "KL to the bf16 drafter"
+            rows.append([f"scale tuning (gptq-kl), on the calibration inputs: {loss}", kl + kept])
             rows.append(
                 [
                     "scale tuning: epochs, steps, time",

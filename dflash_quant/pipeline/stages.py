@@ -247,7 +247,9 @@ def tune(job: GptqJob, loaded: Loaded, cal: Calibrated, q: Quantized, ref: Teach
     assert cal.stats is not None and cal.stats.replay is not None
     quant, outcome = q.quant, q.outcome
     rows = ref.rows
-    step = progress(f"tuning ({quant.tune_epochs} passes on the drafter's KL)", quant.tune_epochs * len(rows))
+    step = progress(
+        f"tuning ({quant.tune_epochs} passes over the recorded drafter inputs)", quant.tune_epochs * len(rows)
+    )
     anchors = {}
     if quant.tune_anchor > 0:
         anchors = {n: (ref.weights[n], cal.stats.for_linear(n).xtx) for n in outcome.weights}

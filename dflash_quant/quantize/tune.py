@@ -3,7 +3,8 @@
 GPTQ fits each Linear to its own inputs; what speculation needs is the drafter's next-token distribution at
 every block position. Starting from GPTQ's grid, each group's scale gets a learned multiplier exp(a) (a = 0 at
 the start) and, with `codes`, each code an offset that can move it by one step; zero points stay. The loss is
-KL(bf16 drafter || quantized drafter) over the vocabulary at every block row after the anchor, on the drafter
+KL(bf16 drafter || quantized drafter) over the vocabulary at the block rows after the anchor (all, or those the
+bf16 drafter's own drafts reach), plus optionally the cross-entropy to the target's token there, on the drafter
 inputs calibration recorded while the drafter speculated with its target (the target's taps are replayed, the
 target does not run). The result is still a plain grid (fp16 scales, integer codes), so every format and engine
 loads it unchanged.
@@ -54,6 +55,15 @@ class TuneReport:
     codes_changed: dict[str, float] = field(default_factory=dict)  # per Linear: share of codes moved one step
     norms: bool = False  # the RMSNorm weights were tuned too (one multiplier per channel)
     norm_change: dict[str, float] = field(default_factory=dict)  # per RMSNorm (norms): mean |log(new / old)|
+    rows: str = "all"  # the block rows scored: all, or those the bf16 drafter's drafts reach
+    target_weight: float = 0.0  # weight of the cross-entropy to the target's token in the loss
+
+    def loss(self) -> str:
+        """The tuned loss in words (kl_before / kl_after are its value per scored row)."""
+        text = "KL to the bf16 drafter"
+        if self.target_weight > 0:
+            text += f" + {self.target_weight:g} x cross-entropy to the target's token"
+        return text + (", on the rows the bf16 drafter reaches" if self.rows == "reached" else ", on every block row")
 
     def to_dict(self) -> dict:
         return {
@@ -66,6 +76,9 @@ class TuneReport:
             "code_step": None if self.code_step is None else round(self.code_step, 8),
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
+            "loss": self.loss(),
+            "rows": self.rows,
+            "target_weight": self.target_weight,
             "kl_before": round(self.kl_before, 6),
             "kl_after": round(self.kl_after, 6),
             "kept_gptq_scales": self.kept_gptq_scales,
@@ -534,4 +547,6 @@ def tune_scales(
         codes_changed=flipped,
         norms=norms,
         norm_change=norm_change,
+        rows=rows,
+        target_weight=target_weight,
     )
