@@ -1,4 +1,5 @@
-"""gptq-kl: GPTQ codes kept, scales tuned on the drafter's KL to its bf16 self, on the shipped reference pair."""
+"""gptq-kl: GPTQ codes kept, scales (and codes, one step) tuned on the drafter's KL to its bf16 self and the target's
+tokens, on the shipped reference pair."""
 
 import copy
 import json
@@ -415,6 +416,10 @@ def test_gptq_kl_artifact_records_the_method_and_verifies(tmp_path):
     assert prov["quantization"]["tune_lr"] == 0.002  # the v1 grids' default, recorded as used
     card = (out / "README.md").read_text()
     assert "| method | gptq-kl |" in card and "scale tuning (gptq-kl)" in card
+    # the default loss, as chosen on the development split, is what the report and card say was tuned
+    assert tuning["rows"] == "reached" and tuning["target_weight"] == 3.0
+    assert prov["quantization"]["tune_rows"] == "reached" and prov["quantization"]["tune_target"] == 3.0
+    assert "3 x cross-entropy to the target's token, on the rows the bf16 drafter reaches" in card
     # the artifact is a plain GPTQ v1 checkpoint: verify reloads it and measures it lossless
     check = _cli("verify", str(out), "--num-prompts", "2", "--max-new-tokens", "16", "--json")
     assert check.returncode == 0, check.stderr
