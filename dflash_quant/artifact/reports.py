@@ -117,7 +117,9 @@ class Calibration(Record):
 
 @dataclass
 class Quantization(Record):
-    method: str | None = doc("`gptq`, `gptq-kl` (GPTQ, then scales and codes tuned on the drafter's KL) or `rtn`")
+    method: str | None = doc(
+        "`gptq`, `gptq-kl` (GPTQ, then scales and codes tuned on the drafter's KL and the target's tokens) or `rtn`"
+    )
     bits: int | None = doc("2, 3, 4 or 8")
     group_size: int | None = doc("-1 (per channel) or the group size")
     sym: bool | None = doc("symmetric grid")
@@ -309,7 +311,7 @@ class LayerReport(Record):
     fallback: str | None = doc("null, or `rtn: <why>` when GPTQ fell back")
     rel_output_error: float | None = doc("||X dW^T|| / ||X W^T|| over the calibration rows")
     method: str | None = doc(
-        "how its codes and scales were chosen: `gptq`, `gptq-kl` (scales tuned on the drafter's KL), `rtn`",
+        "how its codes and scales were chosen: `gptq`, `gptq-kl` (scales and codes tuned on the drafter's KL and the target's tokens), `rtn`",
         omit_none=True,
     )
     extra: E = doc("", factory=dict)
