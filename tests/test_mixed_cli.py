@@ -171,6 +171,37 @@ def test_tuned_solvers_get_their_own_slope():
     assert mp.kind_slope_bounds({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in points]}) is None
 
 
+def test_kl_line_takes_its_floor_from_the_tuned_points_and_fits_above_it():
+    """gptq-kl: tuning recovers nearly all of a 3/4-bit loss and only part of a 2-bit one. The floor comes from
+    each tuned point's own measured tau loss (lower bound), and the slope is fitted on the points at or above it:
+    a line through the 2-bit point would keep the plan at 4 bits."""
+    rng = random.Random(5)
+    base = [rng.randint(4, 10) / 2 for _ in range(200)]
+    spec = {"2/128+act+clip+kl": (0.8, 0.12), "3/128+act+clip+kl": (0.16, 0.005), "4/128+act+clip+kl": (0.04, 0.0)}
+    curve = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.01)) for t in base]) for s, (loss, f) in spec.items()}, base)
+    pts = curve["points"]
+    own = mp.point_bounds(curve, pts)
+    assert own is not None
+    for p in pts:  # each bound brackets the point's measured tau loss
+        lo, hi = own[p["setting"]]
+        assert lo < p["tau_loss"] < hi
+    got = mp.kl_line(curve, pts, 0.01)
+    assert got is not None
+    floor, used, (lo, fit, hi) = got
+    assert floor == 3 and [p["setting"] for p in used] == list(spec)[1:]
+    assert lo < fit < hi and fit == pytest.approx(mp.slope(used)) and fit < mp.slope(pts) / 3
+    # the 3-bit point is shown to miss a tighter goal: floor 4, fitted on the 4-bit point alone
+    floor, used, _ = mp.kl_line(curve, pts, 0.002) or (0, [], ())
+    assert floor == 4 and len(used) == 1
+    # the plan takes the floor given, not the one the line's lower slope would set
+    c = Candidate
+    table = {n: {c(3, 128): (30, 0.028), c(4, 128): (40, 0.02)} for n in ("a", "b")}
+    choice, budget, got_floor = mp.plan_tau_loss(table, pts, (0.1, 0.2), 0.01, floor=3)
+    assert got_floor == 3 and budget == pytest.approx(0.05) and choice.total_bytes == 70
+    assert mp.plan_tau_loss(table, pts, (0.1, 0.2), 0.01)[2] == 4  # 0.1 x 0.16 misses 0.01
+    assert mp.kl_line({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in pts]}, pts, 0.01) is None
+
+
 def test_goal_flags_are_exclusive_and_checked():
     for goal, msg in [
         (mp.MixedGoal(max_tau_loss=0.01, max_bytes=10), "exclusive"),

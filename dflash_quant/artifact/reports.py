@@ -213,13 +213,15 @@ class Mixed(Record):
         "(max_tau_loss's loss budget uses the upper one)"
     )
     bits_floor: int | None = doc(
-        "max_tau_loss: the smallest uniform bit width whose tau loss at the lower slope bound keeps the goal; "
-        "no Linear goes below it"
+        "max_tau_loss: the smallest uniform bit width whose tau loss at the lower slope bound keeps the goal "
+        "(gptq-kl: whose tuned uniform drafter's own measured tau loss has a lower bound keeping it); no Linear goes "
+        "below it"
     )
     solver_slopes: dict[str, list[float]] | None = doc(
         "max_tau_loss: per solver kind (`plain`, `tuned` = act-order and/or clip search, `kl` = tuned after GPTQ "
         "by gptq-kl) [lower bound, fitted, upper bound] of the map's slope; each Linear's loss counts at its kind's "
-        "upper slope in the plan and at its fitted slope in predicted_tau_ratio (a gptq-kl mix: every Linear at kl's)"
+        "upper slope in the plan and at its fitted slope in predicted_tau_ratio (a gptq-kl mix: every Linear at kl's, "
+        "fitted on the tuned points at or above bits_floor)"
     )
     tau_calibration: list[dict] | None = doc(
         "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"

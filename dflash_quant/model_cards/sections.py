@@ -360,7 +360,12 @@ def section_mixed(ctx: dict) -> str:
         + (
             " Each solver kind has its own slope [lower, fitted, upper] ("
             + ", ".join(f"{k}: {v}" for k, v in (mix.get("solver_slopes") or {}).items())
-            + "): act-order / clip-search Linears count at theirs."
+            + "): act-order / clip-search Linears count at theirs"
+            + (
+                "; a gptq-kl mix counts every Linear at kl's, fitted on the tuned points at or above the floor."
+                if "kl" in (mix.get("solver_slopes") or {})
+                else "."
+            )
             if mix.get("solver_slopes")
             else ""
         ),

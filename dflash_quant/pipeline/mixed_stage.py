@@ -149,10 +149,13 @@ def plan_mix(
         # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
         # says can keep it
         kinds = mp.kind_slope_bounds(curve)
-        kl = (kinds or {}).get("kl") if kl_points else None
-        if kl is not None:
-            # every Linear will be tuned: each loss counts at the kl line's upper slope, the floor from its points
-            choice, loss_budget, floor = mp.plan_tau_loss(table, kl_points, (kl[0], kl[2]), goal.max_tau_loss)
+        local = mp.kl_line(curve, kl_points, goal.max_tau_loss) if kl_points else None
+        if kinds is not None and local is not None:
+            # every Linear will be tuned: each loss counts at the kl line's upper slope, fitted on the tuned points
+            # at or above the floor their own measurements set
+            floor, line, kl = local
+            kinds["kl"] = kl
+            choice, loss_budget, floor = mp.plan_tau_loss(table, line, (kl[0], kl[2]), goal.max_tau_loss, floor=floor)
         else:
             choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
     else:

@@ -222,6 +222,59 @@ def kind_slope_bounds(
     }
 
 
+def point_bounds(
+    curve: Mapping[str, Any],
+    points: Sequence[Mapping[str, Any]],
+    level: float = BOOT_LEVEL,
+    draws: int = BOOT_DRAWS,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]] | None:
+    """Per map point, one-sided `level` (lower, upper) bounds of its own tau loss: the paired bootstrap over the
+    dev prompts of slope_bounds, without a line. None without per-prompt data."""
+    base = curve.get("per_prompt")
+    if not base or any("per_prompt" not in p for p in points):
+        return None
+    n = len(base["tokens"])
+    gen = np.random.default_rng(seed)
+    losses: dict[str, list[float]] = {str(p["setting"]): [] for p in points}
+    for _ in range(draws):
+        idx = gen.integers(0, n, n).tolist()
+        t0 = _tau(base["tokens"], base["steps"], idx)
+        for p in points:
+            losses[str(p["setting"])].append(1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0)
+    return {k: (float(np.quantile(v, 1 - level)), float(np.quantile(v, level))) for k, v in losses.items()}
+
+
+def bits_of(setting: str) -> int:
+    return int(str(setting).split("/")[0])
+
+
+def kl_line(
+    curve: Mapping[str, Any],
+    kl_points: Sequence[Mapping[str, Any]],
+    max_tau_loss: float,
+    level: float = BOOT_LEVEL,
+    draws: int = BOOT_DRAWS,
+    seed: int = 0,
+) -> tuple[int, list[Mapping[str, Any]], tuple[float, float, float]] | None:
+    """The line a gptq-kl `--max-tau-loss` mix plans on: (bit floor, the points fitted, (lower, fitted, upper)
+    slope). The floor is the smallest width whose tuned uniform drafter is not shown to miss the goal (the lower
+    bound of its own measured tau loss keeps it); the slope is fitted on the tuned points at or above the floor
+    only. Tuning recovers nearly all of a small GPTQ loss but only part of a large one, so a line through the
+    2-bit point overstates a 3/4-bit mix's tau loss (reference pair, 128 dev prompts: slope 0.136 through all
+    three tuned points, 0.058 through the 3- and 4-bit ones). None without per-prompt data."""
+    own = point_bounds(curve, kl_points, level, draws, seed)
+    if own is None:
+        return None
+    keeps = [bits_of(p["setting"]) for p in kl_points if own[str(p["setting"])][0] <= max_tau_loss]
+    floor = min(keeps) if keeps else max(bits_of(p["setting"]) for p in kl_points)
+    used = [p for p in kl_points if bits_of(p["setting"]) >= floor]
+    slopes = _boot_slopes(curve, {"kl": used}, draws, seed)
+    assert slopes is not None
+    v = slopes["kl"]
+    return floor, used, (float(np.quantile(v, 1 - level)), slope(used), float(np.quantile(v, level)))
+
+
 def mix_tau_loss(
     table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
     picks: Mapping[str, Candidate],
@@ -237,8 +290,8 @@ def bits_floor(points: Sequence[Mapping[str, Any]], max_tau_loss: float, a_low: 
     """The smallest measured uniform bit width not shown to miss max_tau_loss: its predicted tau loss at the
     slope's lower bound keeps the goal (the widest measured one when none does). Lower widths are outside the
     region where the summed loss was validated against acceptance."""
-    ok = [int(str(p["setting"]).split("/")[0]) for p in points if max(0.0, a_low) * float(p["loss"]) <= max_tau_loss]
-    return min(ok) if ok else max(int(str(p["setting"]).split("/")[0]) for p in points)
+    ok = [bits_of(p["setting"]) for p in points if max(0.0, a_low) * float(p["loss"]) <= max_tau_loss]
+    return min(ok) if ok else max(bits_of(p["setting"]) for p in points)
 
 
 def plan_tau_loss(
@@ -247,13 +300,15 @@ def plan_tau_loss(
     bounds: tuple[float, float] | None,
     max_tau_loss: float,
     kinds: Mapping[str, tuple[float, float, float]] | None = None,
+    floor: int | None = None,
 ) -> tuple[Choice, float, int]:
     """`--max-tau-loss`: the fewest bytes whose loss keeps the goal at the slope's upper bound, searched over
     the candidates at or above the bit floor. With `kinds` (kind_slope_bounds) each Linear's loss counts at its
-    solver kind's upper slope, relative to the plain one's. Returns the choice (its total_loss the plain sum of
+    solver kind's upper slope, relative to the plain one's. `floor` replaces the floor read from the line
+    (kl_line's, from the measured points). Returns the choice (its total_loss the plain sum of
     the picks' losses), the loss budget (in plain-loss units) and the floor."""
     a_low, a_high = bounds or (slope(points), slope(points))
-    floor = bits_floor(points, max_tau_loss, a_low)
+    floor = bits_floor(points, max_tau_loss, a_low) if floor is None else floor
     allowed = {n: {c: v for c, v in cs.items() if c.bits >= floor} for n, cs in table.items()}
     if not kinds:
         budget = loss_budget(points, max_tau_loss, a_high)
