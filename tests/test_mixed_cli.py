@@ -200,6 +200,13 @@ def test_kl_line_takes_its_floor_from_the_tuned_points_and_fits_above_it():
     assert got_floor == 3 and budget == pytest.approx(0.05) and choice.total_bytes == 70
     assert mp.plan_tau_loss(table, pts, (0.1, 0.2), 0.01)[2] == 4  # 0.1 x 0.16 misses 0.01
     assert mp.kl_line({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in pts]}, pts, 0.01) is None
+    # 200 prompts resolve a 1 % goal; 8 noisy ones do not, and the plan says so and how to fix it
+    assert mp.resolution_note(curve, pts, 0.01) is None
+    few = base[:8]
+    noisy = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.08)) for t in few]) for s, (loss, f) in spec.items()}, few)
+    note = mp.resolution_note(noisy, noisy["points"], 0.01)
+    assert note is not None and "8 dev prompts" in note and "4/128+act+clip+kl" in note
+    assert "--mix-dev-prompts 128" in note
 
 
 def test_goal_flags_are_exclusive_and_checked():

@@ -217,6 +217,7 @@ class Mixed(Record):
         "(gptq-kl: whose tuned uniform drafter's own measured tau loss has a lower bound keeping it); no Linear goes "
         "below it"
     )
+    notes: list[str] | None = doc("caveats of the plan (max_tau_loss: dev prompts too few to resolve the goal)")
     solver_slopes: dict[str, list[float]] | None = doc(
         "max_tau_loss: per solver kind (`plain`, `tuned` = act-order and/or clip search, `kl` = tuned after GPTQ "
         "by gptq-kl) [lower bound, fitted, upper bound] of the map's slope; each Linear's loss counts at its kind's "

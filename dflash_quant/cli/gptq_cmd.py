@@ -512,13 +512,16 @@ def gptq(
             f"~{TUNE_MIN_PROMPTS}+ tuned better for prompts like the drafter's training data (docs/quality.md): "
             "give more with --calib-prompts"
         )
-    if goal is not None and goal.kind == "fit":  # the serving settings the drafter was sized for, on stderr
+    if goal is not None:  # the plan's caveats and, for --fit, the serving settings it was sized for, on stderr
         from dflash_quant.artifact.reports import Provenance
         from dflash_quant.pipeline.mixed_stage import fit_line
 
         prov = Provenance.read(result.output, optional=True)
-        if prov is not None and prov.mixed is not None and prov.mixed.serving is not None:
-            err_console.print("fit: " + fit_line(prov.mixed.serving), markup=False, highlight=False, soft_wrap=True)
+        mixed = prov.mixed if prov is not None else None
+        for note in (mixed.notes if mixed is not None else None) or []:
+            err_console.print(f"[yellow]note:[/] {note}")
+        if mixed is not None and mixed.serving is not None:
+            err_console.print("fit: " + fit_line(mixed.serving), markup=False, highlight=False, soft_wrap=True)
     if result.passed is False:
         err_console.print(f"[red]parity gate failed:[/] {'; '.join(result.reasons)} (artifact kept for inspection)")
         raise typer.Exit(1)

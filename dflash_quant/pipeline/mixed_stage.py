@@ -144,6 +144,7 @@ def plan_mix(
     floor: int | None = None
     serving: FitServing | None = None
     kinds = None
+    notes: list[str] = []
     if goal.kind == "max_tau_loss":
         assert goal.max_tau_loss is not None
         # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
@@ -155,6 +156,8 @@ def plan_mix(
             # at or above the floor their own measurements set
             floor, line, kl = local
             kinds["kl"] = kl
+            note = mp.resolution_note(curve, line, goal.max_tau_loss)
+            notes += [note] if note else []
             choice, loss_budget, floor = mp.plan_tau_loss(table, line, (kl[0], kl[2]), goal.max_tau_loss, floor=floor)
         else:
             choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
@@ -205,6 +208,7 @@ def plan_mix(
         solver_slopes=None if not kinds else {k: [round(x, 6) for x in b] for k, b in kinds.items()},
         slope_bounds=None if bounds is None else [round(x, 6) for x in bounds],
         bits_floor=floor,
+        notes=notes or None,
         tau_calibration=[
             {
                 **{k: v for k, v in p.items() if k != "per_prompt"},

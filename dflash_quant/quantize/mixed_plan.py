@@ -275,6 +275,24 @@ def kl_line(
     return floor, used, (float(np.quantile(v, 1 - level)), slope(used), float(np.quantile(v, level)))
 
 
+def resolution_note(curve: Mapping[str, Any], line: Sequence[Mapping[str, Any]], max_tau_loss: float) -> str | None:
+    """A caveat when the dev prompts measure tau more coarsely than the goal asks: half the width of the two-sided
+    90 % interval of the line's widest point (its smallest loss). The plan then stays conservative, and more dev
+    prompts let it go smaller."""
+    own = point_bounds(curve, line)
+    if not own:
+        return None
+    p = min(line, key=lambda q: float(q["loss"]))
+    lo, hi = own[str(p["setting"])]
+    if (hi - lo) / 2 <= max_tau_loss:
+        return None
+    return (
+        f"the {len(curve['per_prompt']['tokens'])} dev prompts measure tau to +-{(hi - lo) / 2:.3f} (uniform "
+        f"{p['setting']}), coarser than --max-tau-loss {max_tau_loss}, so the plan stays conservative; "
+        "--mix-dev-prompts 128 --mix-dev-new-tokens 128 (with ~256+ calibration prompts) let it go smaller"
+    )
+
+
 def mix_tau_loss(
     table: Mapping[str, Mapping[Candidate, tuple[int, float]]],
     picks: Mapping[str, Candidate],
