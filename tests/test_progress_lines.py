@@ -7,7 +7,12 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+import torch
+
 from dflash_quant.cli.common import end_stages, handle_errors, log_stage
+from dflash_quant.loading.runtime import encode_prompts, load_pair
+from dflash_quant.speculative.teacher import decode_detail, greedy_rows
 
 LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] (.*)$")
 
@@ -47,3 +52,35 @@ def test_a_new_stage_silences_the_old_one_and_the_command_end_silences_all(capsy
     time.sleep(0.6)
     assert _lines(capsys.readouterr().err) == []
     end_stages()
+
+
+def test_a_long_batched_decode_shows_its_token_beside_the_count(capsys):
+    """The heartbeat of a stage whose item is a batch decode says which token it is at; the next count clears it
+    (a stale token would claim progress that is not there)."""
+    advance = log_stage("calibrating", 4, every_s=0.3)
+    on_token = decode_detail(advance, 0, 2)
+    assert on_token is not None
+    on_token(37, 65)
+    time.sleep(0.5)
+    beats = _lines(capsys.readouterr().err)
+    assert re.fullmatch(r"calibrating: 0/4 \(\d+ s, target's greedy decode of prompts 1-2: token 37/65\)", beats[-1])
+    advance()
+    time.sleep(0.5)
+    assert all(re.fullmatch(r"calibrating: 1/4 \(\d+ s\)", b) for b in _lines(capsys.readouterr().err)[1:])
+    end_stages()
+    # a plain callable (no CLI stage) gets no per-token callback
+    assert decode_detail(lambda: None, 0, 1) is None and decode_detail(None, 0, 1) is None
+
+
+@pytest.fixture(scope="module")
+def pair_tiny():
+    drafter, target = load_pair("reference", None, torch.device("cpu"), torch.float32)
+    return drafter, target, encode_prompts(target, "reference:heldout", 2, True)
+
+
+def test_the_teacher_decode_reports_every_token(pair_tiny):
+    drafter, target, prompts = pair_tiny
+    seen: list[tuple[int, int]] = []
+    rows = greedy_rows(target.model, prompts, 6, drafter.model.target_layer_ids, torch.device("cpu"),
+                       on_token=lambda k, n: seen.append((k, n)))  # fmt: skip
+    assert seen == [(k, 7) for k in range(1, 8)] and all(len(r.continuation) == 7 for r in rows)

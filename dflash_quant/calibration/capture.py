@@ -24,7 +24,7 @@ from dflash_quant.errors import UsageError
 from dflash_quant.models.model import DFlashDecoderLayer, DFlashDrafter, DraftCache
 from dflash_quant.speculative.batch_decode import batched_speculative_generate, unbatchable
 from dflash_quant.speculative.decode import SpecResult, speculative_generate
-from dflash_quant.speculative.teacher import TeacherTarget, greedy_rows, resident_ends
+from dflash_quant.speculative.teacher import TeacherTarget, decode_detail, greedy_rows, resident_ends
 
 KV_MODES = ("block", "block+context")
 
@@ -245,7 +245,10 @@ def capture(
                 end = min(end, (i // checkpoint_every + 1) * checkpoint_every)
             record = []
             if teacher:
-                rows = greedy_rows(target, prompts[i:end], max_new_tokens, drafter.target_layer_ids, device)
+                rows = greedy_rows(
+                    target, prompts[i:end], max_new_tokens, drafter.target_layer_ids, device,
+                    on_token=decode_detail(progress, i, end - i),
+                )  # fmt: skip
                 runs: list[SpecResult] = []
                 with resident_ends(target, device) as ends:  # after the record: not beside its streamed head
                     for ids, row in zip(prompts[i:end], rows, strict=True):

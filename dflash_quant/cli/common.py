@@ -74,8 +74,9 @@ def _stage_line(stage: dict[str, Any]) -> None:
     count = str(stage["done"]) if stage["total"] is None else f"{stage['done']}/{stage['total']}"
     if stage["total"] is None and not stage["done"]:
         count = "running"  # a step with nothing to count (loading, writing)
+    detail = f", {stage['detail']}" if stage.get("detail") else ""
     err_console.print(
-        f"[{time.strftime('%H:%M:%S')}] {stage['label']}: {count} ({time.monotonic() - stage['t0']:.0f} s)",
+        f"[{time.strftime('%H:%M:%S')}] {stage['label']}: {count} ({time.monotonic() - stage['t0']:.0f} s{detail})",
         markup=False,
         highlight=False,
         soft_wrap=True,
@@ -99,6 +100,7 @@ def log_stage(label: str, total: int | None, every_s: float = LOG_EVERY_S) -> Ca
     def advance() -> None:
         with _Beat.lock:
             stage["done"] += 1
+            stage["detail"] = None
             finished = total is not None and stage["done"] == total
             if finished or time.monotonic() - stage["last"] >= every_s:
                 stage["last"] = time.monotonic()
@@ -106,7 +108,22 @@ def log_stage(label: str, total: int | None, every_s: float = LOG_EVERY_S) -> Ca
         if finished:
             _Beat.stop(stage)
 
-    return advance
+    def detail(text: str) -> None:
+        with _Beat.lock:
+            stage["detail"] = text
+
+    return Advance(advance, detail)
+
+
+class Advance:
+    """A stage's advance (call it once per counted item) that can also show where the current item stands
+    (`detail(text)`, e.g. the token of a long batched decode) beside the count; the next count clears it."""
+
+    def __init__(self, step: Callable[[], None], detail: Callable[[str], None]):
+        self._step, self.detail = step, detail
+
+    def __call__(self) -> None:
+        self._step()
 
 
 def stage_progress(bar: Progress, label: str, total: int | None) -> Callable[[], None]:
@@ -116,7 +133,12 @@ def stage_progress(bar: Progress, label: str, total: int | None) -> Callable[[],
         return log_stage(label, total)
     bar.start()
     task = bar.add_task(label, total=total)
-    return lambda: bar.advance(task)
+
+    def step() -> None:
+        bar.update(task, description=label)
+        bar.advance(task)
+
+    return Advance(step, lambda text: bar.update(task, description=f"{label} ({text})"))
 
 
 def fail(message: str, code: int = 1) -> None:

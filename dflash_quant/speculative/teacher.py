@@ -63,9 +63,12 @@ def greedy_rows(
     layer_ids: Sequence[int],
     device: torch.device,
     pad_id: int = 0,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[TeacherRow]:
     """Greedy-decode `new_tokens` + 1 tokens for every prompt as rows of one batch (no stop tokens: the loop may
-    verify past a stop before it clips) and record the taps of `layer_ids` at every position, on `device`."""
+    verify past a stop before it clips) and record the taps of `layer_ids` at every position, on `device`.
+    `on_token(k, total)` after each decoded token: at 27B with the target offloaded one token is a pass over
+    every streamed weight, so a batch's decode runs for minutes between prompt counts."""
     layers = decoder_layers(target)
     t_dev = input_device(target, device)
     lengths = [len(p) for p in prompts]
@@ -95,13 +98,17 @@ def greedy_rows(
         out = target(ids, attention_mask=mask, position_ids=positions, **{kw: cache}, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1)
         pos = positions[:, -1]
-        for _ in range(new_tokens):
+        if on_token is not None:
+            on_token(1, new_tokens + 1)
+        for k in range(new_tokens):
             step = nxt[:, None].to(t_dev)
             out_ids.append(step)
             mask = torch.cat([mask, torch.ones_like(step)], dim=1)
             pos = pos + 1
             out = target(step, attention_mask=mask, position_ids=pos[:, None], **{kw: cache}, use_cache=True)
             nxt = out.logits[:, -1].argmax(-1)
+            if on_token is not None:
+                on_token(k + 2, new_tokens + 1)
         out_ids.append(nxt[:, None].to(t_dev))
     finally:
         for h in handles:
@@ -134,11 +141,23 @@ def greedy_rows_batched(
     out: list[TeacherRow] = []
     for i in range(0, len(prompts), max(rows, 1)):
         chunk = prompts[i : i + max(rows, 1)]
-        out += greedy_rows(target, chunk, new_tokens, layer_ids, device)
+        out += greedy_rows(
+            target, chunk, new_tokens, layer_ids, device, on_token=decode_detail(progress, i, len(chunk))
+        )
         for _ in chunk:
             if progress:
                 progress()
     return out
+
+
+def decode_detail(advance: Callable[[], None] | None, first: int, rows: int) -> Callable[[int, int], None] | None:
+    """greedy_rows' on_token for a stage whose `advance` can show a detail beside its count (the CLI's stages
+    can, `advance.detail(text)`); None otherwise."""
+    detail = getattr(advance, "detail", None)
+    if detail is None:
+        return None
+    where = f"prompts {first + 1}-{first + rows}" if rows > 1 else f"prompt {first + 1}"
+    return lambda k, total: detail(f"target's greedy decode of {where}: token {k}/{total}")
 
 
 class _Taps:
