@@ -187,12 +187,13 @@ def test_kl_line_takes_its_floor_from_the_tuned_points_and_fits_above_it():
         assert lo < p["tau_loss"] < hi
     got = mp.kl_line(curve, pts, 0.01)
     assert got is not None
-    floor, used, (lo, fit, hi) = got
+    floor, used, (lo, fit, hi) = got.floor, got.points, got.slopes
+    assert got.point_bounds == own  # the bounds the floor was read from
     assert floor == 3 and [p["setting"] for p in used] == list(spec)[1:]
     assert lo < fit < hi and fit == pytest.approx(mp.slope(used)) and fit < mp.slope(pts) / 3
     # the 3-bit point is shown to miss a tighter goal: floor 4, fitted on the 4-bit point alone
-    floor, used, _ = mp.kl_line(curve, pts, 0.002) or (0, [], ())
-    assert floor == 4 and len(used) == 1
+    tight = mp.kl_line(curve, pts, 0.002)
+    assert tight is not None and tight.floor == 4 and len(tight.points) == 1
     # the plan takes the floor given, not the one the line's lower slope would set
     c = Candidate
     table = {n: {c(3, 128): (30, 0.028), c(4, 128): (40, 0.02)} for n in ("a", "b")}
@@ -201,12 +202,27 @@ def test_kl_line_takes_its_floor_from_the_tuned_points_and_fits_above_it():
     assert mp.plan_tau_loss(table, pts, (0.1, 0.2), 0.01)[2] == 4  # 0.1 x 0.16 misses 0.01
     assert mp.kl_line({"points": [{k: v for k, v in p.items() if k != "per_prompt"} for p in pts]}, pts, 0.01) is None
     # 200 prompts resolve a 1 % goal; 8 noisy ones do not, and the plan says so and how to fix it
-    assert mp.resolution_note(curve, pts, 0.01) is None
+    assert got.resolution_note(0.01) is None
     few = base[:8]
     noisy = _curve({s: (loss, [t * (1 - f + rng.gauss(0, 0.08)) for t in few]) for s, (loss, f) in spec.items()}, few)
-    note = mp.resolution_note(noisy, noisy["points"], 0.01)
+    noisy_line = mp.kl_line(noisy, noisy["points"], 0.01)
+    assert noisy_line is not None
+    note = noisy_line.resolution_note(0.01)
     assert note is not None and "8 dev prompts" in note and "4/128+act+clip+kl" in note
     assert "--mix-dev-prompts 128" in note
+
+
+def test_the_card_carries_the_plans_caveat():
+    """A plan's notes (dev prompts too coarse for the goal) reach the card, not only stderr."""
+    from pathlib import Path
+
+    from dflash_quant.model_cards.sections import section_mixed
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks/results/mixed_kl_floor_reference.json"
+    mix = json.loads(results.read_text())["mixed"]
+    assert "Note:" not in section_mixed({"provenance": {"mixed": mix}, "parity": None})
+    note = "the 32 dev prompts measure tau to +-0.022 (uniform 4/128+act+clip+kl), coarser than --max-tau-loss 0.01"
+    assert f"Note: {note}." in section_mixed({"provenance": {"mixed": {**mix, "notes": [note]}}, "parity": None})
 
 
 def test_goal_flags_are_exclusive_and_checked():

@@ -368,7 +368,8 @@ def section_mixed(ctx: dict) -> str:
             )
             if mix.get("solver_slopes")
             else ""
-        ),
+        )
+        + "".join(f" Note: {n}." for n in mix.get("notes") or []),
         "",
         table(
             ["", "bytes (quantized Linears)", "summed error", "tau ratio"],

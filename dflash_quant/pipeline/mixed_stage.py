@@ -154,11 +154,13 @@ def plan_mix(
         if kinds is not None and local is not None:
             # every Linear will be tuned: each loss counts at the kl line's upper slope, fitted on the tuned points
             # at or above the floor their own measurements set
-            floor, line, kl = local
+            line, kl = local.points, local.slopes
             kinds["kl"] = kl
-            note = mp.resolution_note(curve, line, goal.max_tau_loss)
+            note = local.resolution_note(goal.max_tau_loss)
             notes += [note] if note else []
-            choice, loss_budget, floor = mp.plan_tau_loss(table, line, (kl[0], kl[2]), goal.max_tau_loss, floor=floor)
+            choice, loss_budget, floor = mp.plan_tau_loss(
+                table, line, (kl[0], kl[2]), goal.max_tau_loss, floor=local.floor
+            )
         else:
             choice, loss_budget, floor = mp.plan_tau_loss(table, points, bounds, goal.max_tau_loss, kinds)
     else:

@@ -163,27 +163,38 @@ def _tau(tokens: Sequence[int], steps: Sequence[int], idx: Sequence[int]) -> flo
     return sum(tokens[i] for i in idx) / max(1, sum(steps[i] for i in idx))
 
 
-def _boot_slopes(
-    curve: Mapping[str, Any], groups: Mapping[str, Sequence[Mapping[str, Any]]], draws: int, seed: int
-) -> dict[str, list[float]] | None:
-    """Per group of map points, the slope refitted on each of `draws` paired resamples of the dev prompts (every
-    draw recomputes bf16 and each point's tau on the same prompts). None without per-prompt data."""
+def _resampled(
+    curve: Mapping[str, Any], points: Sequence[Mapping[str, Any]], draws: int, seed: int
+) -> list[dict[str, float]] | None:
+    """Each point's tau loss on each of `draws` paired resamples of the dev prompts (every draw recomputes bf16
+    and each point's tau on the same prompts), keyed by setting. None without per-prompt data."""
     base = curve.get("per_prompt")
-    if not base or any("per_prompt" not in p for p in curve["points"]):
+    if not base or any("per_prompt" not in p for p in points):
         return None
     n = len(base["tokens"])
     gen = np.random.default_rng(seed)
-    slopes: dict[str, list[float]] = {k: [] for k in groups}
+    out = []
     for _ in range(draws):
         idx = gen.integers(0, n, n).tolist()
         t0 = _tau(base["tokens"], base["steps"], idx)
-        for k, ps in groups.items():
-            boot = [
-                {"loss": p["loss"], "tau_loss": 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0}
-                for p in ps
-            ]
-            slopes[k].append(slope(boot))
-    return slopes
+        out.append(
+            {str(p["setting"]): 1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0 for p in points}
+        )
+    return out
+
+
+def _boot_slopes(
+    curve: Mapping[str, Any], groups: Mapping[str, Sequence[Mapping[str, Any]]], draws: int, seed: int
+) -> dict[str, list[float]] | None:
+    """Per group of map points, the slope refitted on each of `draws` paired resamples of the dev prompts. None
+    without per-prompt data."""
+    draws_ = _resampled(curve, curve["points"], draws, seed)
+    if draws_ is None:
+        return None
+    return {
+        k: [slope([{"loss": p["loss"], "tau_loss": d[str(p["setting"])]} for p in ps]) for d in draws_]
+        for k, ps in groups.items()
+    }
 
 
 def slope_bounds(
@@ -229,24 +240,45 @@ def point_bounds(
     draws: int = BOOT_DRAWS,
     seed: int = 0,
 ) -> dict[str, tuple[float, float]] | None:
-    """Per map point, one-sided `level` (lower, upper) bounds of its own tau loss: the paired bootstrap over the
-    dev prompts of slope_bounds, without a line. None without per-prompt data."""
-    base = curve.get("per_prompt")
-    if not base or any("per_prompt" not in p for p in points):
+    """Per map point, one-sided `level` (lower, upper) bounds of its own tau loss: the paired bootstrap of
+    slope_bounds, without a line. None without per-prompt data."""
+    draws_ = _resampled(curve, points, draws, seed)
+    if draws_ is None:
         return None
-    n = len(base["tokens"])
-    gen = np.random.default_rng(seed)
-    losses: dict[str, list[float]] = {str(p["setting"]): [] for p in points}
-    for _ in range(draws):
-        idx = gen.integers(0, n, n).tolist()
-        t0 = _tau(base["tokens"], base["steps"], idx)
-        for p in points:
-            losses[str(p["setting"])].append(1 - _tau(p["per_prompt"]["tokens"], p["per_prompt"]["steps"], idx) / t0)
-    return {k: (float(np.quantile(v, 1 - level)), float(np.quantile(v, level))) for k, v in losses.items()}
+    return {
+        k: (float(np.quantile(v, 1 - level)), float(np.quantile(v, level)))
+        for k in draws_[0]
+        for v in [[d[k] for d in draws_]]
+    }
 
 
 def bits_of(setting: str) -> int:
     return int(str(setting).split("/")[0])
+
+
+@dataclass
+class KlLine:
+    """The line a gptq-kl `--max-tau-loss` mix plans on (kl_line)."""
+
+    floor: int  # no Linear below this width
+    points: list[Mapping[str, Any]]  # the tuned points fitted: those at or above the floor
+    slopes: tuple[float, float, float]  # lower bound, fitted, upper bound
+    point_bounds: dict[str, tuple[float, float]]  # each tuned point's own tau-loss bounds
+    dev_prompts: int
+
+    def resolution_note(self, max_tau_loss: float) -> str | None:
+        """A caveat when the dev prompts measure tau more coarsely than the goal asks: half the width of the
+        two-sided 90 % interval of the widest fitted point (its smallest loss). The plan then stays conservative,
+        and more dev prompts let it go smaller."""
+        p = min(self.points, key=lambda q: float(q["loss"]))
+        lo, hi = self.point_bounds[str(p["setting"])]
+        if (hi - lo) / 2 <= max_tau_loss:
+            return None
+        return (
+            f"the {self.dev_prompts} dev prompts measure tau to +-{(hi - lo) / 2:.3f} (uniform {p['setting']}), "
+            f"coarser than --max-tau-loss {max_tau_loss}, so the plan stays conservative; --mix-dev-prompts 128 "
+            "--mix-dev-new-tokens 128 (with ~256+ calibration prompts) let it go smaller"
+        )
 
 
 def kl_line(
@@ -256,41 +288,21 @@ def kl_line(
     level: float = BOOT_LEVEL,
     draws: int = BOOT_DRAWS,
     seed: int = 0,
-) -> tuple[int, list[Mapping[str, Any]], tuple[float, float, float]] | None:
-    """The line a gptq-kl `--max-tau-loss` mix plans on: (bit floor, the points fitted, (lower, fitted, upper)
-    slope). The floor is the smallest width whose tuned uniform drafter is not shown to miss the goal (the lower
-    bound of its own measured tau loss keeps it); the slope is fitted on the tuned points at or above the floor
-    only. Tuning recovers nearly all of a small GPTQ loss but only part of a large one, so a line through the
-    2-bit point overstates a 3/4-bit mix's tau loss (reference pair, 128 dev prompts: slope 0.136 through all
-    three tuned points, 0.058 through the 3- and 4-bit ones). None without per-prompt data."""
+) -> KlLine | None:
+    """The floor is the smallest width whose tuned uniform drafter is not shown to miss the goal (the lower bound
+    of its own measured tau loss keeps it); the slope is fitted on the tuned points at or above the floor only.
+    Tuning recovers nearly all of a small GPTQ loss but only part of a large one, so a line through the 2-bit
+    point overstates a 3/4-bit mix's tau loss (reference pair, 128 dev prompts x 128 tokens: slope 0.153 through
+    all three tuned points, 0.058 through the 3- and 4-bit ones). None without per-prompt data."""
     own = point_bounds(curve, kl_points, level, draws, seed)
     if own is None:
         return None
     keeps = [bits_of(p["setting"]) for p in kl_points if own[str(p["setting"])][0] <= max_tau_loss]
     floor = min(keeps) if keeps else max(bits_of(p["setting"]) for p in kl_points)
     used = [p for p in kl_points if bits_of(p["setting"]) >= floor]
-    slopes = _boot_slopes(curve, {"kl": used}, draws, seed)
-    assert slopes is not None
-    v = slopes["kl"]
-    return floor, used, (float(np.quantile(v, 1 - level)), slope(used), float(np.quantile(v, level)))
-
-
-def resolution_note(curve: Mapping[str, Any], line: Sequence[Mapping[str, Any]], max_tau_loss: float) -> str | None:
-    """A caveat when the dev prompts measure tau more coarsely than the goal asks: half the width of the two-sided
-    90 % interval of the line's widest point (its smallest loss). The plan then stays conservative, and more dev
-    prompts let it go smaller."""
-    own = point_bounds(curve, line)
-    if not own:
-        return None
-    p = min(line, key=lambda q: float(q["loss"]))
-    lo, hi = own[str(p["setting"])]
-    if (hi - lo) / 2 <= max_tau_loss:
-        return None
-    return (
-        f"the {len(curve['per_prompt']['tokens'])} dev prompts measure tau to +-{(hi - lo) / 2:.3f} (uniform "
-        f"{p['setting']}), coarser than --max-tau-loss {max_tau_loss}, so the plan stays conservative; "
-        "--mix-dev-prompts 128 --mix-dev-new-tokens 128 (with ~256+ calibration prompts) let it go smaller"
-    )
+    v = (_boot_slopes(curve, {"kl": used}, draws, seed) or {"kl": [slope(used)]})["kl"]
+    bounds = (float(np.quantile(v, 1 - level)), slope(used), float(np.quantile(v, level)))
+    return KlLine(floor, used, bounds, own, len(curve["per_prompt"]["tokens"]))
 
 
 def mix_tau_loss(
