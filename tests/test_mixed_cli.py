@@ -405,6 +405,11 @@ def test_gptq_kl_mix_plans_on_the_tuned_drafters_line(pair):
         assert by[s]["loss"] == by[s[: -len("+kl")]]["loss"]
     lo, fit, hi = prov["solver_slopes"]["kl"]
     assert lo <= fit <= hi
+    for s in kl:  # the bounds the floor was read from, each around its point's tau loss
+        low, high = by[s]["tau_loss_bounds"]
+        assert low <= by[s]["tau_loss"] <= high
+    keeps = [int(s.split("/")[0]) for s in kl if by[s]["tau_loss_bounds"][0] <= 0.05]
+    assert prov["bits_floor"] == min(keeps, default=4)  # none keeps it: the widest tuned point
     assert all(p["slope"] == pytest.approx(fit, abs=1e-6) for p in prov["tau_calibration"])  # the line planned on
     # the budget from the kl line's upper slope (a line showing no tau loss allows every measured loss)
     want = 0.05 / hi if hi > 0 else max(by[s]["loss"] for s in kl)

@@ -225,7 +225,8 @@ class Mixed(Record):
         "fitted on the tuned points at or above bits_floor)"
     )
     tau_calibration: list[dict] | None = doc(
-        "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map)"
+        "uniform settings measured on the development prompts: loss, tau, tau ratio (the loss -> tau map); a "
+        "gptq-kl max_tau_loss plan adds each tuned point's one-sided 95 % tau-loss bounds (`tau_loss_bounds`)"
     )
     dev_prompts: str | None = doc("development prompts of the tau calibration (calibration prompts, first N)")
     uniform: list[dict] | None = doc("each uniform candidate's bytes and summed loss, for comparison")

@@ -145,6 +145,7 @@ def plan_mix(
     serving: FitServing | None = None
     kinds = None
     notes: list[str] = []
+    own: dict[str, tuple[float, float]] = {}  # a gptq-kl plan's tuned points: their own tau-loss bounds
     if goal.kind == "max_tau_loss":
         assert goal.max_tau_loss is not None
         # the budget from the slope's upper bound (per solver kind); no Linear below the widths the lower bound
@@ -154,7 +155,7 @@ def plan_mix(
         if kinds is not None and local is not None:
             # every Linear will be tuned: each loss counts at the kl line's upper slope, fitted on the tuned points
             # at or above the floor their own measurements set
-            line, kl = local.points, local.slopes
+            line, kl, own = local.points, local.slopes, local.point_bounds
             kinds["kl"] = kl
             note = local.resolution_note(goal.max_tau_loss)
             notes += [note] if note else []
@@ -216,6 +217,7 @@ def plan_mix(
                 **{k: v for k, v in p.items() if k != "per_prompt"},
                 "tau_bf16": curve["tau_bf16"],
                 "slope": round(mp.slope(line), 6),
+                **({"tau_loss_bounds": [round(x, 5) for x in own[p["setting"]]]} if p["setting"] in own else {}),
             }
             for p in points
         ],
