@@ -66,7 +66,8 @@ def test_a_long_batched_decode_shows_its_token_beside_the_count(capsys):
     assert re.fullmatch(r"calibrating: 0/4 \(\d+ s, target's greedy decode of prompts 1-2: token 37/65\)", beats[-1])
     advance()
     time.sleep(0.5)
-    assert all(re.fullmatch(r"calibrating: 1/4 \(\d+ s\)", b) for b in _lines(capsys.readouterr().err)[1:])
+    after = _lines(capsys.readouterr().err)
+    assert after and all(re.fullmatch(r"calibrating: 1/4 \(\d+ s\)", b) for b in after), after
     end_stages()
     # a plain callable (no CLI stage) gets no per-token callback
     assert decode_detail(lambda: None, 0, 1) is None and decode_detail(None, 0, 1) is None
