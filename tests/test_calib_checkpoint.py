@@ -72,6 +72,18 @@ def test_checkpoint_lives_in_the_store_and_goes_once_calibration_finishes(tmp_pa
     assert sorted(p.name for p in store.directory.iterdir()) == [store._entry(_key(1)).name]
 
 
+def test_the_interruption_message_reads_the_prompts_done_from_the_file_of_its_own_key(tmp_path):
+    # read back, not remembered: a signal can land after the rename and before any bookkeeping
+    kept = ckpt.Kept(tmp_path / ckpt.FILE, {"ck": 1}, 8)
+    assert kept.done() is None  # nothing written yet
+    ckpt.save(tmp_path, {"ck": 2}, _state(5))
+    assert kept.done() is None  # another calibration's checkpoint is not this run's
+    ckpt.save(tmp_path, {"ck": 1}, _state(3))
+    assert kept.done() == 3
+    (tmp_path / ckpt.FILE).write_bytes(b"torn")
+    assert kept.done() is None
+
+
 def test_the_cap_counts_checkpoints_and_never_evicts_a_held_one(tmp_path):
     entry, check = _sizes(tmp_path)
     store = CalibStore(tmp_path / "calib", entry + check // 2)  # one entry or one checkpoint, not both

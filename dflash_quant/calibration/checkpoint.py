@@ -29,11 +29,26 @@ FILE = "calib-checkpoint.safetensors"
 
 @dataclass(frozen=True)
 class Kept:
-    """The checkpoint an interrupted calibration leaves for the rerun of its command."""
+    """Where a calibration checkpoints, for the message of an interrupted run. The prompts done are read back
+    from the file, not remembered: a signal can land between the rename and any bookkeeping after it."""
 
     path: Path
-    done: int  # prompts it holds
+    key: dict[str, Any]
     total: int
+
+    def done(self) -> int | None:
+        """Prompts the checkpoint on disk holds, or None when there is none for this key."""
+        try:
+            with safe_open(str(self.path), framework="pt") as fh:
+                meta = fh.metadata() or {}
+        except (SafetensorError, OSError, ValueError):
+            return None
+        if meta.get("key") != json.dumps(self.key, sort_keys=True):
+            return None  # another calibration's checkpoint (this run would have replaced it)
+        try:
+            return int(meta["done"])
+        except (KeyError, ValueError):
+            return None
 
 
 def prompts_digest(prompts: list[list[int]]) -> str:

@@ -102,9 +102,10 @@ def _summary(result) -> Table:
 def _stopped(exc: BaseException, kept) -> None:
     """The one line for a signal: what was cleaned up and, after a checkpoint, that a rerun resumes."""
     message, code = stop_message(exc)
-    if kept is not None and kept.path.is_file():  # calibration.checkpoint.Kept
+    done = kept.done() if kept is not None else None  # calibration.checkpoint.Kept
+    if kept is not None and done is not None:
         message += (
-            f"; the partial calibration ({kept.done} of {kept.total} prompts) was kept in the cache at "
+            f"; the partial calibration ({done} of {kept.total} prompts) was kept in the cache at "
             f"{kept.path.parent}: rerun the same command to resume it"
         )
     fail(message, code)

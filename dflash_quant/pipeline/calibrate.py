@@ -132,20 +132,16 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
     every = job.calib_checkpoint_every if ckdir is not None else 0
     resume = ckpt.load(ckdir, ckey, hdev) if ckdir is not None and every > 0 else None
 
-    def kept(done: int) -> None:
-        assert ckdir is not None  # checkpoints exist only with a folder for them
-        state.kept_checkpoint = ckpt.Kept(ckdir / ckpt.FILE, done, len(prompts))
+    if ckdir is not None and every > 0:
+        state.kept_checkpoint = ckpt.Kept(ckdir / ckpt.FILE, ckey, len(prompts))
 
     def save(capture_state) -> None:
-        assert ckdir is not None
+        assert ckdir is not None  # checkpoints exist only with a folder for them
         if slot is None:
             ckpt.save(ckdir, ckey, capture_state)
-        elif not slot.save(ckey, capture_state):  # over the cache's cap: the previous checkpoint (if any) stays
-            return
-        kept(capture_state.done)
+        else:  # over the cache's cap it writes nothing: the previous checkpoint (if any) stays
+            slot.save(ckey, capture_state)
 
-    if resume is not None:
-        kept(resume.done)
     advance = progress("calibrating (drafter speculating with its target)", len(prompts))
     for _ in range(resume.done if resume else 0):
         advance()
