@@ -27,9 +27,12 @@ lint: setup
 	$(BIN)/lint-imports  # the layer contract in pyproject.toml: an import from a higher layer fails here
 
 # Two workers: the suite is one core's worth of CLI runs and tiny models (OMP_NUM_THREADS=1), so two cores halve it.
+# --dist loadfile: a module's tests run on one worker, so its module-scoped fixtures (CLI runs building artifacts)
+# are built once, not once per worker (xdist's xdist_group marks do nothing under pytest 9: they rename nodeids
+# through an attribute pytest 9 no longer reads).
 # The 15 slowest tests are listed at the end: the suite must stay under ~15 minutes on 2 cores.
 test: setup lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not gpu and not interop and not mlx"

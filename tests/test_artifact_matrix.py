@@ -29,8 +29,9 @@ from dflash_quant.model_cards.fmt import fmt_bytes
 from dflash_quant.reference import pair_dir
 
 gguf = pytest.importorskip("gguf")
-# CLI subprocesses on the reference pair; one worker builds the artifacts once for the whole module
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="artifact_matrix")]
+# CLI subprocesses on the reference pair; the artifacts are built once for the module (`make test` runs a
+# module's tests on one worker: --dist loadfile)
+pytestmark = [pytest.mark.slow]
 
 CLI = [sys.executable, "-m", "dflash_quant.cli.app"]
 BF16 = str(pair_dir("reference") / "drafter")
