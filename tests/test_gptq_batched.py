@@ -102,6 +102,7 @@ def test_hopeless_hessian_falls_back_to_rtn_like_the_textbook():
         warnings.simplefilter("always", GPTQFallbackWarning)
         got = gptq_quantize_many([(w, bad, "bad"), (w, good, "good")], spec, kernel="torch")
     assert any("bad" in str(c.message) for c in caught)
+    assert {c.filename for c in caught if issubclass(c.category, GPTQFallbackWarning)} == {__file__}  # the caller
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GPTQFallbackWarning)
         _same(got[0], gptq_quantize(w, bad, spec, name="bad"))

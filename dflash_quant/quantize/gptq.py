@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
@@ -79,6 +79,57 @@ def checked_inputs(
     return W, H
 
 
+@dataclass
+class Setup:
+    """The textbook's set-up of one matrix, before its column loop."""
+
+    W: torch.Tensor  # fp32 [out, in], dead columns zeroed, permuted by `order`
+    Hinv: torch.Tensor  # upper Cholesky factor of the damped inverse, permuted
+    order: torch.Tensor
+    col_group: torch.Tensor  # group of the column processed at step j
+    scales: torch.Tensor | None  # [n_groups, out] when fixed up front (group -1 or static groups)
+    zeros: torch.Tensor | None
+    damp_used: float
+
+
+def set_up(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | HessianAccumulator,
+    spec: QuantSpec,
+    desc_act: bool,
+    static_groups: bool,
+    damp_percent: float,
+    damp_tries: int,
+    name: str,
+    clip: bool,
+    stacklevel: int,
+) -> Setup | QuantizedWeight:
+    """Checked inputs, group parameters fixed up front where they are, act-order permutation and the damped
+    inverse factor; the RTN fallback (a QuantizedWeight) when no damping factorizes the Hessian.
+    static_groups must already include clip (the clip search fixes every group's parameters up front)."""
+    W, H = checked_inputs(weight, hessian, name)
+    in_features = W.shape[1]
+    width = spec.group_width(in_features, name)
+    grouped = spec.group_size != -1
+    scales = zeros = None
+    if not grouped or static_groups:  # parameters come from the unpermuted weight
+        scales, zeros = group_params(W, spec, name, H.diagonal() if clip else None)
+    order = torch.arange(in_features, device=W.device)
+    if desc_act:
+        order = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W = W[:, order]
+        H = H[order][:, order]
+    # Group of the column processed at step j: static groups follow the original column index.
+    col_group = (order if (static_groups or not grouped) else torch.arange(in_features, device=W.device)) // width
+    Hinv, damp_used = damped_inverse_factor(H, damp_percent, damp_tries)
+    del H
+    if Hinv is None:
+        return rtn_fallback(weight, spec, name, damp_used, stacklevel=stacklevel + 1)
+    if damp_used != damp_percent:
+        log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
+    return Setup(W, Hinv, order, col_group, scales, zeros, damp_used)
+
+
 def gptq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor | HessianAccumulator,
@@ -102,36 +153,18 @@ def gptq_quantize(
         )
     if block_size <= 0:
         raise UsageError(f"block_size must be positive, got {block_size}")
-    W, H = checked_inputs(weight, hessian, name)
-    out_features, in_features = W.shape
-    width = spec.group_width(in_features, name)
-    grouped = spec.group_size != -1
-
-    n_groups = in_features // width
-    scales: list[torch.Tensor | None] = [None] * n_groups
-    zeros: list[torch.Tensor | None] = [None] * n_groups
     static_groups = static_groups or clip  # the clip search fixes every group's parameters up front
-    precomputed = not grouped or static_groups
-    if precomputed:
-        # Per-row (group -1) or static groups: parameters come from the unpermuted weight, up front.
-        s, z = group_params(W, spec, name, H.diagonal() if clip else None)
-        scales, zeros = list(s), list(z)
-
-    order = torch.arange(in_features, device=W.device)
-    if desc_act:
-        order = torch.argsort(H.diagonal(), descending=True, stable=True)
-        W = W[:, order]
-        H = H[order][:, order]
-    # Group of the column processed at step j: static groups follow the original column index.
-    col_group = (order if (static_groups or not grouped) else torch.arange(in_features, device=W.device)) // width
+    setup = set_up(weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip, stacklevel=2)
+    if isinstance(setup, QuantizedWeight):
+        return setup
+    W, Hinv, order, col_group, damp_used = setup.W, setup.Hinv, setup.order, setup.col_group, setup.damp_used
+    in_features = W.shape[1]
+    width = spec.group_width(in_features, name)
+    n_groups = in_features // width
+    precomputed = setup.scales is not None
+    scales: list[torch.Tensor | None] = list(setup.scales) if setup.scales is not None else [None] * n_groups
+    zeros: list[torch.Tensor | None] = list(setup.zeros) if setup.zeros is not None else [None] * n_groups
     col_group_list = col_group.tolist()
-
-    Hinv, damp_used = damped_inverse_factor(H, damp_percent, damp_tries)
-    del H
-    if Hinv is None:
-        return rtn_fallback(weight, spec, name, damp_used, stacklevel=2)
-    if damp_used != damp_percent:
-        log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
 
     maxq = spec.maxq
     Q = torch.empty_like(W)

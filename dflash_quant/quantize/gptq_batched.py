@@ -17,7 +17,6 @@ benchmarks/bench_gptq.py on the GPU compares every code with the textbook's).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import cast
 
@@ -26,51 +25,26 @@ import torch
 from dflash_quant.calibration.hessian import HessianAccumulator
 from dflash_quant.errors import UsageError
 from dflash_quant.models.gpu import gpu_room
-from dflash_quant.quantize.gptq import DAMP_TRIES, checked_inputs, damped_inverse_factor, rtn_fallback, split_rows
-from dflash_quant.quantize.grid import QuantizedWeight, dequantize_codes, find_params, group_params, quantize_codes
+from dflash_quant.quantize.gptq import DAMP_TRIES, Setup, set_up, split_rows
+from dflash_quant.quantize.grid import QuantizedWeight, dequantize_codes, find_params, quantize_codes
 from dflash_quant.quantize.spec import QuantSpec
-
-log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass
-class _Prepared:
-    """One problem after the textbook's set-up: permuted weight, inverse factor, group bookkeeping."""
+class _Prepared(Setup):
+    """One problem after the textbook's set-up (gptq.set_up), with its place in the caller's list."""
 
-    index: int
-    W: torch.Tensor  # fp32 [out, in], dead columns zeroed, permuted by `order`
-    Hinv: torch.Tensor  # upper Cholesky factor of the damped inverse, permuted
-    order: torch.Tensor
-    col_group: torch.Tensor  # group of the column processed at step j
-    scales: torch.Tensor | None  # [n_groups, out] when precomputed (group -1 or static groups)
-    zeros: torch.Tensor | None
-    damp_used: float
+    index: int = -1
 
 
 def _prepare(index, weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip=False):
     """The textbook's set-up for one matrix; a QuantizedWeight (RTN fallback) when the Hessian is hopeless."""
-    W, H = checked_inputs(weight, hessian, name)
-    out_features, in_features = W.shape
-    width = spec.group_width(in_features, name)
-    grouped = spec.group_size != -1
-    scales = zeros = None
-    if not grouped or static_groups:
-        scales, zeros = group_params(W, spec, name, H.diagonal() if clip else None)
-    order = torch.arange(in_features, device=W.device)
-    if desc_act:
-        order = torch.argsort(H.diagonal(), descending=True, stable=True)
-        W = W[:, order]
-        H = H[order][:, order]
-    col_group = (order if (static_groups or not grouped) else torch.arange(in_features, device=W.device)) // width
-    Hinv, damp_used = damped_inverse_factor(H, damp_percent, damp_tries)
-    del H
-    if Hinv is None:
-        return rtn_fallback(weight, spec, name, damp_used, stacklevel=3)
-    if damp_used != damp_percent:
-        log.info("layer %r: damp raised from %g to %g to factorize its Hessian", name, damp_percent, damp_used)
-    return _Prepared(index, W, Hinv, order, col_group, scales, zeros, damp_used)
+    setup = set_up(weight, hessian, spec, desc_act, static_groups, damp_percent, damp_tries, name, clip, stacklevel=3)
+    if isinstance(setup, QuantizedWeight):
+        return setup
+    return _Prepared(**vars(setup), index=index)
 
 
 def _use_triton(kernel: str, device: torch.device) -> bool:
