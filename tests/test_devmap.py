@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from tiny import save_drafter, save_hybrid_target, save_target
 
 from dflash_quant.calibration import checkpoint as ckpt
@@ -26,6 +27,7 @@ from dflash_quant.calibration.peak import predict_run
 from dflash_quant.errors import UsageError
 from dflash_quant.loading.runtime import encode_prompts, load_pair, stop_tokens
 from dflash_quant.memory.calibration import calibration_budget, hessian_widths, mean_layer_bytes
+from dflash_quant.memory.gpus import fmt_bytes
 from dflash_quant.memory.kv import parse_shape
 from dflash_quant.memory.presets import preset_path
 from dflash_quant.models.placement import Placement, make_placement
@@ -221,6 +223,23 @@ def test_gptq_with_a_max_memory_strategy_records_the_sizes_as_given(tmp_path):
     placement = json.loads((out / "provenance.json").read_text())["calibration"]["target_placement"]
     assert placement["max_memory"] == {"cpu": "1MiB"} and placement["device_map"] == "auto"
     assert "disk" in placement["resolved"].values(), placement
+
+    # What every forward streams, counted apart from dflash-quant: the file's tensors (read from its header), the
+    # tied embedding once more for the head that reads it; on CPU nothing lives in host memory to be streamed.
+    target = REPO / "dflash_quant" / "reference" / "pair" / "target"
+    with safe_open(str(target / "model.safetensors"), framework="pt") as fh:
+        numel = {k: fh.get_slice(k).get_shape() for k in fh.keys()}
+    sizes = {k: int(torch.tensor(shape).prod()) for k, shape in numel.items()}
+    assert (
+        placement["resolved"] == {"": "disk"}
+        and json.loads((target / "config.json").read_text())["tie_word_embeddings"]
+    )
+    per_element = placement["weight_bytes"]["disk"] // sum(sizes.values())
+    assert per_element * sum(sizes.values()) == placement["weight_bytes"]["disk"]
+    embed = sizes["model.embed_tokens.weight"] * per_element
+    assert placement["streamed_bytes"] == {"host": 0, "pinned": 0, "disk": placement["weight_bytes"]["disk"] + embed}
+    streams = f"every target forward streams {fmt_bytes(placement['streamed_bytes']['disk'])} from disk"
+    assert any(streams in line for line in res.stderr.splitlines() if line.startswith("[")), res.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ memory

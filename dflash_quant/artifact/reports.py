@@ -76,6 +76,11 @@ class TargetPlacement(Record):
     max_memory: dict[str, str] | None = doc("--max-memory per device", omit_none=True)
     resolved: dict[str, str] | None = doc("module -> device after loading (transformers' hf_device_map)")
     weight_bytes: dict[str, int] | None = doc("target weight bytes per device (`disk`: read on use)")
+    streamed_bytes: dict[str, int] | None = doc(
+        "weight bytes accelerate copies onto the execution device for every target forward, by source: `host` "
+        "(of which `pinned`: page-locked) and `disk`; a tied weight counts once per module that reads it",
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
 

@@ -94,13 +94,35 @@ def device_summary(model: torch.nn.Module) -> dict[str, Any] | None:
     if not dmap:
         return None
     per: dict[str, int] = {}
-    seen: set[int] = set()  # a tied lm_head shares the embedding's tensor: counted once
+    # A tied lm_head shares the embedding's tensor: counted once. By name too, since accelerate's hooks give an
+    # offloaded module new (meta) parameter objects on every forward, after which the tie is no longer one object.
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    seen: set[int] = set()
     for name, dev in dmap.items():
         module = model.get_submodule(name) if name else model
-        size = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in seen)
-        seen.update(id(p) for p in module.parameters())
-        per[str(dev)] = per.get(str(dev), 0) + size
+        params = [p for n, p in module.named_parameters(prefix=name) if n not in tied and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        per[str(dev)] = per.get(str(dev), 0) + sum(p.numel() * p.element_size() for p in params)
     return {"map": {k: str(v) for k, v in dmap.items()}, "weight_bytes": per}
+
+
+def _offload_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(module, accelerate hook) for every module whose weights are streamed onto its execution device per forward."""
+    found: list[tuple[torch.nn.Module, Any]] = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]) if hook is not None else []:  # SequentialHook holds several
+            if getattr(h, "offload", False) and getattr(h, "weights_map", None) is not None:
+                found.append((module, h))
+    return found
+
+
+def _in_memory(store: Any) -> dict:
+    """The host-memory tensors behind a hook's weights_map (a PrefixedDataset over accelerate's loader, whose
+    state_dict holds the CPU-offloaded weights; what it lacks is read from the offload folder's files)."""
+    loader = getattr(store, "dataset", store)
+    held = getattr(loader, "state_dict", loader)
+    return held if isinstance(held, dict) else {}
 
 
 def pin_offloaded(model: torch.nn.Module) -> int:
@@ -109,26 +131,19 @@ def pin_offloaded(model: torch.nn.Module) -> int:
     accelerate keeps an offloaded module's weights as ordinary (pageable) CPU tensors and copies them to the
     execution device before each forward; from pageable memory the driver stages every copy through a bounce
     buffer, at about half the bandwidth of a copy from page-locked memory. A hybrid 27B target under a 24 GB
-    cap streams ~35 GB per forward, so the copy rate is the forward's speed. Returns the bytes pinned (0 when
+    cap streams ~41 GB per forward, so the copy rate bounds the forward's speed. Returns the bytes pinned (0 when
     nothing is offloaded to CPU or there is no CUDA).
     """
     if not torch.cuda.is_available():
         return 0
     pinned = 0
     seen: set[int] = set()
-    hooks: list[Any] = []
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        hooks += getattr(hook, "hooks", [hook]) if hook is not None else []  # SequentialHook holds several
-    for hook in hooks:
-        if not getattr(hook, "offload", False):
-            continue
+    for _, hook in _offload_hooks(model):
         device = getattr(hook, "execution_device", None)
         if device is None or torch.device(device).type != "cuda":
             continue
-        store = getattr(hook, "weights_map", None)
-        store = getattr(getattr(store, "dataset", None), "state_dict", store)  # PrefixedDataset over a loader
-        if not isinstance(store, dict) or id(store) in seen:
+        store = _in_memory(hook.weights_map)
+        if id(store) in seen:
             continue
         seen.add(id(store))
         for name, tensor in list(store.items()):
@@ -136,6 +151,27 @@ def pin_offloaded(model: torch.nn.Module) -> int:
                 store[name] = tensor.pin_memory()
                 pinned += tensor.numel() * tensor.element_size()
     return pinned
+
+
+def streamed_bytes(model: torch.nn.Module) -> dict[str, int] | None:
+    """Weight bytes accelerate copies onto the execution device for every forward of the target, by where it
+    reads them: `host` (of which `pinned`: page-locked) and `disk`; None when nothing is streamed. At the 27B
+    scale under a 24 GB plan this is tens of GB per token: the floor under a split target's decode."""
+    host = pinned = disk = 0
+    for module, hook in _offload_hooks(model):
+        prefix = getattr(hook.weights_map, "prefix", "")
+        held = _in_memory(hook.weights_map)
+        for name, param in module.named_parameters(recurse=bool(getattr(hook, "place_submodules", False))):
+            size = param.numel() * param.element_size()
+            copy = held.get(prefix + name)
+            if isinstance(copy, torch.Tensor):
+                host += size
+                pinned += size if copy.is_pinned() else 0
+            else:
+                disk += size
+    if host + disk == 0:
+        return None
+    return {"host": host, "pinned": pinned, "disk": disk}
 
 
 def resident_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module | None:

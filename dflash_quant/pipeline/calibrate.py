@@ -17,6 +17,8 @@ from dflash_quant.calibration.store import CalibStore, default_dir, store_key
 from dflash_quant.loading.drafter import LoadedDrafter
 from dflash_quant.loading.runtime import resolve_device, stop_tokens
 from dflash_quant.loading.target import LoadedTarget
+from dflash_quant.memory.gpus import fmt_bytes
+from dflash_quant.models.devmap import streamed_bytes
 from dflash_quant.pipeline.batching import calib_rows
 from dflash_quant.pipeline.job import GptqJob, Progress, RunState
 from dflash_quant.quantize.drafter import extra_linears
@@ -142,7 +144,7 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
         else:  # over the cache's cap it writes nothing: the previous checkpoint (if any) stays
             slot.save(ckey, capture_state)
 
-    advance = progress("calibrating (drafter speculating with its target)", len(prompts))
+    advance = progress(stage_label(job, target), len(prompts))
     for _ in range(resume.done if resume else 0):
         advance()
     stats = capture(
@@ -164,6 +166,25 @@ def _capture(job, drafter, target, prompts, progress, target_sha, key, hdev, slo
         teacher=job.teacher_forced,
     )
     return stats
+
+
+def stage_label(job: GptqJob, target: LoadedTarget) -> str:
+    """The calibration stage's line; for a split target it says what every target forward streams (tens of GB
+    per token at the 27B scale under a 24 GB plan), so a slow decode is explained before it starts."""
+    what = (
+        "drafter on the target's greedy continuations" if job.teacher_forced else "drafter speculating with its target"
+    )
+    streamed = streamed_bytes(target.model)
+    if streamed is not None:
+        parts = []
+        if streamed["host"]:
+            parts.append(
+                f"{fmt_bytes(streamed['host'])} from host memory ({fmt_bytes(streamed['pinned'])} page-locked)"
+            )
+        if streamed["disk"]:
+            parts.append(f"{fmt_bytes(streamed['disk'])} from disk")
+        what += "; every target forward streams " + " and ".join(parts)
+    return f"calibrating ({what})"
 
 
 def resolve_hessian_device(name: str | None, device: torch.device) -> torch.device:
