@@ -150,7 +150,7 @@ def test_concurrent_writers_of_one_key_leave_one_whole_entry(pairs, tmp_path):
     assert got is not None and all(torch.equal(got.hessians[k].xtx, a.xtx) for k, a in stats.hessians.items())
 
 
-def _gptq(pair, out, xdg, *extra):
+def _gptq(pair, out, xdg, *extra, stdout: list[str] | None = None):
     drafter, target = pair
     cmd = [
         sys.executable,
@@ -175,6 +175,8 @@ def _gptq(pair, out, xdg, *extra):
     env = {**os.environ, "XDG_CACHE_HOME": str(xdg), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     return json.loads((out / "provenance.json").read_text())["calibration"]
 
 
@@ -182,11 +184,14 @@ def _gptq(pair, out, xdg, *extra):
 def test_second_gptq_reuses_the_calibration_with_the_same_codes(tmp_path):
     pair = save_drafter(tmp_path / "drafter", std=0.2), save_target(tmp_path / "target")
     xdg = tmp_path / "xdg"
-    first = _gptq(pair, tmp_path / "a", xdg)
+    tables: list[str] = []
+    first = _gptq(pair, tmp_path / "a", xdg, stdout=tables)
     assert first["cached"] is False and first["store"] == "stored"
     assert len(list((xdg / "dflash-quant" / "calib").iterdir())) == 1
-    again = _gptq(pair, tmp_path / "b", xdg)  # same recipe: same Hessians, so the same codes
+    again = _gptq(pair, tmp_path / "b", xdg, stdout=tables)  # same recipe: same Hessians, so the same codes
     assert again["cached"] is True and again["store"] == "hit" and again["rows"] == first["rows"]
+    # the summary says so (its "calibration time 0.0 s" alone would read as a skipped stage)
+    assert "reused from the calibration store" not in tables[0] and "reused from the calibration store" in tables[1]
     codes_a, codes_b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert codes_a.keys() == codes_b.keys() and all(torch.equal(codes_a[k], codes_b[k]) for k in codes_a)
     other = _gptq(pair, tmp_path / "c", xdg, "--bits", "8")  # other settings: the same calibration

@@ -86,6 +86,9 @@ def _summary(result) -> Table:
     if mem and mem.get("measured_bytes"):
         kind = "GPU allocator" if mem["measured_kind"] == "cuda_max_memory_allocated" else "CPU tracked tensors"
         table.add_row("calibration peak", f"{_fmt_bytes(mem['measured_bytes'])} ({kind}), x{mem['ratio']} of predicted")
+    if (result.calibration or {}).get("cached"):  # else "calibration time 0.0 s" alone reads as a skipped stage
+        where = "the calibration store" if result.calibration.get("store") == "hit" else "--calib-cache"
+        table.add_row("calibration", f"reused from {where}")
     if resumed := (result.calibration or {}).get("resumed_prompts"):
         table.add_row("calibration resumed", f"{resumed} prompts from the checkpoint")
     for key, label in (
