@@ -73,6 +73,21 @@ def test_offline_hub_id_not_cached(tmp_path, monkeypatch):
         load_drafter("someone/not-cached-drafter")
 
 
+def test_a_missing_relative_path_is_named_as_a_path_before_the_hub(tmp_path, monkeypatch):
+    # `out/run-1` is also a well-formed repo id: when `out` is a folder here, the error leads with the path
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DFlashQuantError) as exc:
+        load_drafter("out/run-1")
+    assert str(exc.value).startswith("there is no directory out/run-1 here, and cannot fetch out/run-1 from the Hub")
+    assert "check the path" in str(exc.value)
+    with pytest.raises(DFlashQuantError) as exc:
+        load_drafter("someone/not-cached-drafter")  # no folder `someone` here: a repo id, said as before
+    assert str(exc.value).startswith("cannot fetch someone/not-cached-drafter") and "path" not in str(exc.value)
+
+
 def test_target_given_as_drafter_is_refused(tiny_pair):
     drafter, target = tiny_pair
     with pytest.raises(DFlashQuantError, match="not a target"):

@@ -44,16 +44,23 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    # `out/run-1` reads as a repo id too: when its first part is a folder here, it was most likely meant as a path
+    local = f"there is no directory {text} here, and " if path.parent.is_dir() and path.parent != Path(".") else ""
+    fix = "check the path, or " if local else ""
     try:
-        local = snapshot_download(text, revision=revision, allow_patterns=WEIGHT_PATTERNS)
+        fetched = snapshot_download(text, revision=revision, allow_patterns=WEIGHT_PATTERNS)
     except RepositoryNotFoundError as exc:
-        raise DFlashQuantError(f"Hub repo {text} not found or not accessible; check the id or set HF_TOKEN") from exc
+        raise DFlashQuantError(
+            f"{local}Hub repo {text} is not found or not accessible; {fix}check the id or set HF_TOKEN"
+        ) from exc
     except LocalEntryNotFoundError as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = "it is not in the local cache (HF_HUB_OFFLINE is set)" if offline else "download failed"
-        raise DFlashQuantError(f"cannot fetch {text}: {hint}; download it first or pass a local directory") from exc
+        raise DFlashQuantError(
+            f"{local}cannot fetch {text} from the Hub: {hint}; {fix}download it first or pass a local directory"
+        ) from exc
     except HfHubHTTPError as exc:
         raise DFlashQuantError(
-            f"cannot fetch {text} from the Hub ({exc.__class__.__name__}); check the network and token"
+            f"{local}cannot fetch {text} from the Hub ({exc.__class__.__name__}); {fix}check the network and token"
         ) from exc
-    return Source(id=text, path=Path(local), revision=revision, kind="hub")
+    return Source(id=text, path=Path(fetched), revision=revision, kind="hub")
