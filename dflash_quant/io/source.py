@@ -46,21 +46,17 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
 
     # `out/run-1` reads as a repo id too: when its first part is a folder here, it was most likely meant as a path
     local = f"there is no directory {text} here, and " if path.parent.is_dir() and path.parent != Path(".") else ""
-    fix = "check the path, or " if local else ""
     try:
         fetched = snapshot_download(text, revision=revision, allow_patterns=WEIGHT_PATTERNS)
     except RepositoryNotFoundError as exc:
-        raise DFlashQuantError(
-            f"{local}Hub repo {text} is not found or not accessible; {fix}check the id or set HF_TOKEN"
-        ) from exc
+        fix = "check the path (or the repo id, or set HF_TOKEN)" if local else "check the id or set HF_TOKEN"
+        raise DFlashQuantError(f"{local}Hub repo {text} is not found or not accessible; {fix}") from exc
     except LocalEntryNotFoundError as exc:
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = "it is not in the local cache (HF_HUB_OFFLINE is set)" if offline else "download failed"
-        raise DFlashQuantError(
-            f"{local}cannot fetch {text} from the Hub: {hint}; {fix}download it first or pass a local directory"
-        ) from exc
+        fix = "check the path" if local else "download it first or pass a local directory"
+        raise DFlashQuantError(f"{local}cannot fetch {text} from the Hub: {hint}; {fix}") from exc
     except HfHubHTTPError as exc:
-        raise DFlashQuantError(
-            f"{local}cannot fetch {text} from the Hub ({exc.__class__.__name__}); {fix}check the network and token"
-        ) from exc
+        fix = "check the path (or the network and token)" if local else "check the network and token"
+        raise DFlashQuantError(f"{local}cannot fetch {text} from the Hub ({exc.__class__.__name__}); {fix}") from exc
     return Source(id=text, path=Path(fetched), revision=revision, kind="hub")
