@@ -37,9 +37,13 @@ def register(app: typer.Typer) -> None:
         readme = write_card(artifact, repo_id=repo_id)  # checks the manifest first, records only its own files
         _, problems = load_reports(artifact)
         for name, problem in problems.items():
-            err_console.print(f"note: {name} is {problem}; its card section says 'not measured'", highlight=False)
+            err_console.print(
+                f"note: {name} is {problem}; its card section says 'not measured'", highlight=False, soft_wrap=True
+            )
         chart = artifact / CHART_NAME
-        err_console.print(f"wrote {readme}" + (f" and {chart}" if chart.is_file() else ""), highlight=False)
+        err_console.print(
+            f"wrote {readme}" + (f" and {chart}" if chart.is_file() else ""), highlight=False, soft_wrap=True
+        )
         if json_out:
             print_json(
                 {

@@ -27,9 +27,25 @@ from dflash_quant.io.atomic import Terminated, stop_signal
 if TYPE_CHECKING:  # every command imports this module; only gptq and verify draw bars
     from rich.progress import Progress
 
-# Diagnostics and progress go to stderr so that `--json` stdout stays parseable.
-err_console = Console(stderr=True)
-out_console = Console()
+# Diagnostics and progress go to stderr so that `--json` stdout stays parseable. No markup by default: paths and
+# names are the user's, and rich would eat `[run1]` or stop on `[/x]`; a styled line asks for markup and escapes.
+err_console = Console(stderr=True, markup=False)
+out_console = Console(markup=False)
+
+
+def progress_bar() -> Progress:
+    """The live bar of a long command on a terminal (descriptions shown as given, never read as markup)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err_console, transient=True,
+    )  # fmt: skip
+
+
+def note(text: str, tag: str = "note:", style: str = "yellow") -> None:
+    """A styled `note:` (or other tagged) line on stderr; the text is printed as given."""
+    err_console.print(f"[{style}]{escape(tag)}[/] {escape(text)}", markup=True, highlight=False, soft_wrap=True)
 
 
 LOG_EVERY_S = 30.0

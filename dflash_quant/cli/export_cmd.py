@@ -85,7 +85,7 @@ def export(
     if json_out:
         print_json({"output": str(output), **summary})
     else:
-        out_console.print(f"{fmt} artifact: {output} ({', '.join(summary['files'])})")
+        out_console.print(f"{fmt} artifact: {output} ({', '.join(summary['files'])})", highlight=False, soft_wrap=True)
         err_console.print(
             f"weights: {summary['exact']}; parity.json records the GPTQ source's check: "
             f"`dflash-quant verify {output} --compare BF16_DRAFTER` measures these weights"

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dflash_quant.cli.common import (
@@ -18,8 +17,10 @@ from dflash_quant.cli.common import (
     handle_errors,
     int4_kernel_option,
     max_memory_option,
+    note,
     out_console,
     print_json,
+    progress_bar,
     stage_progress,
     stop_message,
 )
@@ -472,10 +473,7 @@ def gptq(
         int4_kernel=int4_kernel,
         mixed=goal,
     )
-    bar = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err_console, transient=True,
-    )  # fmt: skip
+    bar = progress_bar()
 
     def stage(label: str, total: int | None):
         return stage_progress(bar, label, total)
@@ -506,13 +504,13 @@ def gptq(
         )
     else:
         out_console.print(_summary(result))
-        out_console.print(f"artifact: {result.output}")
-    for note in (result.parity or {}).get("notes", []):
-        err_console.print(f"[yellow]note:[/] {note}")
+        out_console.print(f"artifact: {result.output}", highlight=False, soft_wrap=True)
+    for line in (result.parity or {}).get("notes", []):
+        note(line)
     tuned_on = ((result.quant_report or {}).get("tuning") or {}).get("prompts")
     if tuned_on is not None and tuned_on < TUNE_MIN_PROMPTS:
-        err_console.print(
-            f"[yellow]note:[/] gptq-kl was tuned on {tuned_on} calibration prompts; on the shipped pairs "
+        note(
+            f"gptq-kl was tuned on {tuned_on} calibration prompts; on the shipped pairs "
             f"~{TUNE_MIN_PROMPTS}+ tuned better for prompts like the drafter's training data (docs/quality.md): "
             "give more with --calib-prompts"
         )
@@ -522,12 +520,12 @@ def gptq(
 
         prov = Provenance.read(result.output, optional=True)
         mixed = prov.mixed if prov is not None else None
-        for note in (mixed.notes if mixed is not None else None) or []:
-            err_console.print(f"[yellow]note:[/] {note}")
+        for line in (mixed.notes if mixed is not None else None) or []:
+            note(line)
         if mixed is not None and mixed.serving is not None:
             err_console.print("fit: " + fit_line(mixed.serving), markup=False, highlight=False, soft_wrap=True)
     if result.passed is False:
-        err_console.print(f"[red]parity gate failed:[/] {'; '.join(result.reasons)} (artifact kept for inspection)")
+        note(f"{'; '.join(result.reasons)} (artifact kept for inspection)", tag="parity gate failed:", style="red")
         raise typer.Exit(1)
 
 

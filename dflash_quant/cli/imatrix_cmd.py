@@ -151,8 +151,14 @@ def imatrix(
     if json_out:
         print_json(result)
     else:
-        out_console.print(f"imatrix: {output} ({result['tensors']} tensors, {result['prompts']} prompts)")
-        err_console.print(f"use: llama-quantize --imatrix {output} drafter-f32.gguf out.gguf Q4_K_M")
+        out_console.print(
+            f"imatrix: {output} ({result['tensors']} tensors, {result['prompts']} prompts)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        err_console.print(
+            f"use: llama-quantize --imatrix {output} drafter-f32.gguf out.gguf Q4_K_M", highlight=False, soft_wrap=True
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -281,12 +281,12 @@ def register(app: typer.Typer) -> None:
                 d,
                 settings,
             )
-        err_console.print(f"measuring {artifact} ...", highlight=False)
+        err_console.print(f"measuring {artifact} ...", highlight=False, soft_wrap=True)
         measure = functools.partial(measure_resident, artifact, dev) if dev else None
         rep = build_memory_report(artifact, baseline=baseline, resident=measure, budget_24gb=budget)
         if not no_write:
             path = write_memory_json(rep, artifact, out)
-            err_console.print(f"wrote {path}", highlight=False)
+            err_console.print(f"wrote {path}", highlight=False, soft_wrap=True)
         if as_json:
             print_json(rep.to_dict())
         else:

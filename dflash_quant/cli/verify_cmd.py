@@ -5,18 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
 from dflash_quant.cli.common import (
     device_map_option,
     device_option,
-    err_console,
     handle_errors,
     int4_kernel_option,
     max_memory_option,
+    note,
     out_console,
     print_json,
+    progress_bar,
     stage_progress,
 )
 from dflash_quant.errors import UsageError, check_count, check_temperature, check_tolerance
@@ -273,7 +273,7 @@ def verify(
     cache = CheckCache(None if no_check_cache else (check_cache or default_dir()))
     key = check_key(target=model_identity(tgt.source.path), prompts=encoded, settings=settings, device=dev, dtype=dt)
     summaries, cached = [], {}
-    with Progress(console=err_console, transient=True) as bar:
+    with progress_bar() as bar:
         warm_up(drafters[0].model, tgt.model, encoded[0], settings)
 
         def bar_task(label):
@@ -357,7 +357,7 @@ def verify(
                     if k["linears"]
                     else f"dequantized ({k['reason']})"
                 )
-                out_console.print(f"drafter {d.source.id}: {how}")
+                out_console.print(f"drafter {d.source.id}: {how}", highlight=False, soft_wrap=True)
         if (cat_table := _category_table(summaries)) is not None:
             out_console.print(cat_table)
     exact = dt == torch.float32
@@ -369,13 +369,13 @@ def verify(
     failed = bool(not_lossless) or (par is not None and not par["passed"])
     for s in summaries:
         if not exact and s.get("lossless_status") == "near-ties":
-            err_console.print(
-                f"[yellow]note:[/] {s['drafter']}: lossless up to {s.get('logits_dtype')} numerics "
+            note(
+                f"{s['drafter']}: lossless up to {s.get('logits_dtype')} numerics "
                 f"(token match rate {s['token_match_rate']:.4f}; every divergence at a near-tie)"
             )
     if failed:
         reasons = (par or {}).get("reasons") or ["greedy output is not lossless"]
-        err_console.print(f"[red]check failed:[/] {'; '.join(reasons)}")
+        note("; ".join(reasons), tag="check failed:", style="red")
         raise typer.Exit(1)
 
 
