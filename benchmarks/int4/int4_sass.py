@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 # group 128 (8 chunks a group step), one row tile, 3 slots, no ZR, no DISCARD (variant 6's name differs only there)
@@ -30,9 +31,10 @@ def cuda_tool(name: str) -> str | None:
     return shutil.which(name) or (home and shutil.which(name, path=os.path.join(home, "bin"))) or None
 
 
-def nvcc_command(source: Path, obj: Path, arch: str, include: Path) -> list[str]:
-    """nvcc with the flags torch's extension builder passes. A CPU build of torch ships no
-    c10/cuda/impl/cuda_cmake_macros.h: a one-line stand-in is written under `include`."""
+def nvcc_command(source: Path, obj: Path, arch: str | Sequence[str], include: Path) -> list[str]:
+    """nvcc with the flags torch's extension builder passes, for one GPU architecture or several (one host
+    compilation serves them all). A CPU build of torch ships no c10/cuda/impl/cuda_cmake_macros.h: a one-line
+    stand-in is written under `include`."""
     from torch.utils import cpp_extension
 
     stub = include / "c10" / "cuda" / "impl"
@@ -42,7 +44,7 @@ def nvcc_command(source: Path, obj: Path, arch: str, include: Path) -> list[str]
         str(cuda_tool("nvcc")),
         "-std=c++17",
         "-O3",
-        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ([arch] if isinstance(arch, str) else arch)],
         "-Xptxas",
         "-v",
         *cpp_extension.COMMON_NVCC_FLAGS,
