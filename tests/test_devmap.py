@@ -296,6 +296,11 @@ def test_budget_calibration_hand_checked():
     assert small.fix.target_on_gpu_bytes == int(limit) - head
     layer = mean_layer_bytes(parse_shape(preset_path("qwen3.5-27b")), p["target_weights"])
     assert small.fix.cpu_bytes == p["target_weights"] - small.fix.target_on_gpu_bytes + layer + hess
+    # what stays in host memory is copied onto the GPU for every target forward
+    assert small.fix.streamed_bytes == p["target_weights"] - small.fix.target_on_gpu_bytes
+    hess_only = calibration_budget("qwen3.5-27b", "qwen3.5-27b-dflash", "60GiB", 1024, 64)  # Hessians off the GPU
+    assert hess_only.fix is not None and hess_only.fix.flags == ["--hessian-device cpu"]
+    assert hess_only.fix.streamed_bytes == 0  # the target stays whole on the GPU
 
 
 def _meta_27b() -> torch.nn.Module:
@@ -333,6 +338,16 @@ def test_the_offload_plan_puts_nothing_on_disk_when_accelerate_places_it(gpu):
         p.numel() * 2 for name, dev in dmap.items() if dev == 0 for p in model.get_submodule(name).parameters()
     )
     assert 0 < on_gpu <= rep.fix.target_on_gpu_bytes + 2**30  # the embedding rides on the GPU besides the layers
+    # the streamed bytes `budget` announces are what accelerate leaves on the CPU, within about one layer
+    on_cpu = sum(
+        p.numel() * 2 for name, dev in dmap.items() if dev == "cpu" for p in model.get_submodule(name).parameters()
+    )
+    layer = mean_layer_bytes(parse_shape(preset_path("qwen3.5-27b")), on_cpu + on_gpu)
+    assert rep.fix.streamed_bytes is not None and abs(on_cpu - rep.fix.streamed_bytes) <= 1.5 * layer, (
+        on_cpu,
+        rep.fix.streamed_bytes,
+        layer,
+    )
 
 
 def test_budget_calibration_cli_json(tmp_path):
@@ -348,6 +363,14 @@ def test_budget_calibration_cli_json(tmp_path):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["fits"] is False and rep["fix"]["flags"][0] == "--hessian-device cpu"
+    # the human form says what the split costs every forward, in the JSON's own number
+    text = CliRunner().invoke(
+        app,
+        ["budget", "--calibration", "--target", "qwen3.5-27b", "--drafter", "qwen3.5-27b-dflash", "--gpu", "48GiB"],
+    )  # fmt: skip
+    assert text.exit_code == 0, text.output
+    streamed = f"every target forward copies the ~{fmt_bytes(rep['fix']['streamed_bytes'])} of target weights"
+    assert rep["fix"]["streamed_bytes"] > 0 and streamed in " ".join(text.stdout.split())
 
 
 def test_save_target_tiny_split_refuses_nothing(tmp_path):

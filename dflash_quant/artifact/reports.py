@@ -637,6 +637,11 @@ class CalibrationFix(Record):
     gpu_bytes: int | None = doc("predicted peak on the GPU with them")
     cpu_bytes: int | None = doc("host memory they need for offloaded target weights and Hessians")
     target_on_gpu_bytes: int | None = doc("target weight bytes --max-memory leaves on the GPU")
+    streamed_bytes: int | None = doc(
+        "target weight bytes left in host memory, which accelerate copies onto the GPU for every target forward "
+        "(0: the target stays whole on the GPU)",
+        omit_none=True,
+    )
     extra: E = doc("", factory=dict)
 
 

@@ -116,6 +116,13 @@ def _print_calibration(rep) -> None:
         f"does not fit as is; {verdict}: {' '.join(fix.flags or [])} (GPU {fmt_bytes(fix.gpu_bytes)}, "
         f"host {fmt_bytes(fix.cpu_bytes)}, target on GPU {fmt_bytes(fix.target_on_gpu_bytes)})"
     )
+    if fix.streamed_bytes:  # the price of the split: what the decode waits on, said before the run
+        out_console.print(
+            f"with them every target forward copies the ~{fmt_bytes(fix.streamed_bytes)} of target weights kept in "
+            "host memory onto the GPU (calibration decodes one forward per token)",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _print_mtp_comparison(rep: dict) -> None:

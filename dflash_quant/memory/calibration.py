@@ -228,6 +228,7 @@ def calibration_budget(
             gpu_bytes=pred.peak - hess,
             cpu_bytes=hess,
             target_on_gpu_bytes=t.weight_bytes,
+            streamed_bytes=0,
         )
         return rep
     layer = mean_layer_bytes(t.shape, t.weight_bytes)
@@ -249,5 +250,6 @@ def calibration_budget(
         gpu_bytes=on_gpu + stream + others,
         cpu_bytes=off + hess,
         target_on_gpu_bytes=on_gpu,
+        streamed_bytes=t.weight_bytes - on_gpu,
     )
     return rep
