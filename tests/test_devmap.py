@@ -8,12 +8,14 @@ every weight through accelerate's hooks as a GPU+CPU split does.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -303,18 +305,15 @@ def test_budget_calibration_hand_checked():
     assert hess_only.fix.streamed_bytes == 0  # the target stays whole on the GPU
 
 
-def _meta_27b() -> torch.nn.Module:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tc = dict(json.loads(preset_path("qwen3.5-27b").read_text())["text_config"])
-    interval = tc.pop("full_attention_interval")
-    tc["layer_types"] = [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(tc["num_hidden_layers"])
-    ]
-    config = AutoConfig.for_model(tc.pop("model_type"), **tc)
-    with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+def _offload_probe():
+    """benchmarks/hybrid27b/offload_probe.py (its meta 27B tree and placement report are the README's numbers)."""
+    spec = importlib.util.spec_from_file_location(
+        "offload_probe", REPO / "benchmarks" / "hybrid27b" / "offload_probe.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("gpu", ["21.5GiB", "rtx4090"])
@@ -329,7 +328,8 @@ def test_the_offload_plan_puts_nothing_on_disk_when_accelerate_places_it(gpu):
     assert rep.fix is not None and rep.fix.flags is not None
     mem = next(f for f in rep.fix.flags if f.startswith("--max-memory "))
     limits = {(0 if k == "0" else k): v for k, v in (kv.split("=") for kv in mem.split()[1].split(","))}
-    model = _meta_27b()
+    probe = _offload_probe()
+    model = probe.meta_27b()
     dmap = infer_auto_device_map(
         model, max_memory=limits, no_split_module_classes=model._no_split_modules, dtype=torch.bfloat16
     )
@@ -348,6 +348,10 @@ def test_the_offload_plan_puts_nothing_on_disk_when_accelerate_places_it(gpu):
         rep.fix.streamed_bytes,
         layer,
     )
+    # the probe's CPU report (`offload_probe.py --placement-only`, the README's numbers) is this placement
+    report = probe.placement(mem.split()[1])
+    assert report["host_bytes"] == on_cpu and report["disk_modules"] == []
+    assert report["modules"] == dict(Counter(str(v) for v in dmap.values()))
 
 
 def test_budget_calibration_cli_json(tmp_path):

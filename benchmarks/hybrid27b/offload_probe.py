@@ -14,6 +14,7 @@ Side by side on one card, the ratio says whether the flush, rather than the PCIe
 The copy alone is timed too: every offloaded tensor, host to device, once (the forward's floor).
 
   python3 benchmarks/hybrid27b/offload_probe.py --max-memory 0=14.11GiB,cpu=39.06GiB --new-tokens 4
+  python3 benchmarks/hybrid27b/offload_probe.py --max-memory 0=14.11GiB,cpu=39.06GiB --placement-only   # CPU
 """
 
 from __future__ import annotations
@@ -27,23 +28,55 @@ from collections import Counter
 import torch
 
 from dflash_quant.loading.target import load_target
+from dflash_quant.memory.presets import preset_path
+from dflash_quant.models.devmap import in_memory, offload_hooks
 from dflash_quant.models.placement import make_placement
 from dflash_quant.speculative.teacher import greedy_rows_batched
 
 
-def _offloaded(model: torch.nn.Module) -> list[torch.Tensor]:
+def _host_copies(model: torch.nn.Module) -> list[torch.Tensor]:
     """The host copies accelerate streams (each once)."""
     seen: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", [hook]) if hook is not None else []:
-            store = getattr(h, "weights_map", None) if getattr(h, "offload", False) else None
-            store = getattr(getattr(store, "dataset", None), "state_dict", store)
-            if isinstance(store, dict):
-                for t in store.values():
-                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                        seen.setdefault(t.data_ptr(), t)
+    for _, hook in offload_hooks(model):
+        for t in in_memory(hook.weights_map).values():
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                seen.setdefault(t.data_ptr(), t)
     return list(seen.values())
+
+
+def meta_27b() -> torch.nn.Module:
+    """The Qwen3.5-27B preset's module tree on the meta device (no weights): what accelerate places."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tc = dict(json.loads(preset_path("qwen3.5-27b").read_text())["text_config"])
+    interval = tc.pop("full_attention_interval")
+    tc["layer_types"] = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(tc["num_hidden_layers"])
+    ]
+    config = AutoConfig.for_model(tc.pop("model_type"), **tc)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def placement(max_memory: str) -> dict:
+    """Where accelerate's own placement (what `--device-map auto` runs) puts the 27B tree under `max_memory`, and
+    what it leaves in host memory: modules, tensors and bytes streamed onto the GPU for every forward. CPU only."""
+    from accelerate import infer_auto_device_map
+
+    model = meta_27b()
+    limits = {(int(k) if k.isdigit() else k): v for k, v in (kv.split("=") for kv in max_memory.split(","))}
+    dmap = infer_auto_device_map(
+        model, max_memory=limits, no_split_module_classes=model._no_split_modules, dtype=torch.bfloat16
+    )
+    host = [p for name, dev in dmap.items() if dev == "cpu" for p in model.get_submodule(name).parameters()]
+    return {
+        "max_memory": max_memory,
+        "modules": dict(Counter(str(v) for v in dmap.values())),
+        "host_tensors": len(host),
+        "host_bytes": sum(p.numel() * p.element_size() for p in host),
+        "disk_modules": sorted(k for k, v in dmap.items() if v == "disk"),
+    }
 
 
 def _copy_seconds(tensors: list[torch.Tensor]) -> float:
@@ -61,7 +94,13 @@ def main() -> None:
     ap.add_argument("--max-memory", required=True)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument(
+        "--placement-only", action="store_true", help="only where the plan puts the 27B tree (meta model, on CPU)"
+    )
     args = ap.parse_args()
+    if args.placement_only:
+        print(json.dumps(placement(args.max_memory)))
+        return
     out: dict = {"max_memory": args.max_memory, "rows": args.rows, "new_tokens": args.new_tokens}
     t0 = time.perf_counter()
     loaded = load_target(args.target, "cuda", torch.bfloat16, placement=make_placement("auto", args.max_memory))
@@ -73,10 +112,10 @@ def main() -> None:
         f"{k[0]} offload={k[1]}": n
         for k, n in Counter((type(h).__name__, getattr(h, "offload", None)) for h in hooks).items()
     }
-    host = _offloaded(model)
+    host = _host_copies(model)
     out["offloaded_tensors"] = len(host)
     out["offloaded_bytes"] = sum(t.numel() * t.element_size() for t in host)
-    out["pinned_bytes"] = sum(t.numel() * t.element_size() for t in host if t.is_pinned())
+    out["streamed_bytes"] = loaded.streamed  # host (of which pinned) and disk, as gptq records it
     out["gpu_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     out["copy_once_s"] = round(_copy_seconds(host), 2)
     out["copy_gb_per_s"] = round(out["offloaded_bytes"] / 1e9 / out["copy_once_s"], 1)

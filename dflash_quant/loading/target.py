@@ -16,7 +16,7 @@ from dflash_quant.loading.target_quant import describe, load_quantized_target
 from dflash_quant.memory.kv import text_config
 from dflash_quant.models.config import read_config_json
 from dflash_quant.models.config_check import check_layers_present, check_model_fields
-from dflash_quant.models.devmap import check_placement, load_kwargs, pin_offloaded
+from dflash_quant.models.devmap import check_placement, load_kwargs, pin_offloaded, streamed_bytes
 
 
 @dataclass
@@ -25,6 +25,7 @@ class LoadedTarget:
     tokenizer: Any | None
     source: Source
     quantization: Any = None  # artifact.reports.TargetQuantization
+    streamed: dict[str, int] | None = None  # models.devmap.streamed_bytes, taken once the copies are page-locked
 
 
 def check_target_config(source: Source, raw: dict[str, Any]) -> None:
@@ -60,6 +61,7 @@ def load_target(
 
     method = str((raw.get("quantization_config") or {}).get("quant_method") or "").lower()
     quantization = None
+    streamed = None
     if method and placement is not None:
         raise UsageError(
             f"target {source.id} is quantized ({method}) and is loaded packed on one device; drop --device-map/--max-memory"
@@ -85,9 +87,12 @@ def load_target(
             model.to(device)  # type: ignore[arg-type]  # transformers wraps .to() with @wraps(nn.Module.to): mypy sees it unbound
         else:
             pin_offloaded(model)  # offloaded layers stream onto the GPU at the page-locked copy rate
+            streamed = streamed_bytes(model)
         model.eval()
     tokenizer = None
     if any((source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
 
-    return LoadedTarget(model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization))
+    return LoadedTarget(
+        model=model, tokenizer=tokenizer, source=source, quantization=describe(model, quantization), streamed=streamed
+    )

@@ -106,7 +106,7 @@ def device_summary(model: torch.nn.Module) -> dict[str, Any] | None:
     return {"map": {k: str(v) for k, v in dmap.items()}, "weight_bytes": per}
 
 
-def _offload_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+def offload_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     """(module, accelerate hook) for every module whose weights are streamed onto its execution device per forward."""
     found: list[tuple[torch.nn.Module, Any]] = []
     for module in model.modules():
@@ -117,7 +117,7 @@ def _offload_hooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     return found
 
 
-def _in_memory(store: Any) -> dict:
+def in_memory(store: Any) -> dict:
     """The host-memory tensors behind a hook's weights_map (a PrefixedDataset over accelerate's loader, whose
     state_dict holds the CPU-offloaded weights; what it lacks is read from the offload folder's files)."""
     loader = getattr(store, "dataset", store)
@@ -138,11 +138,11 @@ def pin_offloaded(model: torch.nn.Module) -> int:
         return 0
     pinned = 0
     seen: set[int] = set()
-    for _, hook in _offload_hooks(model):
+    for _, hook in offload_hooks(model):
         device = getattr(hook, "execution_device", None)
         if device is None or torch.device(device).type != "cuda":
             continue
-        store = _in_memory(hook.weights_map)
+        store = in_memory(hook.weights_map)
         if id(store) in seen:
             continue
         seen.add(id(store))
@@ -158,9 +158,9 @@ def streamed_bytes(model: torch.nn.Module) -> dict[str, int] | None:
     reads them: `host` (of which `pinned`: page-locked) and `disk`; None when nothing is streamed. At the 27B
     scale under a 24 GB plan this is tens of GB per token: the floor under a split target's decode."""
     host = pinned = disk = 0
-    for module, hook in _offload_hooks(model):
+    for module, hook in offload_hooks(model):
         prefix = getattr(hook.weights_map, "prefix", "")
-        held = _in_memory(hook.weights_map)
+        held = in_memory(hook.weights_map)
         for name, param in module.named_parameters(recurse=bool(getattr(hook, "place_submodules", False))):
             size = param.numel() * param.element_size()
             copy = held.get(prefix + name)

@@ -18,7 +18,6 @@ from dflash_quant.loading.drafter import LoadedDrafter
 from dflash_quant.loading.runtime import resolve_device, stop_tokens
 from dflash_quant.loading.target import LoadedTarget
 from dflash_quant.memory.gpus import fmt_bytes
-from dflash_quant.models.devmap import streamed_bytes
 from dflash_quant.pipeline.batching import calib_rows
 from dflash_quant.pipeline.job import GptqJob, Progress, RunState
 from dflash_quant.quantize.drafter import extra_linears
@@ -174,7 +173,7 @@ def stage_label(job: GptqJob, target: LoadedTarget) -> str:
     what = (
         "drafter on the target's greedy continuations" if job.teacher_forced else "drafter speculating with its target"
     )
-    streamed = streamed_bytes(target.model)
+    streamed = target.streamed
     if streamed is not None:
         parts = []
         if streamed["host"]:

@@ -40,7 +40,7 @@ from dflash_quant.memory.plan import embedded_budget
 from dflash_quant.memory.report import build_memory_report, write_memory_json
 from dflash_quant.model_cards.card import write_card
 from dflash_quant.models.config import read_config_json
-from dflash_quant.models.devmap import device_summary, streamed_bytes
+from dflash_quant.models.devmap import device_summary
 from dflash_quant.pipeline.calibrate import calib_key, calibrate
 from dflash_quant.pipeline.job import GptqJob, GptqResult, Progress, RunState
 from dflash_quant.pipeline.mixed_stage import MixPlan, plan_mix
@@ -289,7 +289,7 @@ def record(job: GptqJob, loaded: Loaded, ins: Inputs, cal: Calibrated, q: Quanti
             **job.placement.describe(),
             "resolved": placed.get("map"),
             "weight_bytes": placed.get("weight_bytes"),
-            "streamed_bytes": streamed_bytes(target.model),
+            "streamed_bytes": target.streamed,
         }
     return Provenance(
         tool="dflash-quant",
